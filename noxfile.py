@@ -1,0 +1,157 @@
+"""The one task runner of the monorepo.
+
+`nox -t ci` is what CI runs (lint, typecheck, architecture, every package's tests in its own venv,
+cross-package integration). `nox -s demo` is the main job; `nox -s bench` the side-by-side benchmarks.
+
+Each package's test session installs only what that package declares (its sibling dependencies come
+from this checkout), so an undeclared import fails there instead of passing by accident.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+PACKAGES = ROOT / "packages"
+TORCH = "torch==2.13.0"
+
+nox.options.default_venv_backend = "virtualenv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+
+
+def _project(folder: Path) -> dict[str, object]:
+    with (folder / "pyproject.toml").open("rb") as fh:
+        project: dict[str, object] = tomllib.load(fh)["project"]
+    return project
+
+
+def _requirement_name(requirement: str) -> str:
+    name = requirement
+    for stop in "<>=!~[; ":
+        name = name.split(stop, 1)[0]
+    return name.strip().lower().replace("_", "-")
+
+
+def _packages() -> dict[str, Path]:
+    """Distribution name -> folder, for every package in the monorepo."""
+    found = {}
+    for folder in sorted(PACKAGES.iterdir()):
+        if (folder / "pyproject.toml").is_file():
+            found[str(_project(folder)["name"])] = folder
+    return found
+
+
+def _sibling_closure(dist: str) -> list[Path]:
+    """The package and every sibling it needs, dependencies first."""
+    packages = _packages()
+    order: list[Path] = []
+
+    def visit(name: str) -> None:
+        folder = packages[name]
+        if folder in order:
+            return
+        deps = _project(folder).get("dependencies", [])
+        assert isinstance(deps, list)
+        for requirement in deps:
+            sibling = _requirement_name(str(requirement))
+            if sibling in packages:
+                visit(sibling)
+        order.append(folder)
+
+    visit(dist)
+    return order
+
+
+def _needs_torch(folders: list[Path]) -> bool:
+    for folder in folders:
+        deps = _project(folder).get("dependencies", [])
+        assert isinstance(deps, list)
+        if any(_requirement_name(str(d)) == "torch" for d in deps):
+            return True
+    return False
+
+
+def _install_packages(session: nox.Session, folders: list[Path], *, extras: str = "") -> None:
+    if _needs_torch(folders):
+        # The pinned CPU wheel first, so no package's range can pull a multi-GB CUDA build.
+        session.install(TORCH)
+    suffix = f"[{extras}]" if extras else ""
+    session.install(*(f"{folder}{suffix}" if folder == folders[-1] else str(folder)
+                      for folder in folders))
+
+
+_PACKAGE_NAMES = list(_packages())
+
+
+@nox.session(tags=["ci", "tests"])
+@nox.parametrize("package", _PACKAGE_NAMES, ids=_PACKAGE_NAMES)
+def tests(session: nox.Session, package: str) -> None:
+    """One package's tests, in a venv holding only what that package declares."""
+    folders = _sibling_closure(package)
+    _install_packages(session, folders, extras="test")
+    tests_dir = _packages()[package] / "tests"
+    session.run("pytest", str(tests_dir), "-m", "not slow", "-p", "no:cacheprovider",
+                "--timeout=900", *session.posargs)
+
+
+@nox.session(tags=["ci"])
+def integration(session: nox.Session) -> None:
+    """Cross-package tests (root tests/) with every package installed."""
+    session.install(TORCH)
+    session.install(*(str(p) + "[test]" for p in _packages().values()))
+    session.run("pytest", "tests", "-m", "not slow", "-p", "no:cacheprovider", "--timeout=900",
+                *session.posargs)
+
+
+@nox.session(tags=["ci"])
+def architecture(session: nox.Session) -> None:
+    """The dependency table of DEVELOPERS.md, checked on the source (no install needed)."""
+    session.install("pytest")
+    session.run("pytest", "tests/test_architecture.py", "-p", "no:cacheprovider", *session.posargs)
+
+
+@nox.session(tags=["ci"])
+def lint(session: nox.Session) -> None:
+    session.install("ruff==0.17.6")
+    session.run("ruff", "check", ".", *session.posargs)
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(tags=["ci"])
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over every package's src/ and the cross-package typing checks."""
+    session.install(TORCH)
+    session.install("mypy==2.4.1", *(f"-e{p}[test]" for p in _packages().values()))
+    sources = [str(p / "src") for p in _packages().values()]
+    session.run("mypy", "--strict", *sources, "tests/typing", *session.posargs)
+
+
+@nox.session
+def fuzz(session: nox.Session) -> None:
+    """Hypothesis at 10,000 examples over the planner and ragged redistributions (not in CI)."""
+    session.install(TORCH)
+    session.install(*(str(p) + "[test]" for p in _packages().values()))
+    session.env["FUZZ_EXAMPLES"] = "10000"
+    session.run("pytest", "-m", "fuzz or not fuzz", "-k", "property", "packages",
+                "-p", "no:cacheprovider", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: a short sharded run on 2 gloo processes on this CPU."""
+    session.install(TORCH)
+    session.install(*(str(p) for p in _packages().values()))
+    session.run("python", "examples/demo.py", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Side-by-side benchmarks against the peers, in one run each (figures, not pass/fail)."""
+    session.install(TORCH)
+    session.install(*(str(p) for p in _packages().values()))
+    for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
+        session.run("python", str(script), *session.posargs)

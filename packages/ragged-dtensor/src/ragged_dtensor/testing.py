@@ -1,0 +1,172 @@
+"""Run one function on N ranks: real gloo processes, or threads of one process for breadth.
+
+Every package of the monorepo reuses these in its tests.
+
+- ``run_processes(fn, world_size)``: spawned processes, a real ``gloo`` process group each, a hard
+  timeout so a hang fails the test instead of CI; a failure on any rank is re-raised with that
+  rank's traceback.
+- ``run_threaded(fn, world_size)``: torch's threaded process group (real collectives between threads
+  of this process). Starts in milliseconds; use it for property tests over many shapes and meshes.
+
+``fn(rank, world_size, *args)`` must be a module-level function (it is pickled for processes).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["DistributedFailure", "run_processes", "run_threaded", "free_port"]
+
+T = TypeVar("T")
+
+
+class DistributedFailure(RuntimeError):
+    """One or more ranks raised, or did not finish within the timeout."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _process_entry(
+    rank: int, world_size: int, port: int, timeout: float, fn: Callable[..., Any],
+    args: Sequence[Any], results: Any, env: dict[str, str],
+) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
+        value = fn(rank, world_size, *args)
+        results.put((rank, "ok", value))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_processes(
+    fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list[T]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes.
+
+    Returns the per-rank return values (they must be picklable). Raises ``DistributedFailure`` with
+    the failing ranks' tracebacks, or naming the ranks still running after ``timeout`` seconds
+    (those are killed: a hang can never outlive the test).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_process_entry,
+                    args=(rank, world_size, port, timeout, fn, args, results, env or {}),
+                    daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout
+    outcomes: dict[int, tuple[str, Any]] = {}
+    first_error_at: float | None = None
+    try:
+        while len(outcomes) < world_size:
+            now = time.monotonic()
+            # After one rank fails, the others may block in a collective forever: give them a
+            # short grace period, then stop waiting.
+            limit = deadline if first_error_at is None else min(deadline, first_error_at + 10.0)
+            if now >= limit:
+                break
+            try:
+                rank, status, value = results.get(timeout=min(1.0, limit - now))
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+                continue
+            outcomes[rank] = (status, value)
+            if status == "error" and first_error_at is None:
+                first_error_at = time.monotonic()
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+    errors = [f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(outcomes.items()) if s == "error"]
+    missing = [r for r in range(world_size) if r not in outcomes]
+    if errors or missing:
+        lines = []
+        if missing:
+            codes = {r: procs[r].exitcode for r in missing}
+            lines.append(f"ranks {missing} did not finish within {timeout:.0f} s "
+                         f"(exit codes {codes}; a negative code is the signal that killed it)")
+        raise DistributedFailure("\n".join(lines + errors))
+    return [outcomes[r][1] for r in range(world_size)]
+
+
+def run_threaded(
+    fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 60.0
+) -> list[T]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` threads sharing a threaded PG."""
+    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+
+    world = mtpg._install_threaded_pg()
+    store = dist.HashStore()
+    outcomes: dict[int, tuple[str, Any]] = {}
+    lock = threading.Lock()
+
+    def worker(rank: int) -> None:
+        dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
+        try:
+            value = fn(rank, world_size, *args)
+            with lock:
+                outcomes[rank] = ("ok", value)
+        except BaseException as exc:
+            with lock:
+                outcomes[rank] = ("error", "".join(traceback.format_exception(exc)))
+            mtpg.ProcessLocalGroup.exception_handle(exc)
+        finally:
+            if world == dist.distributed_c10d._world:
+                dist.destroy_process_group()
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    try:
+        threads = [threading.Thread(target=worker, args=(r,), daemon=True)
+                   for r in range(world_size)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        mtpg.ProcessLocalGroup.reset()
+    finally:
+        mtpg._uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    errors = [f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(outcomes.items()) if s == "error"]
+    missing = [r for r in range(world_size) if r not in outcomes]
+    if errors or missing:
+        head = [f"ranks {missing} did not finish within {timeout:.0f} s"] if missing else []
+        raise DistributedFailure("\n".join(head + errors))
+    return [outcomes[r][1] for r in range(world_size)]
+
+
+if sys.platform == "win32":  # pragma: no cover
+    raise ImportError("ragged_dtensor.testing needs fork-free POSIX process spawning")
