@@ -1,0 +1,95 @@
+"""torch.distributed.checkpoint support for ragged DTensors.
+
+[Note: a flat share is a few boxes]
+DCP describes every local piece of a tensor as a box (offsets, sizes) of the global tensor. A ragged
+share is a contiguous flat range of X's row-major storage; any such range is the union of at most
+``2 * ndim - 1`` contiguous boxes (``geometry.flat_range_to_boxes``), and each box is a *view* of
+the local tensor. So a rank writes (and reads into) several chunks of one tensor, and DCP's own
+planner reshards them to any other layout or world size on load: nothing is gathered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import Replicate
+
+from ragged_dtensor._private.geometry import flat_range_to_boxes
+from ragged_dtensor._private.placement import RaggedShard
+from ragged_dtensor._private.redistribute import ragged_axis
+
+__all__ = ["install", "ragged_chunks"]
+
+
+def ragged_chunks(dt: Any) -> list[tuple[torch.Size, torch.Size, torch.Tensor]]:
+    """``(global_offset, size, view)`` of every box of this rank's ragged share."""
+    axis = ragged_axis(dt.placements)
+    assert axis is not None
+    placement = dt.placements[axis]
+    assert isinstance(placement, RaggedShard)
+    mesh = dt.device_mesh
+    standard = [Replicate() if i == axis else p for i, p in enumerate(dt.placements)]
+    xs, x_offset = compute_local_shape_and_global_offset(dt.shape, mesh, standard)
+    flat = placement.flat_range(xs, mesh.get_local_rank(axis))
+    local = dt._local_tensor.reshape(-1)
+    chunks = []
+    for offset, size, sub in flat_range_to_boxes(xs, flat):
+        view = local[sub.start - flat.start : sub.stop - flat.start].view(size)
+        global_offset = torch.Size(o + x for o, x in zip(offset, x_offset, strict=True))
+        chunks.append((global_offset, torch.Size(size), view))
+    return chunks
+
+
+def _is_ragged(dt: Any) -> bool:
+    return any(isinstance(p, RaggedShard) for p in dt.placements)
+
+
+def install(dtensor_cls: Any) -> None:
+    original_write = dtensor_cls.__create_write_items__
+    original_chunks = dtensor_cls.__create_chunk_list__
+    original_shard = dtensor_cls.__get_tensor_shard__
+
+    def create_write_items(self: Any, fqn: str, obj: Any) -> list[WriteItem]:
+        if not _is_ragged(self):
+            return original_write(self, fqn, obj)  # type: ignore[no-any-return]
+        self._raise_if_contains_partial_placements()
+        properties = TensorProperties.create_from_tensor(self._local_tensor)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offset),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offset, sizes=size),
+                    properties=properties,
+                    size=self.size(),
+                ),
+            )
+            for offset, size, _ in ragged_chunks(self)
+        ]
+
+    def create_chunk_list(self: Any) -> list[ChunkStorageMetadata]:
+        if not _is_ragged(self):
+            return original_chunks(self)  # type: ignore[no-any-return]
+        self._raise_if_contains_partial_placements()
+        return [ChunkStorageMetadata(offsets=o, sizes=s) for o, s, _ in ragged_chunks(self)]
+
+    def get_tensor_shard(self: Any, index: MetadataIndex) -> torch.Tensor:
+        if not _is_ragged(self):
+            return original_shard(self, index)  # type: ignore[no-any-return]
+        for offset, _, view in ragged_chunks(self):
+            if index.offset is not None and offset == torch.Size(index.offset):
+                return view
+        raise ValueError(f"checkpoint asked {index.fqn!r} for a chunk at offset {index.offset}, "
+                         f"which this rank's ragged share {self.placements} does not hold")
+
+    dtensor_cls.__create_write_items__ = create_write_items
+    dtensor_cls.__create_chunk_list__ = create_chunk_list
+    dtensor_cls.__get_tensor_shard__ = get_tensor_shard

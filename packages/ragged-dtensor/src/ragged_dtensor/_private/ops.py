@@ -1,0 +1,267 @@
+"""Sharding rules for aten ops whose operands carry a RaggedShard placement.
+
+[Note: what an op on a ragged DTensor may do]
+A ragged local tensor is a flat 1-D slice of X's storage, so an op is correct on it only if it acts
+element by element (or on whole-tensor reductions that combine across ranks). We accept:
+- elementwise ops (aten ops tagged pointwise, detach/clone/copy/fill/zero/_to_copy/*_like, every
+  ``_foreach_*`` elementwise variant and the fused optimizer kernels) when all ragged operands share
+  one layout; a Replicate operand of the same shape is sliced to it (no communication), a Replicate
+  scalar passes through;
+- ``sum`` over all elements -> Partial(sum); ``linalg_vector_norm`` / ``_foreach_norm`` over all
+  elements -> the p-norm partial torch uses for Shard, so ``clip_grad_norm_`` works unchanged.
+Everything else (views, slicing, transposes, matmuls, reductions over some dims, means of uneven
+shares...) raises ``RaggedOpError`` naming the op and the placement, instead of returning wrong
+values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
+
+from ragged_dtensor._private.placement import RaggedShard
+
+__all__ = ["RaggedOpError", "has_ragged", "propagate_ragged"]
+
+aten = torch.ops.aten
+
+
+class RaggedOpError(NotImplementedError):
+    """An op that cannot be computed correctly on a RaggedShard operand."""
+
+
+def has_ragged(spec: object) -> bool:
+    return isinstance(spec, DTensorSpec) and any(isinstance(p, RaggedShard) for p in spec.placements)
+
+
+def _schema_has_ragged(schema: OpSchema) -> bool:
+    for arg in (*schema.args_schema, *schema.kwargs_schema.values()):
+        if has_ragged(arg):
+            return True
+        if isinstance(arg, list | tuple) and any(has_ragged(a) for a in arg):
+            return True
+    return False
+
+
+_ELEMENTWISE_EXTRA = {
+    aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default,
+    aten.copy_.default, aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor,
+    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+    aten.full_like.default, aten.uniform_.default, aten.normal_.default,
+    aten.bernoulli_.float, aten.to.dtype,
+}
+_FOREACH_REDUCTIONS = ("aten::_foreach_norm", "aten::_foreach_max")
+
+
+def _is_elementwise(op: torch._ops.OpOverload) -> bool:
+    if op in _ELEMENTWISE_EXTRA or torch.Tag.pointwise in op.tags:
+        return True
+    name = op.name()
+    if name.startswith(_FOREACH_REDUCTIONS):
+        return False
+    return name.startswith(("aten::_foreach_", "aten::_fused_"))
+
+
+def _error(op: torch._ops.OpOverload, spec: DTensorSpec, why: str) -> RaggedOpError:
+    return RaggedOpError(f"{op} on a DTensor with placements {spec.placements} "
+                         f"(shape {tuple(spec.shape)}): {why}")
+
+
+def _first_ragged(schema: OpSchema) -> DTensorSpec:
+    for arg in (*schema.args_schema, *schema.kwargs_schema.values()):
+        if has_ragged(arg):
+            assert isinstance(arg, DTensorSpec)
+            return arg
+        if isinstance(arg, list | tuple):
+            for a in arg:
+                if has_ragged(a):
+                    assert isinstance(a, DTensorSpec)
+                    return a
+    raise AssertionError("no ragged operand")
+
+
+def _with_meta(spec: DTensorSpec, placements: Sequence[Placement], meta: object) -> DTensorSpec:
+    assert meta is None or isinstance(meta, TensorMeta)
+    return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=meta)
+
+
+def _align_operands(op: torch._ops.OpOverload, group: Sequence[object],
+                    ) -> tuple[DTensorSpec | None, list[object], bool]:
+    """Pick the reference ragged spec of one elementwise operand group and align the others.
+
+    Returns (reference, new operand specs, whether any operand needs redistribution).
+    """
+    ragged = [s for s in group if has_ragged(s)]
+    if not ragged:
+        return None, list(group), False
+    ref = ragged[0]
+    assert isinstance(ref, DTensorSpec)
+    moved = False
+    out: list[object] = []
+    for spec in group:
+        if not isinstance(spec, DTensorSpec):
+            out.append(spec)
+            continue
+        if has_ragged(spec):
+            if spec.placements != ref.placements or spec.shape != ref.shape:
+                raise _error(op, spec, f"operands have different layouts: {spec.placements} "
+                             f"{tuple(spec.shape)} vs {ref.placements} {tuple(ref.shape)}; "
+                             f"redistribute one of them first")
+            out.append(spec)
+            continue
+        if all(p.is_replicate() for p in spec.placements):
+            if spec.shape.numel() == 1 and spec.ndim <= ref.ndim:
+                out.append(spec)  # a scalar broadcasts against any flat share
+                continue
+            if spec.shape == ref.shape:
+                out.append(DTensorSpec(ref.mesh, ref.placements, tensor_meta=spec.tensor_meta))
+                moved = True
+                continue
+        raise _error(op, ref, f"operand with placements {spec.placements} and shape "
+                     f"{tuple(spec.shape)} cannot be combined elementwise with a ragged operand "
+                     f"(broadcasting against a flat ragged share is not supported)")
+    return ref, out, moved
+
+
+def _elementwise(schema: OpSchema, meta: object) -> OutputSharding:
+    op = schema.op
+    args = list(schema.args_schema)
+    foreach = any(isinstance(a, list | tuple) and a and isinstance(a[0], DTensorSpec | type(None))
+                  for a in args)
+    moved_any = False
+    if foreach:
+        lists = [i for i, a in enumerate(args) if isinstance(a, list | tuple)
+                 and any(isinstance(x, DTensorSpec) for x in a)]
+        length = len(args[lists[0]])
+        refs: list[DTensorSpec | None] = []
+        new_lists: dict[int, list[object]] = {i: [] for i in lists}
+        for j in range(length):
+            group = [args[i][j] for i in lists]  # type: ignore[index]
+            ref, aligned, moved = _align_operands(op, group)
+            moved_any |= moved
+            refs.append(ref)
+            for i, value in zip(lists, aligned, strict=True):
+                new_lists[i].append(value)
+        for i in lists:
+            args[i] = type(args[i])(new_lists[i])  # type: ignore[call-arg]
+        if meta is None:
+            out_spec: object = None
+        else:  # TensorMeta is a NamedTuple: a foreach op returns a list of them
+            assert isinstance(meta, list | tuple)
+            specs = []
+            for ref, m in zip(refs, meta, strict=True):
+                if ref is None:
+                    raise _error(op, _first_ragged(schema), "mixed ragged/non-ragged foreach lists")
+                specs.append(_with_meta(ref, ref.placements, m))
+            out_spec = specs
+    else:
+        positions = [i for i, a in enumerate(args) if isinstance(a, DTensorSpec)]
+        kw_positions = [k for k, v in schema.kwargs_schema.items() if isinstance(v, DTensorSpec)]
+        group = [args[i] for i in positions] + [schema.kwargs_schema[k] for k in kw_positions]
+        ref, aligned, moved_any = _align_operands(op, group)
+        assert ref is not None
+        for i, value in zip(positions, aligned, strict=False):
+            args[i] = value
+        kwargs = dict(schema.kwargs_schema)
+        for k, value in zip(kw_positions, aligned[len(positions):], strict=True):
+            kwargs[k] = value
+        if meta is None:
+            out_spec = None
+        elif not isinstance(meta, TensorMeta) and isinstance(meta, list | tuple):
+            out_spec = tuple(_with_meta(ref, ref.placements, m) for m in meta)
+        else:
+            out_spec = _with_meta(ref, ref.placements, meta)
+        if moved_any:
+            new_schema = OpSchema(op, tuple(args), kwargs, schema_info=schema.schema_info)
+            return OutputSharding(out_spec, redistribute_schema=new_schema,  # type: ignore[arg-type]
+                                  needs_redistribute=True)
+        return OutputSharding(out_spec)  # type: ignore[arg-type]
+    if moved_any:
+        new_schema = OpSchema(op, tuple(args), schema.kwargs_schema, schema_info=schema.schema_info)
+        return OutputSharding(out_spec, redistribute_schema=new_schema,  # type: ignore[arg-type]
+                              needs_redistribute=True)
+    return OutputSharding(out_spec)  # type: ignore[arg-type]
+
+
+def _reduced_placements(spec: DTensorSpec, partial: Callable[[], Placement]) -> list[Placement]:
+    out: list[Placement] = []
+    for p in spec.placements:
+        if isinstance(p, RaggedShard) or p.is_shard():
+            out.append(partial())
+        elif p.is_replicate():
+            out.append(Replicate())
+        else:
+            raise RaggedOpError(f"cannot reduce a DTensor that is already {p} on another mesh axis")
+    return out
+
+
+def _covers_all_dims(dim: object, ndim: int) -> bool:
+    if dim is None:
+        return True
+    dims = [dim] if isinstance(dim, int) else list(dim)  # type: ignore[call-overload]
+    return not dims or sorted(d % max(ndim, 1) for d in dims) == list(range(ndim))
+
+
+def _norm_partial(ord_: object) -> Placement:
+    from torch.distributed.tensor._ops._math_ops import _NormPartial
+
+    value = 2.0 if ord_ is None else float(ord_)  # type: ignore[arg-type]
+    placement: Placement = _NormPartial(norm_type=value)
+    return placement
+
+
+def _reduction(schema: OpSchema, meta: object) -> OutputSharding | None:
+    op = schema.op
+    args = schema.args_schema
+    if op in (aten.sum.default, aten.sum.dim_IntList):
+        spec = args[0]
+        assert isinstance(spec, DTensorSpec)
+        dim = args[1] if len(args) > 1 else schema.kwargs_schema.get("dim")
+        if op is aten.sum.default or _covers_all_dims(dim, spec.ndim):
+            return OutputSharding(_with_meta(spec, _reduced_placements(spec, Partial), meta))
+        raise _error(op, spec, f"sum over dims {dim} of a flat ragged share is not supported; "
+                     "sum over all elements (-> Partial) or redistribute first")
+    if op is aten.linalg_vector_norm.default:
+        spec = args[0]
+        assert isinstance(spec, DTensorSpec)
+        ord_ = args[1] if len(args) > 1 else schema.kwargs_schema.get("ord", 2)
+        dim = args[2] if len(args) > 2 else schema.kwargs_schema.get("dim")
+        if _covers_all_dims(dim, spec.ndim):
+            placements = _reduced_placements(spec, lambda: _norm_partial(ord_))
+            return OutputSharding(_with_meta(spec, placements, meta))
+        raise _error(op, spec, f"norm over dims {dim} of a flat ragged share is not supported")
+    if op.name() == "aten::_foreach_norm":
+        specs = args[0]
+        assert isinstance(specs, list | tuple)
+        ord_ = args[1] if len(args) > 1 else schema.kwargs_schema.get("ord", 2)
+        assert isinstance(meta, list | tuple)
+        out = []
+        for spec, m in zip(specs, meta, strict=True):
+            assert isinstance(spec, DTensorSpec)
+            out.append(_with_meta(spec, _reduced_placements(spec, lambda: _norm_partial(ord_)), m))
+        return OutputSharding(out)  # type: ignore[arg-type]
+    return None
+
+
+def propagate_ragged(schema: OpSchema, tensor_meta: Callable[[OpSchema], Any]) -> OutputSharding:
+    """The output sharding of ``schema`` (which has at least one ragged operand), or raise."""
+    op = schema.op
+    meta = tensor_meta(schema)
+    reduced = _reduction(schema, meta)
+    if reduced is not None:
+        return reduced
+    if _is_elementwise(op):
+        return _elementwise(schema, meta)
+    spec = _first_ragged(schema)
+    raise _error(op, spec, "this op is not elementwise and has no ragged sharding rule; "
+                 "redistribute to Replicate/Shard first (e.g. dt.full_tensor() or "
+                 "dt.redistribute(mesh, [Shard(0)]))")
+
+
+def schema_has_ragged(schema: OpSchema) -> bool:
+    return _schema_has_ragged(schema)
