@@ -1,0 +1,55 @@
+"""Muon and blockwise 8-bit AdamW that work natively on sharded parameters.
+
+Both optimizers are ordinary ``torch.optim.Optimizer``s that accept plain tensors, ``RaggedShard``
+DTensors (ragged-dtensor) and torch FSDP2 ``Shard(0)`` DTensors, and give the single-device
+result on sharded parameters (bit-identical for ``AdamW8bit``). Each exposes the block policy a
+sharding engine needs (``(name, param) -> elements``) so that shards respect its blocks.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from optim_blockwise._private.adamw8bit import AdamW8bit, adamw8bit_block_policy
+from optim_blockwise._private.muon import Muon, muon_block_policy
+from optim_blockwise._private.newton_schulz import (
+    DEFAULT_NS_COEFFICIENTS,
+    adjust_lr,
+    assign_roots,
+    newton_schulz,
+    ns_flops,
+)
+from optim_blockwise._private.policy import AdamW8bitBlockPolicy, MuonBlockPolicy
+from optim_blockwise._private.quant import (
+    block_absmax,
+    dequantize_blockwise,
+    dynamic_map,
+    quantize_blockwise,
+)
+
+try:
+    __version__ = version("optim-blockwise")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    # optimizers
+    "AdamW8bit",
+    "Muon",
+    # block policies (the engine's protocol: (name, param) -> elements)
+    "AdamW8bitBlockPolicy",
+    "MuonBlockPolicy",
+    "adamw8bit_block_policy",
+    "muon_block_policy",
+    # building blocks
+    "DEFAULT_NS_COEFFICIENTS",
+    "newton_schulz",
+    "adjust_lr",
+    "ns_flops",
+    "assign_roots",
+    "dynamic_map",
+    "block_absmax",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "__version__",
+]

@@ -1,0 +1,135 @@
+"""Blockwise dynamic 8-bit quantization (Dettmers et al. 2022, block-wise 8-bit optimizers).
+
+[Note: the dynamic tree map]
+A code is a sign bit (signed map only), then a run of ``k`` zero bits that picks the decade
+``[10^-(k+1), 10^-k]``, an indicator 1 bit, and the remaining ``f`` bits as a linear fraction
+inside that decade (``2^f`` levels, the upper end of each of ``2^f`` equal sub-intervals of
+``[0.1, 1] * 10^-k``). Fewer fraction bits are left the smaller the magnitude, so the map is dense
+near 1 (relative error ~0.7%) and spans seven (signed) or eight (unsigned) decades. With the
+upper-endpoint levels both +1 and -1 are exact codes, so a block's absmax element round-trips
+exactly, and 0 is exact.
+
+- unsigned (for Adam's second moment ``v >= 0``): ``k = 0..7`` with ``f = 7 - k`` fraction bits:
+  ``128 + 64 + ... + 1 = 255`` positive levels plus 0: all 256 codes.
+- signed (for the first moment ``m``): ``k = 0..6`` with ``f = 6 - k``: 127 magnitudes per sign,
+  plus 0: 255 codes, symmetric; the 256th code is unused (bitsandbytes spends it on an asymmetric
+  extra level, we prefer the exact ±1).
+
+Quantization of a block ``x`` is ``code = argmin_c |x / absmax(x) - map[c]|``, found with a
+``searchsorted`` over the midpoints of the sorted map (ties go to the smaller code), and
+dequantization is ``map[code] * absmax``. Every operation is elementwise given the block's absmax,
+and a max is exact and order-free, so quantizing a shard that holds whole blocks gives exactly
+the codes of quantizing the whole tensor: this is what makes sharded 8-bit Adam bit-identical to
+the single-device one.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = [
+    "dynamic_map",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "block_absmax",
+]
+
+
+@functools.cache
+def _dynamic_map_values(signed: bool) -> tuple[float, ...]:
+    magnitude_bits = 7 if signed else 8
+    levels: list[float] = [0.0]
+    for k in range(magnitude_bits):  # k = number of leading zero bits = decade
+        fraction_bits = magnitude_bits - 1 - k
+        count = 2**fraction_bits
+        scale = 10.0 ** (-k)
+        # Upper endpoints of `count` equal sub-intervals of [0.1, 1]: 0.1 + 0.9 * j / count.
+        for j in range(1, count + 1):
+            value = scale * (0.1 + 0.9 * j / count)
+            levels.append(value)
+            if signed:
+                levels.append(-value)
+    return tuple(sorted(levels))
+
+
+def dynamic_map(signed: bool, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """The sorted fp32 code book: 255 entries (signed) or 256 (unsigned), all in [-1, 1]."""
+    return torch.tensor(_dynamic_map_values(signed), dtype=torch.float32, device=device)
+
+
+_MAP_CACHE: dict[tuple[bool, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _map_and_midpoints(signed: bool, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (signed, device)
+    cached = _MAP_CACHE.get(key)
+    if cached is None:
+        code = dynamic_map(signed, device=device)
+        mid = (code[:-1] + code[1:]) * 0.5
+        cached = (code, mid)
+        _MAP_CACHE[key] = cached
+    return cached
+
+
+def _blocks(x: torch.Tensor, block_size: int, head: int) -> torch.Tensor:
+    """View (copying only when padding is needed) ``x`` as ``(nblocks, block_size)``.
+
+    ``head`` is the offset of ``x[0]`` inside its first block (its global flat index modulo the
+    block size): a shard that starts mid-block gets ``head`` leading zeros. Zeros never change an
+    absmax, and the padded slots are dropped again on the way back.
+    """
+    n = x.numel()
+    tail = (-(head + n)) % block_size
+    if head == 0 and tail == 0:
+        return x.view(-1, block_size)
+    padded = torch.zeros(head + n + tail, dtype=x.dtype, device=x.device)
+    padded[head : head + n] = x
+    return padded.view(-1, block_size)
+
+
+def block_absmax(x: torch.Tensor, block_size: int, head: int = 0) -> torch.Tensor:
+    """Max of ``|x|`` over each block (blocks relative to the global flat index; fp32).
+
+    NaN anywhere in a block makes its absmax NaN; an Inf makes it Inf.
+    """
+    if x.numel() == 0:
+        return torch.zeros(0, dtype=torch.float32, device=x.device)
+    blocks = _blocks(x.float(), block_size, head)
+    return blocks.abs().amax(dim=1)
+
+
+def quantize_blockwise(
+    x: torch.Tensor, absmax: torch.Tensor, block_size: int, *, signed: bool, head: int = 0
+) -> torch.Tensor:
+    """Codes (uint8, same numel as ``x``) of the fp32 flat tensor ``x`` given each block's absmax.
+
+    ``absmax`` has one entry per block touched by ``x`` (see ``block_absmax``); it is taken as
+    given so that a caller can substitute the absmax of a whole block when ``x`` holds only part
+    of it. A zero block (absmax 0) quantizes to code of 0.0.
+    """
+    n = x.numel()
+    code, mid = _map_and_midpoints(signed, x.device)
+    if n == 0:
+        return torch.zeros(0, dtype=torch.uint8, device=x.device)
+    blocks = _blocks(x.float(), block_size, head)
+    scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    normed = blocks / scale.unsqueeze(1)
+    # NaN sorts past the end: clamp so a poisoned block still yields valid codes (its absmax is
+    # NaN, so it dequantizes to NaN whatever the codes are).
+    idx = torch.searchsorted(mid, normed.reshape(-1)).clamp_(max=code.numel() - 1)
+    return idx.view(-1)[head : head + n].to(torch.uint8)
+
+
+def dequantize_blockwise(
+    codes: torch.Tensor, absmax: torch.Tensor, block_size: int, *, signed: bool, head: int = 0
+) -> torch.Tensor:
+    """fp32 values ``map[codes] * absmax`` of the flat uint8 ``codes`` (inverse of quantize)."""
+    n = codes.numel()
+    code, _ = _map_and_midpoints(signed, codes.device)
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float32, device=codes.device)
+    values = code[codes.long()]
+    blocks = _blocks(values, block_size, head)
+    return (blocks * absmax.unsqueeze(1)).view(-1)[head : head + n]
