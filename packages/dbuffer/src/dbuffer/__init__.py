@@ -1,0 +1,38 @@
+"""dbuffer: the distributed flat buffer.
+
+One flat storage per group of tensors, sharded over a mesh axis by a layout (``BufferLayout``):
+the tensors' shards are zero-copy ``RaggedShard`` DTensor views of the shard storage, their full
+values zero-copy views of an unsharded storage that exists only between ``unshard`` and
+``reshard``; one all-gather / reduce-scatter per group, fused group ops, mixed precision on demand.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from dbuffer._private.agreement import LayoutMismatchError
+from dbuffer._private.buffer import DBuffer
+from dbuffer._private.collectives import Handle, ReduceOp
+from dbuffer._private.layout import BufferLayout, ContiguousLayout, contiguous_layout
+from dbuffer._private.measure import CopiedBytes, LiveBytes
+
+try:
+    __version__ = version("dbuffer")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    # the buffer
+    "DBuffer",
+    "Handle",
+    "ReduceOp",
+    "LayoutMismatchError",
+    # layouts
+    "BufferLayout",
+    "ContiguousLayout",
+    "contiguous_layout",
+    # measurement
+    "LiveBytes",
+    "CopiedBytes",
+    "__version__",
+]

@@ -1,0 +1,434 @@
+"""``DBuffer``: one flat sharded storage per group, zero-copy views, one collective per group.
+
+[Note: storage lifetime]
+A DBuffer allocates, once and for the whole group, a shard storage of S elements (persistent)
+and an unsharded tensor of m * S elements whose storage is empty except between ``unshard`` and
+``reshard``. Freeing is ``untyped_storage().resize_(0)`` and re-allocation ``resize_(nbytes)``: the
+storage *object* never changes, so every view made once (full tensors, autograd's saved tensors,
+``.grad`` views) keeps pointing at it across release and re-allocation, and the memory is returned
+when ``reshard`` returns -- deterministically, not when a caching allocator decides. Views are
+made once and reused every step.
+
+[Note: version counters]
+The all-gather refills memory that autograd may have saved (a weight saved for backward, freed
+after forward, gathered again before backward). The values are the same parameters, so the
+refill is done under ``_unsafe_preserve_version_counter`` exactly like FSDP2's copy-out; the
+tensors' version counters do not move and backward accepts the saved views.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from dbuffer._private.agreement import check_agreement
+from dbuffer._private.collectives import Handle, ReduceOp, all_gather_flat, reduce_scatter_flat
+from dbuffer._private.layout import BufferLayout, TensorSlot, slots_for
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["DBuffer"]
+
+Part = Literal["shard", "unsharded"]
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """This rank's device on ``mesh``: its device type, the current index for accelerators."""
+    kind = mesh.device_type
+    if kind == "cpu":
+        return torch.device(kind)
+    return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def _free(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.nbytes() != 0:
+        storage.resize_(0)
+
+
+def _allocate(tensor: torch.Tensor) -> bool:
+    """Give ``tensor``'s storage its full size again; True if it had been freed."""
+    storage = tensor.untyped_storage()
+    nbytes = tensor.numel() * tensor.element_size()
+    if storage.nbytes() == nbytes:
+        return False
+    storage.resize_(nbytes)
+    return True
+
+
+class _Unsharded:
+    """An unsharded flat tensor of one dtype with its full views, made once."""
+
+    def __init__(self, buffer: DBuffer, dtype: torch.dtype) -> None:
+        size = buffer.shard_size * buffer.world_size
+        self.flat = torch.empty(size, dtype=dtype, device=buffer.device)
+        self.views = tuple(
+            self.flat[s.offset : s.offset + s.numel].view(s.shape) for s in buffer.slots
+        )
+        # A low-precision shard: the shard cast once, the all-gather's input (released after use).
+        self.cast_shard = (
+            None
+            if dtype == buffer.dtype
+            else torch.empty(buffer.shard_size, dtype=dtype, device=buffer.device)
+        )
+        _free(self.flat)
+        if self.cast_shard is not None:
+            _free(self.cast_shard)
+
+    @property
+    def allocated(self) -> bool:
+        return self.flat.untyped_storage().nbytes() != 0
+
+
+class DBuffer:
+    """A distributed flat buffer: a group of tensors laid out in one flat storage, sharded over
+    one mesh axis.
+
+    Args:
+        layout: any object satisfying ``BufferLayout`` (the planner's ``Plan``, or
+            ``contiguous_layout(...)``): S elements per rank and each tensor's flat range.
+        shapes: each tensor's shape, in the layout's order.
+        mesh: the device mesh. The buffer is sharded over ``shard_axis`` (default: the last axis)
+            and replicated over every other axis (HSDP: axis 0 replicate, axis 1 shard).
+        dtype: the dtype of the storage.
+        names: names used in error messages (default ``tensor[i]``).
+        check: compare the layout across all ranks of the mesh now (a mismatch raises
+            ``LayoutMismatchError`` on every rank instead of aborting a later collective).
+
+    The shard storage is ``shard`` (S elements, zero-initialised); ``sharded_views()`` are the
+    tensors' shards as ``RaggedShard`` DTensors whose local tensors are views of it.
+    ``unshard()`` all-gathers into ``unsharded`` (m * S elements), whose slices ``full_views()``
+    are the full tensors; ``reshard()`` frees it.
+    """
+
+    def __init__(
+        self,
+        layout: BufferLayout,
+        shapes: Sequence[Sequence[int]],
+        mesh: DeviceMesh,
+        *,
+        dtype: torch.dtype = torch.float32,
+        names: Sequence[str] | None = None,
+        shard_axis: int = -1,
+        check: bool = True,
+    ) -> None:
+        if not isinstance(layout, BufferLayout):
+            raise TypeError(
+                f"layout {type(layout).__name__} does not satisfy dbuffer.BufferLayout "
+                f"(shard_size, world_size, offsets, numels, fingerprint, "
+                f"local_units(i))"
+            )
+        self.layout = layout
+        self.mesh = mesh
+        self.dtype = dtype
+        self.device = mesh_device(mesh)
+        axis = shard_axis % mesh.ndim if -mesh.ndim <= shard_axis < mesh.ndim else None
+        if axis is None:
+            raise ValueError(f"shard_axis {shard_axis} is not an axis of the {mesh.ndim}-D mesh")
+        self.shard_axis = axis
+        self.replicate_axes = tuple(a for a in range(mesh.ndim) if a != axis)
+        self.world_size = mesh.size(axis)
+        if int(layout.world_size) != self.world_size:
+            raise ValueError(
+                f"layout is for world_size {layout.world_size} but mesh axis {axis} "
+                f"has {self.world_size} ranks"
+            )
+        self.rank = mesh.get_local_rank(axis)
+        self.shard_size = int(layout.shard_size)
+        self.names = (
+            tuple(names) if names is not None else tuple(f"tensor[{i}]" for i in range(len(shapes)))
+        )
+        self.slots: tuple[TensorSlot, ...] = slots_for(layout, shapes, self.names, self.rank)
+        self.shapes = tuple(s.shape for s in self.slots)
+        if check:
+            check_agreement(mesh, self._record(), what="DBuffer")
+        self.shard = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
+        self._unsharded: dict[torch.dtype, _Unsharded] = {dtype: _Unsharded(self, dtype)}
+        self._local_views = tuple(self.shard[s.local_start : s.local_stop] for s in self.slots)
+        self._sharded_views: tuple[DTensor, ...] | None = None
+
+    # -- identity -------------------------------------------------------------------------------
+    def _record(self) -> dict[str, str]:
+        shapes = hashlib.sha256(repr(self.shapes).encode()).hexdigest()[:16]
+        return {
+            "layout fingerprint": str(self.layout.fingerprint),
+            "shard_size": str(self.shard_size),
+            "dtype": str(self.dtype),
+            "shapes digest": shapes,
+            "number of tensors": str(len(self.slots)),
+        }
+
+    def same_layout(self, other: DBuffer) -> bool:
+        """True if ``other`` lays out the same tensors the same way on the same mesh."""
+        return (
+            self.mesh == other.mesh
+            and self.shard_axis == other.shard_axis
+            and self.shard_size == other.shard_size
+            and self.shapes == other.shapes
+            and [s.offset for s in self.slots] == [s.offset for s in other.slots]
+        )
+
+    def _require_same(self, other: DBuffer, op: str) -> None:
+        if not self.same_layout(other):
+            raise ValueError(
+                f"DBuffer.{op}: the other buffer has a different layout, shapes or "
+                f"mesh (shard size {other.shard_size} vs {self.shard_size})"
+            )
+
+    def new_like(self, dtype: torch.dtype | None = None) -> DBuffer:
+        """A zeroed buffer with the same layout (gradients, optimizer states); no re-check."""
+        return DBuffer(
+            self.layout,
+            self.shapes,
+            self.mesh,
+            dtype=dtype or self.dtype,
+            names=self.names,
+            shard_axis=self.shard_axis,
+            check=False,
+        )
+
+    # -- views ----------------------------------------------------------------------------------
+    @property
+    def placements(self) -> list[tuple[Placement, ...]]:
+        """Each tensor's DTensor placements (Replicate on other axes, RaggedShard on the shard
+        axis)."""
+        out = []
+        for slot in self.slots:
+            placements: list[Placement] = [Replicate()] * self.mesh.ndim
+            placements[self.shard_axis] = slot.placement
+            out.append(tuple(placements))
+        return out
+
+    def local_views(self) -> tuple[torch.Tensor, ...]:
+        """This rank's share of each tensor: a 1-D view of ``shard`` (possibly empty)."""
+        return self._local_views
+
+    def sharded_views(self) -> tuple[DTensor, ...]:
+        """Each tensor as a ``RaggedShard`` DTensor whose local tensor is a view of ``shard``."""
+        if self._sharded_views is None:
+            views = []
+            for slot, local, placements in zip(
+                self.slots, self._local_views, self.placements, strict=True
+            ):
+                views.append(
+                    DTensor.from_local(
+                        local,
+                        self.mesh,
+                        placements,
+                        run_check=False,
+                        shape=torch.Size(slot.shape),
+                        stride=slot.stride,
+                    )
+                )
+            self._sharded_views = tuple(views)
+        return self._sharded_views
+
+    def _unsharded_of(self, dtype: torch.dtype | None) -> _Unsharded:
+        dtype = dtype or self.dtype
+        entry = self._unsharded.get(dtype)
+        if entry is None:
+            entry = self._unsharded[dtype] = _Unsharded(self, dtype)
+        return entry
+
+    @property
+    def unsharded(self) -> torch.Tensor:
+        """The flat unsharded tensor (m * S elements); its storage is empty while resharded."""
+        return self._unsharded[self.dtype].flat
+
+    def is_unsharded(self, dtype: torch.dtype | None = None) -> bool:
+        entry = self._unsharded.get(dtype or self.dtype)
+        return entry is not None and entry.allocated
+
+    def full_views(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+        """Each tensor's full value (original shape), a view of the unsharded storage of
+        ``dtype`` (default: the buffer's dtype). The same tensor objects every call; their data
+        is valid between ``unshard``/``alloc_unsharded`` and ``reshard``."""
+        return self._unsharded_of(dtype).views
+
+    # -- allocation -----------------------------------------------------------------------------
+    def alloc_unsharded(self, *, zero: bool = False) -> tuple[torch.Tensor, ...]:
+        """Allocate the unsharded storage (one allocation for the group) without gathering, e.g.
+        for gradients; ``zero`` fills it with zeros (one kernel). Returns ``full_views()``."""
+        entry = self._unsharded[self.dtype]
+        _allocate(entry.flat)
+        if zero:
+            with _unsafe_preserve_version_counter(entry.flat):
+                entry.flat.zero_()
+        return entry.views
+
+    def reshard(self) -> None:
+        """Free every unsharded storage (all dtypes). Views stay valid objects; their memory is
+        released now and re-allocated by the next ``unshard``/``alloc_unsharded``."""
+        for entry in self._unsharded.values():
+            _free(entry.flat)
+            if entry.cast_shard is not None:
+                _free(entry.cast_shard)
+
+    # -- collectives ----------------------------------------------------------------------------
+    def _group(self, axis: int) -> dist.ProcessGroup:
+        return self.mesh.get_group(axis)
+
+    def unshard(self, *, dtype: torch.dtype | None = None, async_op: bool = False) -> Handle:
+        """All-gather the shard into the unsharded storage: one collective for the group.
+
+        With ``dtype`` different from the buffer's (mixed precision), the shard is cast once into
+        a temporary low-precision shard (released when the gather completes) and the cast is
+        gathered into a low-precision unsharded storage; ``full_views(dtype)`` read it.
+        """
+        entry = self._unsharded_of(dtype)
+        _allocate(entry.flat)
+        source = self.shard
+        finish = None
+        if entry.cast_shard is not None:
+            cast = entry.cast_shard
+            _allocate(cast)
+            cast.copy_(self.shard)
+            source = cast
+
+            def finish() -> None:
+                _free(cast)
+
+        with _unsafe_preserve_version_counter(entry.flat):
+            return all_gather_flat(
+                entry.flat, source, self._group(self.shard_axis), async_op=async_op, finish=finish
+            )
+
+    def reduce_scatter(
+        self,
+        *,
+        op: ReduceOp = "sum",
+        reduce_dtype: torch.dtype | None = None,
+        accumulate: bool = False,
+        into: DBuffer | None = None,
+        free_unsharded: bool = True,
+        async_op: bool = False,
+    ) -> Handle:
+        """Reduce the unsharded storage over the mesh into the shard: one reduce-scatter over the
+        shard axis, then (HSDP) one all-reduce over each replicate axis.
+
+        Writes ``into.shard`` (default: this buffer's ``shard``); ``accumulate`` adds to it.
+        ``op="avg"`` divides by the number of ranks of the whole mesh. ``reduce_dtype`` runs the
+        collectives in that dtype. ``free_unsharded`` releases the unsharded storage when the
+        handle completes.
+        """
+        target = self if into is None else into
+        if into is not None:
+            self._require_same(into, "reduce_scatter")
+        if not self.is_unsharded():
+            raise RuntimeError(
+                "DBuffer.reduce_scatter: the unsharded storage is not allocated "
+                "(call alloc_unsharded() and let autograd write the gradients)"
+            )
+        flat = self._unsharded[self.dtype].flat
+        finish = (lambda: _free(flat)) if free_unsharded else None
+        return reduce_scatter_flat(
+            target.shard,
+            flat,
+            self._group(self.shard_axis),
+            [self._group(a) for a in self.replicate_axes],
+            op=op,
+            reduce_dtype=reduce_dtype,
+            accumulate=accumulate,
+            async_op=async_op,
+            finish=finish,
+        )
+
+    # -- fused group ops (one kernel over the whole group) --------------------------------------
+    def _flat(self, part: Part) -> torch.Tensor:
+        if part == "shard":
+            return self.shard
+        if part == "unsharded":
+            if not self.is_unsharded():
+                raise RuntimeError("DBuffer: the unsharded storage is not allocated")
+            return self.unsharded
+        raise ValueError(f"part must be 'shard' or 'unsharded', got {part!r}")
+
+    def zero_(self, part: Part = "shard") -> DBuffer:
+        self._flat(part).zero_()
+        return self
+
+    def scale_(self, factor: float, part: Part = "shard") -> DBuffer:
+        self._flat(part).mul_(factor)
+        return self
+
+    def add_(self, other: DBuffer, *, alpha: float = 1.0, part: Part = "shard") -> DBuffer:
+        self._require_same(other, "add_")
+        self._flat(part).add_(other._flat(part), alpha=alpha)
+        return self
+
+    def copy_(self, other: DBuffer, part: Part = "shard") -> DBuffer:
+        """Copy (and cast, if dtypes differ) ``other`` into this buffer."""
+        self._require_same(other, "copy_")
+        self._flat(part).copy_(other._flat(part))
+        return self
+
+    def to(self, dtype: torch.dtype) -> DBuffer:
+        """A new buffer holding this one's shard cast to ``dtype`` (one kernel)."""
+        out = self.new_like(dtype)
+        out.shard.copy_(self.shard)
+        return out
+
+    # -- loading and checking tensors -----------------------------------------------------------
+    def check_tensors(
+        self, tensors: Sequence[torch.Tensor], *, full: bool = True, what: str = "tensor"
+    ) -> None:
+        """Raise ``ValueError`` naming the first tensor whose numel, dtype or device does not
+        match the layout (``full``: whole tensors; else this rank's local shares)."""
+        if len(tensors) != len(self.slots):
+            raise ValueError(f"DBuffer: got {len(tensors)} {what}s for {len(self.slots)} slots")
+        for slot, tensor in zip(self.slots, tensors, strict=True):
+            expected = slot.numel if full else slot.local_numel
+            where = f"{what} {slot.name!r} (index {slot.index})"
+            if tensor.numel() != expected:
+                raise ValueError(
+                    f"{where}: has {tensor.numel()} elements (shape "
+                    f"{tuple(tensor.shape)}), the layout expects {expected}"
+                    f"{'' if full else ' on rank ' + str(self.rank)}"
+                )
+            if tensor.dtype != self.dtype:
+                raise ValueError(f"{where}: dtype {tensor.dtype}, the buffer holds {self.dtype}")
+            if tensor.device != self.device:
+                raise ValueError(
+                    f"{where}: on device {tensor.device}, the buffer lives on {self.device}"
+                )
+
+    @torch.no_grad()
+    def load_full_(self, tensors: Sequence[torch.Tensor]) -> DBuffer:
+        """Copy this rank's share of each full tensor into the shard (initialisation)."""
+        self.check_tensors(tensors, full=True)
+        for slot, local, tensor in zip(self.slots, self._local_views, tensors, strict=True):
+            flat = tensor.reshape(-1)
+            local.copy_(flat[slot.tensor_start : slot.tensor_start + slot.local_numel])
+        return self
+
+    def attach_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Make each ``params[i].grad`` the full view ``i`` of this (gradient) buffer, so
+        autograd accumulates gradients in place into the unsharded storage. The storage must be
+        allocated (``alloc_unsharded(zero=True)``)."""
+        self.check_tensors(params, full=True, what="parameter")
+        if not self.is_unsharded():
+            raise RuntimeError("DBuffer.attach_grads: allocate the unsharded storage first")
+        for param, view in zip(params, self.full_views(), strict=True):
+            if tuple(param.shape) != tuple(view.shape):
+                raise ValueError(
+                    f"parameter shape {tuple(param.shape)} differs from the "
+                    f"layout's {tuple(view.shape)}"
+                )
+            param.grad = view
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the persistent shard storage."""
+        return self.shard_size * self.shard.element_size()
+
+    def __repr__(self) -> str:
+        return (
+            f"DBuffer({len(self.slots)} tensors, shard_size={self.shard_size}, "
+            f"world_size={self.world_size}, dtype={self.dtype}, mesh={self.mesh}, "
+            f"unsharded={self.is_unsharded()})"
+        )

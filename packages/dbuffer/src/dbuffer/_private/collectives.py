@@ -1,0 +1,220 @@
+"""Free functions for the collectives of a DBuffer, and the handle an async collective returns.
+
+[Note: one collective per group, no copies]
+The all-gather sends the shard storage itself and receives straight into the unsharded storage,
+whose slices already are the full tensors: no copy-in, no copy-out. The reduce-scatter sends the
+unsharded gradient storage itself (autograd wrote the gradients into its slices) and receives
+straight into the sharded gradient storage. Only a dtype change (mixed precision) or an
+accumulation adds one fused kernel over the whole group.
+
+[Note: streams and frees without record_stream]
+On an accelerator, collectives run on a dedicated communication stream. Before issuing, the comm
+stream waits on an event recorded on the caller's stream (the inputs are ready); after the
+collective and its epilogue, an event is recorded on the comm stream and ``Handle.wait`` makes the
+caller's stream wait on it. Every temporary is allocated on the caller's stream before the switch
+and referenced by the handle until ``wait``; memory to free is released in ``wait``, after the
+caller's stream is ordered behind the comm stream. So a block can only be reused by work that is
+ordered after the collective: no ``record_stream``, and frees happen exactly when ``wait`` (or the
+synchronous call) returns. On CPU (gloo) there are no streams; ``async_op`` uses the process
+group's own asynchronous work objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Handle", "ReduceOp", "all_gather_flat", "comm_stream_for", "reduce_scatter_flat"]
+
+ReduceOp = Literal["sum", "avg"]
+
+_COMM_STREAMS: dict[torch.device, torch.Stream] = {}
+
+
+def comm_stream_for(device: torch.device) -> torch.Stream | None:
+    """The communication stream of ``device`` (one per device, shared by all buffers), or None
+    for devices without streams (CPU)."""
+    if device.type in {"cpu", "meta"}:
+        return None
+    stream = _COMM_STREAMS.get(device)
+    if stream is None:
+        stream = torch.Stream(device=device)
+        _COMM_STREAMS[device] = stream
+    return stream
+
+
+class Handle:
+    """A collective in flight. ``wait()`` completes it (idempotent) and runs its epilogue.
+
+    Until ``wait()`` returns, the destination storage must not be read and the source must not be
+    written. On an accelerator ``wait()`` does not block the host: it orders the caller's stream
+    after the collective.
+    """
+
+    def __init__(
+        self,
+        works: Sequence[dist.Work] = (),
+        *,
+        event: torch.Event | None = None,
+        finish: Callable[[], None] | None = None,
+        keep: Sequence[torch.Tensor] = (),
+    ) -> None:
+        self._works = list(works)
+        self._event = event
+        self._finish = finish
+        self._keep = list(keep)
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        """True once ``wait()`` has returned."""
+        return self._done
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        for work in self._works:
+            work.wait()
+        if self._event is not None:
+            torch.accelerator.current_stream(self._event.device).wait_event(self._event)
+        finish, self._finish = self._finish, None
+        self._works, self._keep, self._done = [], [], True
+        if finish is not None:
+            finish()
+
+
+@contextlib.contextmanager
+def _on_comm_stream(device: torch.device) -> Iterator[list[torch.Event]]:
+    """Run the body on ``device``'s comm stream ordered after the caller's stream; yields a list
+    that receives the event marking the end of the body (empty on CPU)."""
+    stream = comm_stream_for(device)
+    done: list[torch.Event] = []
+    if stream is None:
+        yield done
+        return
+    ready = torch.Event(device=device)
+    ready.record(torch.accelerator.current_stream(device))
+    stream.wait_event(ready)
+    with stream:
+        yield done
+        end = torch.Event(device=device)
+        end.record(stream)
+    done.append(end)
+
+
+def _supports_avg(group: dist.ProcessGroup) -> bool:
+    return dist.get_backend(group) == "nccl"
+
+
+def all_gather_flat(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool = False,
+    finish: Callable[[], None] | None = None,
+    keep: Sequence[torch.Tensor] = (),
+) -> Handle:
+    """One all-gather of the flat ``inp`` (S elements) into the flat ``out`` (m * S elements).
+
+    ``finish`` runs when the handle completes (frees temporaries); ``keep`` holds tensors alive
+    until then.
+    """
+    if out.numel() != inp.numel() * dist.get_world_size(group):
+        raise ValueError(
+            f"all-gather output has {out.numel()} elements, expected "
+            f"{dist.get_world_size(group)} x {inp.numel()}"
+        )
+    works: list[dist.Work] = []
+    cpu_async = async_op and comm_stream_for(inp.device) is None
+    with _on_comm_stream(inp.device) as done:
+        work = dist.all_gather_single(out, inp, group=group, async_op=cpu_async)
+        if cpu_async and work is not None:
+            works.append(work)
+    handle = Handle(works, event=done[0] if done else None, finish=finish, keep=(out, inp, *keep))
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def reduce_scatter_flat(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    shard_group: dist.ProcessGroup,
+    replicate_groups: Sequence[dist.ProcessGroup] = (),
+    *,
+    op: ReduceOp = "sum",
+    reduce_dtype: torch.dtype | None = None,
+    accumulate: bool = False,
+    async_op: bool = False,
+    finish: Callable[[], None] | None = None,
+) -> Handle:
+    """Reduce-scatter the flat ``inp`` (m * S) over ``shard_group`` into the flat ``out`` (S),
+    then all-reduce the result over each of ``replicate_groups`` (HSDP).
+
+    The result is the sum over every rank of the groups (or the mean for ``op="avg"``: the sum
+    divided by the product of the group sizes, done once after the last collective, fused with
+    the accumulation or the cast). ``reduce_dtype`` runs the collectives in that dtype (one cast
+    of the whole input before, one cast back fused with the write). ``accumulate`` adds the
+    result into ``out`` instead of overwriting it.
+    """
+    world = dist.get_world_size(shard_group)
+    if inp.numel() != out.numel() * world:
+        raise ValueError(
+            f"reduce-scatter input has {inp.numel()} elements, expected {world} x {out.numel()}"
+        )
+    if op not in ("sum", "avg"):
+        raise ValueError(f"reduce op must be 'sum' or 'avg', got {op!r}")
+    divisor = world
+    for group in replicate_groups:
+        divisor *= dist.get_world_size(group)
+    rdtype = reduce_dtype or inp.dtype
+    native_avg = op == "avg" and all(_supports_avg(g) for g in (shard_group, *replicate_groups))
+    red = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
+    # Temporaries are made on the caller's stream (see [Note: streams and frees ...]).
+    send = inp if rdtype == inp.dtype else inp.to(rdtype)
+    direct = not accumulate and rdtype == out.dtype
+    recv = out if direct else torch.empty(out.numel(), dtype=rdtype, device=out.device)
+    works: list[dist.Work] = []
+    stream = comm_stream_for(inp.device)
+    # Without a comm stream, async work can be chained only for the reduce-scatter; the
+    # all-reduce over replicas and the epilogue run in wait().
+    defer = async_op and stream is None
+
+    def epilogue() -> None:
+        for group in replicate_groups:
+            dist.all_reduce(recv, op=red, group=group)
+        scale = 1.0 / divisor if op == "avg" and not native_avg else 1.0
+        if direct:
+            if scale != 1.0:
+                out.mul_(scale)
+        elif accumulate:
+            out.add_(recv, alpha=scale)
+        elif scale != 1.0:
+            torch.mul(recv, scale, out=out)
+        else:
+            out.copy_(recv)
+
+    with _on_comm_stream(inp.device) as done:
+        work = dist.reduce_scatter_single(recv, send, op=red, group=shard_group, async_op=defer)
+        if defer and work is not None:
+            works.append(work)
+        if not defer:
+            epilogue()
+
+    def complete() -> None:
+        if defer:
+            epilogue()
+        if finish is not None:
+            finish()
+
+    handle = Handle(
+        works, event=done[0] if done else None, finish=complete, keep=(send, recv, inp, out)
+    )
+    if not async_op:
+        handle.wait()
+    return handle
