@@ -1,0 +1,60 @@
+"""The exact solver for small groups: every distinct order, every admissible shard size.
+
+[Note: why this is exact]
+Any feasible layout lists its non-empty tensors in some order by offset; for that order the
+earliest-start greedy fits whenever the layout does (``greedy`` Note). So the optimum is the
+smallest admissible S (``bounds`` Note: no feasible S is skipped) for which some order's greedy
+fits. We scan S upwards and check all distinct orders at once (one vectorised lane per order);
+tensors of equal (numel, block) are interchangeable, so only distinct permutations are tried.
+The scan ends: ``S >= total`` always fits (everything in shard 0).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from shard_planner._private.bounds import candidate_shard_sizes
+from shard_planner._private.greedy import greedy_ends
+from shard_planner._private.plan import Plan
+from shard_planner._private.search import _make_plan, _place, distinct_orders
+from shard_planner._private.spec import TensorSpec, check_inputs
+
+__all__ = ["MAX_EXACT_TENSORS", "exact_plan"]
+
+MAX_EXACT_TENSORS = 8
+
+
+def exact_plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> Plan:
+    """The optimal plan (smallest shard size) of a group of at most 8 non-empty tensors."""
+    specs = list(specs)
+    check_inputs(specs, world_size, align)
+    numels = [s.numel for s in specs]
+    blocks = [s.block for s in specs]
+    nonempty = [i for i, e in enumerate(numels) if e > 0]
+    if len(nonempty) > MAX_EXACT_TENSORS:
+        raise ValueError(f"specs: the exact solver takes at most {MAX_EXACT_TENSORS} non-empty "
+                         f"tensors ({math.factorial(MAX_EXACT_TENSORS)} orders), got "
+                         f"{len(nonempty)}")
+    m = world_size
+    if not nonempty:
+        return _make_plan(specs, m, align, align, {}, "exact")
+    orders = distinct_orders(numels, blocks, nonempty)
+    e_arr = np.array([[numels[i] for i in o] for o in orders], dtype=np.int64)
+    g_arr = np.array([[blocks[i] for i in o] for o in orders], dtype=np.int64)
+    candidates = candidate_shard_sizes(numels, blocks, m, align)
+    batch = 8
+    while True:
+        chunk = [next(candidates) for _ in range(batch)]
+        sizes = np.array(chunk, dtype=np.int64)
+        ok = greedy_ends(e_arr, g_arr, sizes) <= sizes[None, :] * m
+        hits = np.flatnonzero(ok.any(axis=0))
+        if hits.size:
+            j = int(hits[0])
+            order = orders[int(np.flatnonzero(ok[:, j])[0])]
+            placed = _place(numels, blocks, order, chunk[j], m)
+            assert placed is not None
+            return _make_plan(specs, m, align, chunk[j], placed, "exact")
+        batch = min(batch * 2, max(8, 65536 // len(orders)))

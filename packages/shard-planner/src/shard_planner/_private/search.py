@@ -1,0 +1,343 @@
+"""The planner: choose a shard size and an order so that the greedy placement fits.
+
+[Note: the search ("auto")]
+1. Upper bound: the naive baseline's plan (valid by construction). Nothing worse is returned.
+2. Scan: every admissible shard size (``bounds.candidate_shard_sizes``) from the lower bound
+   upwards, in growing batches, each batch checked for several static orders at once with the
+   vectorised greedy (``greedy.greedy_ends``). The first S with a fitting order is taken. The
+   scan never skips an admissible S, so for the orders tried it finds the smallest S.
+3. Gap filling: for the admissible sizes below that S (all failed with static orders), a dynamic
+   greedy is tried: at each boundary it picks, among the remaining tensor kinds, the one whose
+   crossing wastes least, and fills the gap before it with whole tensors that fit there.
+4. If the scan's work budget runs out first (tiny worlds with big blocks and many small steps),
+   the search jumps: the next S tried is the one that would have made the best failing order fit.
+
+All budgets count candidates and lanes, never time, so every rank computes the same plan.
+
+[Note: the static orders]
+Model order; blocks descending (big-block tensors first, so a divisibility chain of blocks keeps
+later starts aligned); sizes descending (big tensors span boundaries, small ones fill the end);
+blocks then sizes descending; sizes ascending. Ties keep model order, so the result is
+deterministic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from shard_planner._private.baselines import naive_plan
+from shard_planner._private.bounds import (
+    admissible,
+    candidate_shard_sizes,
+    lower_bound_shard_size,
+    round_up,
+)
+from shard_planner._private.greedy import earliest_start, greedy_ends, greedy_offsets
+from shard_planner._private.plan import Plan
+from shard_planner._private.spec import TensorSpec, check_inputs
+
+__all__ = ["METHODS", "lower_bound", "plan", "static_orders"]
+
+METHODS = ("auto", "paper", "exact", "naive", "megatron", "model-order")
+
+# Work budgets (lanes x tensors) of the scan; fixed numbers, so plans are deterministic.
+_SCAN_WORK = 40_000_000
+_FIRST_BATCH = 16
+_MAX_BATCH = 4096
+_FILL_TRIES = 48
+_JUMP_TRIES = 200
+
+
+def static_orders(numels: Sequence[int], blocks: Sequence[int],
+                  indices: Sequence[int]) -> list[tuple[int, ...]]:
+    """The static candidate orders over ``indices`` (see the module Note), duplicates removed."""
+    base = list(indices)
+    keys = [
+        lambda i: 0,
+        lambda i: -blocks[i],
+        lambda i: -numels[i],
+        lambda i: (-blocks[i], -numels[i]),
+        lambda i: numels[i],
+    ]
+    found: list[tuple[int, ...]] = []
+    for key in keys:
+        order = tuple(sorted(base, key=key))  # stable: ties keep model order
+        if order not in found:
+            found.append(order)
+    return found
+
+
+def _make_plan(specs: Sequence[TensorSpec], world_size: int, align: int, shard: int,
+               offsets: dict[int, int], method: str) -> Plan:
+    capacity = world_size * shard
+    full: list[int] = []
+    for i, spec in enumerate(specs):
+        at = offsets.get(i, 0)
+        full.append(min(at, capacity - 1) if spec.numel == 0 else at)
+    order = tuple(sorted(range(len(specs)), key=lambda i: (full[i], specs[i].numel > 0, i)))
+    return Plan(world_size=world_size, shard_size=shard, align=align,
+                numels=tuple(s.numel for s in specs), blocks=tuple(s.block for s in specs),
+                names=tuple(s.name for s in specs), offsets=tuple(full), order=order,
+                method=method)
+
+
+def _place(numels: Sequence[int], blocks: Sequence[int], order: Sequence[int], shard: int,
+           world_size: int) -> dict[int, int] | None:
+    offsets = greedy_offsets([numels[i] for i in order], [blocks[i] for i in order], shard,
+                             world_size * shard)
+    if offsets is None:
+        return None
+    return dict(zip(order, offsets, strict=True))
+
+
+def fill_offsets(numels: Sequence[int], blocks: Sequence[int], order: Sequence[int],
+                 shard: int, world_size: int) -> dict[int, int] | None:
+    """Dynamic greedy with gap filling for one shard size; ``None`` if it does not fit.
+
+    Tensors of equal (numel, block) are interchangeable "kinds"; the preferred kind is the first
+    one in ``order`` with tensors left. When it would cross a boundary with a gap (the distance to
+    its earliest aligned start), the kind with the smallest gap is placed instead and the gap is
+    first filled with the largest whole tensors that fit in it (they stay inside one shard).
+    """
+    kinds: dict[tuple[int, int], deque[int]] = {}
+    for i in order:
+        if numels[i] > 0:
+            kinds.setdefault((numels[i], blocks[i]), deque()).append(i)
+    keys = list(kinds)
+    by_size = sorted(keys, key=lambda k: (-k[0], keys.index(k)))
+    capacity = world_size * shard
+    offsets: dict[int, int] = {}
+    p = 0
+    left = sum(len(q) for q in kinds.values())
+
+    def put(key: tuple[int, int], at: int) -> int:
+        index = kinds[key].popleft()
+        offsets[index] = at
+        return at + key[0]
+
+    while left:
+        first = next(k for k in keys if kinds[k])
+        b = (p // shard + 1) * shard
+        if p + first[0] <= b:
+            p = put(first, p)
+            left -= 1
+            if p > capacity:
+                return None
+            continue
+        best: tuple[int, int] | None = None
+        best_at = 0
+        for key in keys:
+            if not kinds[key]:
+                continue
+            at = earliest_start(p, key[0], key[1], shard)
+            if at is not None and (best is None or at < best_at):
+                best, best_at = key, at
+                if at == p:
+                    break
+        if best is None:
+            return None
+        # Fill [p, best_at) with whole tensors; they cannot cross ``b`` since best_at <= b.
+        while best_at > p:
+            room = best_at - p
+            filler = next((k for k in by_size if kinds[k] and k[0] <= room
+                           and (k != best or len(kinds[k]) > 1)), None)
+            if filler is None:
+                break
+            p = put(filler, p)
+            left -= 1
+        at = earliest_start(p, best[0], best[1], shard)
+        if at is None:
+            return None
+        p = put(best, at)
+        left -= 1
+        if p > capacity:
+            return None
+    return offsets if p <= capacity else None
+
+
+def _take(iterator: Iterator[int], count: int, limit: int) -> list[int]:
+    out: list[int] = []
+    for c in iterator:
+        if c >= limit:
+            break
+        out.append(c)
+        if len(out) == count:
+            break
+    return out
+
+
+def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
+    numels = [s.numel for s in specs]
+    blocks = [s.block for s in specs]
+    nonempty = [i for i, e in enumerate(numels) if e > 0]
+    m = world_size
+    upper = naive_plan(specs, world_size, align)
+    if not nonempty or m == 1:
+        return _make_plan(specs, m, align, upper.shard_size,
+                          dict(enumerate(upper.offsets)), "auto")
+    orders = static_orders(numels, blocks, nonempty)
+    e_arr = np.array([[numels[i] for i in o] for o in orders], dtype=np.int64)
+    g_arr = np.array([[blocks[i] for i in o] for o in orders], dtype=np.int64)
+    candidates = candidate_shard_sizes(numels, blocks, m, align)
+    limit = upper.shard_size
+    tried: list[int] = []
+    best_end: list[int] = []
+    found: tuple[int, tuple[int, ...]] | None = None
+    work, batch = 0, _FIRST_BATCH
+    while work < _SCAN_WORK:
+        chunk = _take(candidates, batch, limit)
+        if not chunk:
+            break
+        sizes = np.array(chunk, dtype=np.int64)
+        ends = greedy_ends(e_arr, g_arr, sizes)
+        ok = ends <= sizes[None, :] * m
+        work += ends.size * len(nonempty)
+        hits = np.flatnonzero(ok.any(axis=0))
+        if hits.size:
+            j = int(hits[0])
+            found = (chunk[j], orders[int(np.flatnonzero(ok[:, j])[0])])
+            tried.extend(chunk[:j])
+            best_end.extend(int(x) for x in ends[:, :j].min(axis=0))
+            break
+        tried.extend(chunk)
+        best_end.extend(int(x) for x in ends.min(axis=0))
+        batch = min(batch * 4, _MAX_BATCH)
+
+    # Gap filling on the smallest sizes the static orders could not use.
+    for shard in tried[:_FILL_TRIES]:
+        for order in orders[:3]:
+            offsets = fill_offsets(numels, blocks, order, shard, m)
+            if offsets is not None:
+                return _make_plan(specs, m, align, shard, offsets, "auto")
+    if found is not None:
+        shard, order = found
+        placed = _place(numels, blocks, order, shard, m)
+        assert placed is not None
+        return _make_plan(specs, m, align, shard, placed, "auto")
+
+    # Budget spent (or nothing below the naive plan): jump from the best failing end.
+    if tried:
+        shard = tried[-1]
+        need = best_end[-1]
+        for _ in range(_JUMP_TRIES):
+            shard = max(shard + align, round_up(-(-need // m), align))
+            while not admissible(numels, blocks, m, align, shard):
+                shard += align
+            if shard >= limit:
+                break
+            sizes = np.array([shard], dtype=np.int64)
+            ends = greedy_ends(e_arr, g_arr, sizes)[:, 0]
+            hit = np.flatnonzero(ends <= shard * m)
+            if hit.size:
+                placed = _place(numels, blocks, orders[int(hit[0])], shard, m)
+                assert placed is not None
+                return _make_plan(specs, m, align, shard, placed, "auto")
+            need = int(ends.min())
+    return _make_plan(specs, m, align, upper.shard_size, dict(enumerate(upper.offsets)), "auto")
+
+
+def _paper(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
+    """Our reading of the veScale heuristic (REFERENCE.md §3), kept as a baseline.
+
+    Orders: model order, blocks descending, sizes descending. For every prefix of the distinct
+    block sizes sorted descending, ``L = lcm(align, prefix)``; bisect over multiples of ``L`` for
+    the smallest S where the greedy fits (bisection assumes feasibility monotone in S, which it is
+    not, so this can miss smaller sizes). The best (S, order) over all is returned.
+    """
+    numels = [s.numel for s in specs]
+    blocks = [s.block for s in specs]
+    nonempty = [i for i, e in enumerate(numels) if e > 0]
+    m = world_size
+    total = sum(numels)
+    if not nonempty or m == 1:
+        return _auto(specs, world_size, align)
+    orders = static_orders(numels, blocks, nonempty)[:3]
+    distinct = sorted({blocks[i] for i in nonempty}, reverse=True)
+    steps = [math.lcm(align, *distinct[:j]) for j in range(len(distinct) + 1)]
+    best: tuple[int, tuple[int, ...]] | None = None
+    for step in dict.fromkeys(steps):
+        floor_units = -(-max(-(-total // m), max(distinct)) // step)
+        hi_units = -(-max(total, max(distinct)) // step)  # everything in shard 0: feasible
+        for order in orders:
+            lo, hi = floor_units, hi_units
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if _place(numels, blocks, order, mid * step, m) is None:
+                    lo = mid + 1
+                else:
+                    hi = mid
+            shard = lo * step
+            if best is None or shard < best[0]:
+                best = (shard, order)
+    assert best is not None
+    placed = _place(numels, blocks, best[1], best[0], m)
+    assert placed is not None
+    return _make_plan(specs, m, align, best[0], placed, "paper")
+
+
+def _model_order(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
+    """Model order only, exhaustive scan over admissible S: isolates the value of reordering."""
+    numels = [s.numel for s in specs]
+    blocks = [s.block for s in specs]
+    order = [i for i, e in enumerate(numels) if e > 0]
+    for shard in candidate_shard_sizes(numels, blocks, world_size, align):
+        placed = _place(numels, blocks, order, shard, world_size)
+        if placed is not None:
+            return _make_plan(specs, world_size, align, shard, placed, "model-order")
+    raise AssertionError("unreachable: S >= total always fits")  # pragma: no cover
+
+
+def lower_bound(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> int:
+    """A shard size no plan of this group can beat (see ``bounds``): compare plans against it."""
+    check_inputs(specs, world_size, align)
+    numels = [s.numel for s in specs]
+    return lower_bound_shard_size(numels, [s.block for s in specs], world_size, align)
+
+
+def plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1, *,
+         method: str = "auto") -> Plan:
+    """Pack ``specs`` into one buffer of ``world_size`` equal shards without cutting a block.
+
+    ``align``: every shard size is a multiple of it (e.g. 16 bytes / itemsize for NCCL).
+    ``method``: ``"auto"`` (ours), ``"exact"`` (optimal; small groups only), ``"paper"`` (the
+    veScale heuristic as we read it), ``"model-order"``, or the baselines ``"naive"`` and
+    ``"megatron"``. The result is deterministic: equal inputs give equal plans on every rank.
+    """
+    specs = list(specs)
+    check_inputs(specs, world_size, align)
+    if method == "auto":
+        return _auto(specs, world_size, align)
+    if method == "paper":
+        return _paper(specs, world_size, align)
+    if method == "model-order":
+        return _model_order(specs, world_size, align)
+    if method == "exact":
+        from shard_planner._private.exact import exact_plan
+
+        return exact_plan(specs, world_size, align)
+    if method == "naive":
+        return naive_plan(specs, world_size, align)
+    if method == "megatron":
+        from shard_planner._private.baselines import megatron_plan
+
+        return megatron_plan(specs, world_size, align)
+    raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
+# Used by tests and the exact solver: distinct permutations of a multiset of tensor kinds.
+def distinct_orders(numels: Sequence[int], blocks: Sequence[int],
+                    indices: Sequence[int]) -> list[tuple[int, ...]]:
+    """All orders of ``indices`` up to swapping tensors of equal (numel, block)."""
+    seen: set[tuple[tuple[int, int], ...]] = set()
+    found: list[tuple[int, ...]] = []
+    for perm in itertools.permutations(indices):
+        key = tuple((numels[i], blocks[i]) for i in perm)
+        if key not in seen:
+            seen.add(key)
+            found.append(perm)
+    return found

@@ -1,0 +1,72 @@
+"""Input value types of the planner and their validation.
+
+[Note: what a block is]
+A tensor's *block* is its atomic unit in elements: the planner never lets a shard boundary fall
+strictly inside a block. Blocks tile the tensor's row-major storage from its first element, so the
+block must divide ``numel``. ``block == 1`` means "no constraint". For an ``(R, C)`` matrix whose
+optimizer or quantizer works on ``r``-row groups the block is ``r * C`` elements; a RaggedShard
+with ``dims=(0,)`` and the block as its unit then describes each rank's part exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+__all__ = ["TensorSpec", "check_inputs"]
+
+
+def _non_negative_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"TensorSpec.{attribute.name} must be an int, got {type(value).__name__}")
+
+
+@attrs.frozen
+class TensorSpec:
+    """One tensor of a group: ``numel`` elements cut only at multiples of ``block`` elements.
+
+    A zero-size tensor (``numel == 0``) is allowed; it occupies no space in the buffer.
+    Bad values raise ``ValueError`` at construction; :func:`check_inputs` re-checks a whole group
+    so an error can also name the tensor's position in it.
+    """
+
+    numel: int = attrs.field(validator=_non_negative_int)
+    block: int = attrs.field(default=1, validator=_non_negative_int)
+    name: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        where = f"TensorSpec {self.name!r}" if self.name else "TensorSpec"
+        if self.numel < 0:
+            raise ValueError(f"{where}: numel must be >= 0, got {self.numel}")
+        if self.block < 1:
+            raise ValueError(f"{where}: block must be >= 1 element, got {self.block}")
+        if self.numel % self.block != 0:
+            raise ValueError(f"{where}: block {self.block} must divide numel {self.numel} "
+                             f"(blocks tile the tensor from its first element)")
+
+
+def _label(index: int, spec: TensorSpec) -> str:
+    return f"tensor {index} ({spec.name!r})" if spec.name else f"tensor {index}"
+
+
+def check_inputs(specs: Sequence[TensorSpec], world_size: int, align: int) -> None:
+    """Raise ``ValueError`` naming the offending argument or tensor if the input is malformed."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f"align must be an int >= 1 (elements per shard-size quantum), "
+                         f"got {align!r}")
+    if len(specs) == 0:
+        raise ValueError("specs is empty: a group needs at least one TensorSpec")
+    for index, spec in enumerate(specs):
+        if not isinstance(spec, TensorSpec):
+            raise ValueError(f"specs[{index}] must be a TensorSpec, got {type(spec).__name__}")
+        if spec.numel < 0:
+            raise ValueError(f"{_label(index, spec)}: numel must be >= 0, got {spec.numel}")
+        if spec.block < 1:
+            raise ValueError(f"{_label(index, spec)}: block must be >= 1 element, "
+                             f"got {spec.block}")
+        if spec.numel % spec.block != 0:
+            raise ValueError(f"{_label(index, spec)}: block {spec.block} must divide numel "
+                             f"{spec.numel} (blocks tile the tensor from its first element)")
