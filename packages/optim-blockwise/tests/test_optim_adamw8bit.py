@@ -1,0 +1,239 @@
+"""AdamW8bit: against torch's AdamW, memory, state_dict, policies, and sharded == single device."""
+
+from __future__ import annotations
+
+import math
+
+import optim_blockwise as ob
+import pytest
+import torch
+from ragged_dtensor.testing import run_threaded
+from test_optim_support import (
+    check_against_single,
+    dist_run_steps,
+    ragged_spec,
+    run_steps,
+)
+
+SHAPES = [(64, 96), (40, 50), (7,), (128, 33), (1, 4096)]
+PLAIN = [("plain",)] * len(SHAPES)
+
+
+def _pair(shape: tuple[int, ...], seed: int = 0) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+
+
+def test_fp32_state_path_matches_torch_adamw() -> None:
+    # Below min_8bit_size the moments stay fp32: the update is AdamW's up to rounding.
+    a, b = _pair((30, 40))
+    ours = ob.AdamW8bit([a], lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW([b], lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        g = torch.randn(a.shape, generator=gen)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    assert ours.state[a]["exp_avg"].dtype == torch.float32
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_8bit_tracks_torch_adamw() -> None:
+    a, b = _pair((128, 256))
+    ours = ob.AdamW8bit([a], lr=1e-3)
+    ref = torch.optim.AdamW([b], lr=1e-3)
+    gen = torch.Generator().manual_seed(2)
+    w0 = a.detach().clone()
+    for _ in range(20):
+        g = torch.randn(a.shape, generator=gen)
+        a.grad, b.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    assert ours.state[a]["exp_avg_codes"].dtype == torch.uint8
+    moved = (b.detach() - w0).norm()
+    assert float((a.detach() - b.detach()).norm() / moved) < 0.05, "within 5% of AdamW's path"
+    m = ob.dequantize_blockwise(
+        ours.state[a]["exp_avg_codes"], ours.state[a]["exp_avg_absmax"], 256, signed=True
+    )
+    ref_m = ref.state[b]["exp_avg"].reshape(-1)
+    assert float((m - ref_m).norm() / ref_m.norm()) < 0.05
+
+
+def test_state_bytes_per_parameter() -> None:
+    """8-bit state <= 2.1 bytes/param including absmaxes, vs 8 for torch's AdamW."""
+    shape = (512, 512)
+    a, b = _pair(shape)
+    ours, ref = ob.AdamW8bit([a], block_size=256), torch.optim.AdamW([b])
+    a.grad, b.grad = torch.ones(shape), torch.ones(shape)
+    ours.step()
+    ref.step()
+
+    def state_bytes(opt: torch.optim.Optimizer, p: torch.Tensor) -> int:
+        return sum(
+            v.numel() * v.element_size()
+            for k, v in opt.state[p].items()
+            if isinstance(v, torch.Tensor) and k != "step"
+        )
+
+    per_param_ours = state_bytes(ours, a) / a.numel()
+    per_param_ref = state_bytes(ref, b) / b.numel()
+    assert per_param_ours == pytest.approx(2 + 8 / 256)
+    assert per_param_ours <= 2.1
+    assert per_param_ref == 8.0
+
+
+def test_decision_uses_global_numel_and_is_configurable() -> None:
+    small, big = torch.nn.Parameter(torch.zeros(4095)), torch.nn.Parameter(torch.zeros(4096))
+    opt = ob.AdamW8bit([small, big])
+    small.grad, big.grad = torch.ones(4095), torch.ones(4096)
+    opt.step()
+    assert "exp_avg" in opt.state[small] and "exp_avg_codes" in opt.state[big]
+    p = torch.nn.Parameter(torch.zeros(100))
+    opt = ob.AdamW8bit([p], min_8bit_size=0, block_size=64)
+    p.grad = torch.ones(100)
+    opt.step()
+    assert opt.state[p]["exp_avg_absmax"].numel() == 2
+
+
+def test_state_dict_round_trip_continues_bit_identically() -> None:
+    shapes = [(64, 96), (10,)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    opt = ob.AdamW8bit(params, lr=1e-2)
+    gen = torch.Generator().manual_seed(3)
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(6)]
+    for step in range(3):
+        for p, g in zip(params, grads[step], strict=True):
+            p.grad = g
+        opt.step()
+    saved = opt.state_dict()
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = ob.AdamW8bit(clones, lr=1.0)
+    opt2.load_state_dict(saved)
+    assert opt2.param_groups[0]["lr"] == 1e-2
+    for key, value in opt.state[params[0]].items():
+        assert opt2.state[clones[0]][key].dtype == value.dtype, key
+    for step in range(3, 6):
+        for p, q, g in zip(params, clones, grads[step], strict=True):
+            p.grad, q.grad = g, g.clone()
+        opt.step()
+        opt2.step()
+    for p, q in zip(params, clones, strict=True):
+        assert torch.equal(p, q)
+
+
+def test_bf16_params_keep_fp32_state_through_state_dict() -> None:
+    p = torch.nn.Parameter(torch.randn(64, 128).bfloat16())
+    opt = ob.AdamW8bit([p])
+    p.grad = torch.randn(64, 128).bfloat16()
+    opt.step()
+    assert p.dtype == torch.bfloat16
+    absmax = opt.state[p]["exp_avg_absmax"].clone()
+    opt.load_state_dict(opt.state_dict())
+    assert opt.state[p]["exp_avg_absmax"].dtype == torch.float32
+    assert torch.equal(opt.state[p]["exp_avg_absmax"], absmax)
+    assert opt.state[p]["exp_avg_codes"].dtype == torch.uint8
+
+
+def test_non_finite_gradient_behaves_like_adamw_and_poisons_the_block() -> None:
+    """Documented: NaN grads propagate to that element's param (as torch AdamW); the 8-bit
+    state of the whole block becomes NaN, which spreads to the block on the next step."""
+    a, b = _pair((64, 128))
+    ours, ref = ob.AdamW8bit([a], lr=1e-2), torch.optim.AdamW([b], lr=1e-2)
+    g = torch.randn(64, 128)
+    g[0, 5] = float("nan")
+    a.grad, b.grad = g.clone(), g.clone()
+    ours.step()
+    ref.step()
+    assert torch.equal(torch.isnan(a), torch.isnan(b)), "same elements NaN as AdamW on that step"
+    assert math.isnan(float(ours.state[a]["exp_avg_absmax"][0]))
+    assert math.isfinite(float(ours.state[a]["exp_avg_absmax"][1]))
+    a.grad = torch.randn(64, 128)
+    ours.step()
+    assert torch.isnan(a.detach().reshape(-1)[:256]).all()
+    assert torch.isfinite(a.detach().reshape(-1)[256:]).all(), "other blocks are unaffected"
+
+
+def test_block_policy() -> None:
+    policy = ob.AdamW8bit.block_policy(block_size=256)
+    assert policy == ob.adamw8bit_block_policy(256)
+    assert policy("w", torch.empty(64, 128)) == 256
+    assert policy("bias", torch.empty(100)) == 1, "fp32-state tensors need no alignment"
+    odd = torch.empty(4097)
+    assert policy("odd", odd) == 4097, "ragged last block: only the whole tensor divides numel"
+    for shape in [(64, 128), (100,), (4097,), (4096, 3)]:
+        t = torch.empty(shape)
+        assert t.numel() % policy("x", t) == 0
+    assert ob.Muon.block_policy()("w", torch.empty(8, 16)) == 1
+    assert ob.muon_block_policy(row_aligned=True)("w", torch.empty(8, 16)) == 16
+
+
+def test_bad_input_errors_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        ob.AdamW8bit([torch.nn.Parameter(torch.zeros(3))], block_size=0)
+    with pytest.raises(ValueError, match="betas"):
+        ob.AdamW8bit([torch.nn.Parameter(torch.zeros(3))], betas=(1.0, 0.9))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("unit", [256, 32, 1], ids=["aligned", "unit32", "elementwise"])
+def test_ragged_shards_bit_identical_to_single_device(world: int, unit: int) -> None:
+    """Block-aligned shards (unit 256) issue no collective; unaligned ones exchange edge
+    absmaxes; both give single-device states and params bit for bit, over 5 steps."""
+    specs = [
+        ragged_spec(s, world, unit if math.prod(s) % unit == 0 else 1, seed=world * 7 + i)
+        for i, s in enumerate(SHAPES)
+    ]
+    kwargs = {"lr": 1e-2, "weight_decay": 0.05, "block_size": 256}
+    results = run_threaded(dist_run_steps, world, "adamw8bit", SHAPES, specs, 5, kwargs)
+    single = run_steps(None, "adamw8bit", SHAPES, PLAIN, 5, kwargs)
+    check_against_single(results, single, SHAPES, specs, 256)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp2_shard0_bit_identical_to_single_device(world: int) -> None:
+    specs = [("chunk",)] * len(SHAPES)
+    kwargs = {"lr": 1e-2, "block_size": 128}
+    results = run_threaded(dist_run_steps, world, "adamw8bit", SHAPES, specs, 5, kwargs)
+    single = run_steps(None, "adamw8bit", SHAPES, PLAIN, 5, kwargs)
+    check_against_single(results, single, SHAPES, specs, 128)
+
+
+def test_bf16_ragged_bit_identical() -> None:
+    specs = [ragged_spec(s, 3, 1, seed=i) for i, s in enumerate(SHAPES)]
+    kwargs = {"lr": 1e-2}
+    results = run_threaded(dist_run_steps, 3, "adamw8bit", SHAPES, specs, 5, kwargs, torch.bfloat16)
+    single = run_steps(None, "adamw8bit", SHAPES, PLAIN, 5, kwargs, torch.bfloat16)
+    check_against_single(results, single, SHAPES, specs, 256)
+
+
+def _three_steps(rank: int, world: int, aligned: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [(64, 96)]
+    # seed 5: the unit-32 split puts a boundary inside a 256-block
+    specs = [ragged_spec(shapes[0], world, 256 if aligned else 32, seed=5)]
+    run_steps(mesh, "adamw8bit", shapes, specs, 3, {"block_size": 256})
+
+
+def test_aligned_shards_issue_no_collective(monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    import torch.distributed as dist
+
+    calls: list[int] = []
+    lock = threading.Lock()
+    original = dist.all_gather
+
+    def counting(*args: object, **kwargs: object) -> object:
+        with lock:
+            calls.append(1)
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dist, "all_gather", counting)
+    run_threaded(_three_steps, 2, True)
+    assert calls == []
+    # Unaligned: one batched all-gather per step on each rank.
+    run_threaded(_three_steps, 2, False)
+    assert len(calls) == 2 * 3

@@ -1,0 +1,203 @@
+"""Shared helpers for optim-blockwise tests: build sharded params, run N steps, slice references.
+
+No tests here; module-level functions so that spawned gloo processes can import them by name.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import optim_blockwise as ob
+import torch
+from ragged_dtensor import RaggedShard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+DEVICE_TYPE = "cpu"  # tests run on the CPU process groups (gloo / threaded)
+
+# A sharding spec (picklable): ("ragged", dims, units) | ("chunk",) | ("plain",)
+Spec = tuple[Any, ...]
+
+
+def random_units(total: int, world: int, seed: int, allow_zero: bool = True) -> tuple[int, ...]:
+    """A random composition of ``total`` into ``world`` parts (zeros allowed)."""
+    rng = random.Random(seed)
+    while True:
+        cuts = sorted(rng.randint(0, total) for _ in range(world - 1))
+        parts = [b - a for a, b in zip([0, *cuts], [*cuts, total], strict=True)]
+        if allow_zero or all(parts):
+            return tuple(parts)
+
+
+def ragged_spec(shape: tuple[int, ...], world: int, unit: int, seed: int) -> Spec:
+    """RaggedShard over all dims (element granularity) with units of ``unit`` elements."""
+    numel = math.prod(shape)
+    assert numel % unit == 0
+    return ("ragged", tuple(range(len(shape))), random_units(numel // unit, world, seed))
+
+
+def shard(full: torch.Tensor, mesh: DeviceMesh | None, spec: Spec) -> torch.Tensor:
+    """This rank's tensor for ``full`` under ``spec`` (a DTensor, or ``full`` itself)."""
+    if spec[0] == "plain" or mesh is None:
+        return full.clone()
+    if spec[0] == "chunk":
+        return distribute_tensor(full, mesh, [Shard(0)])
+    _, dims, units = spec
+    placement = RaggedShard(dims, units)
+    r = placement.flat_range(full.shape, mesh.get_local_rank(0))
+    local = full.reshape(-1)[r.start : r.stop].clone()
+    return DTensor.from_local(
+        local, mesh, [placement], shape=full.shape, stride=full.stride(), run_check=False
+    )
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if isinstance(t, DTensor) else t).reshape(-1)
+
+
+def make_optimizer(kind: str, params: list[Any], kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    if kind == "adamw8bit":
+        return ob.AdamW8bit(params, **kwargs)
+    if kind == "muon":
+        return ob.Muon(params, **kwargs)
+    raise ValueError(kind)
+
+
+def run_steps(  # noqa: PLR0917 - positional: passed through run_threaded/run_processes
+    mesh: DeviceMesh | None,
+    kind: str,
+    shapes: list[tuple[int, ...]],
+    specs: list[Spec],
+    steps: int,
+    kwargs: dict[str, Any],
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> list[dict[str, torch.Tensor]]:
+    """Run ``steps`` steps on seeded data; per param: local param and every state tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    fulls = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    params = [torch.nn.Parameter(shard(f, mesh, sp)) for f, sp in zip(fulls, specs, strict=True)]
+    opt = make_optimizer(kind, params, kwargs)
+    for step in range(steps):
+        for p, s, sp in zip(params, shapes, specs, strict=True):
+            # Vary magnitudes across steps and tensors so blocks see different scales.
+            scale = 10.0 ** ((step % 3) - 1)
+            p.grad = shard(torch.randn(s, generator=gen).mul(scale).to(dtype), mesh, sp)
+        opt.step()
+    out = []
+    for p in params:
+        record = {"param": local_of(p.detach()).clone()}
+        for key, value in opt.state[p].items():
+            if isinstance(value, torch.Tensor):
+                record[key] = value.clone()
+        out.append(record)
+    return out
+
+
+def dist_run_steps(rank: int, world: int, *args: Any) -> list[dict[str, torch.Tensor]]:
+    """``run_steps`` on a 1-D mesh of all ranks (for run_threaded / run_processes)."""
+    torch.manual_seed(0)
+    mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    return run_steps(mesh, *args)
+
+
+def expected_slice(
+    full_record: dict[str, torch.Tensor],
+    start: int,
+    stop: int,
+    block: int,
+) -> dict[str, torch.Tensor]:
+    """The part of a single-device record that the rank holding ``[start, stop)`` must hold."""
+    out = {}
+    for key, value in full_record.items():
+        if key == "step":
+            out[key] = value
+        elif key.endswith("_absmax"):
+            lo = start // block
+            hi = -(-stop // block) if stop > start else lo
+            out[key] = value[lo:hi]
+        else:
+            out[key] = value.reshape(-1)[start:stop]
+    return out
+
+
+def ranges_of(shape: tuple[int, ...], spec: Spec, world: int) -> list[tuple[int, int]]:
+    from optim_blockwise._private.layout import chunk_ranges
+
+    if spec[0] == "chunk":
+        return list(chunk_ranges(shape, world))
+    if spec[0] == "plain":
+        return [(0, math.prod(shape))] * world
+    _, _dims, units = spec
+    placement = RaggedShard(spec[1], units)
+    return [
+        (placement.flat_range(shape, k).start, placement.flat_range(shape, k).stop)
+        for k in range(world)
+    ]
+
+
+def assert_records_equal(
+    got: dict[str, torch.Tensor],
+    want: dict[str, torch.Tensor],
+    where: str,
+    atol: float = 0.0,
+) -> None:
+    assert set(got) == set(want), f"{where}: state keys {sorted(got)} != {sorted(want)}"
+    for key, b in want.items():
+        a = got[key]
+        assert a.dtype == b.dtype, f"{where}/{key}: dtype {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{where}/{key}: shape {tuple(a.shape)} != {tuple(b.shape)}"
+        if atol == 0.0 or not a.is_floating_point():
+            assert torch.equal(a, b), f"{where}/{key}: not bit-identical " + (
+                f"(max diff {(a.double() - b.double()).abs().max().item():.3g})"
+                if a.numel()
+                else ""
+            )
+        else:
+            label = f"{where}/{key}"
+            torch.testing.assert_close(
+                a, b, atol=atol, rtol=0.0, msg=lambda m, label=label: f"{label}: {m}"
+            )
+
+
+def check_against_single(  # noqa: PLR0917
+    results: list[list[dict[str, torch.Tensor]]],
+    single: list[dict[str, torch.Tensor]],
+    shapes: list[tuple[int, ...]],
+    specs: list[Spec],
+    block: int,
+    atol: float = 0.0,
+) -> None:
+    world = len(results)
+    for i, (shape, spec) in enumerate(zip(shapes, specs, strict=True)):
+        for rank, (lo, hi) in enumerate(ranges_of(shape, spec, world)):
+            want = expected_slice(single[i], lo, hi, block)
+            got = results[rank][i]
+            if spec[0] == "plain":
+                want = single[i]
+            assert_records_equal(got, want, f"param {i} shape {shape} {spec} rank {rank}", atol)
+
+
+def to_bytes(value: Any) -> bytes:
+    """Serialize for the result queue of spawned processes.
+
+    torch.multiprocessing ships tensors as shared-memory file descriptors, which break when the
+    sending process has exited before the parent unpickles them; plain bytes always arrive.
+    """
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes) -> Any:
+    import io
+
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def dist_run_steps_bytes(rank: int, world: int, *args: Any) -> bytes:
+    return to_bytes(dist_run_steps(rank, world, *args))
