@@ -49,8 +49,68 @@ METHODS = ("auto", "paper", "exact", "naive", "megatron", "model-order")
 _SCAN_WORK = 40_000_000
 _FIRST_BATCH = 16
 _MAX_BATCH = 4096
-_FILL_TRIES = 48
+_FILL_WORK = 40_000  # tensors placed by gap filling, all tries together
+_FILL_PER_BATCH = 4
+_FILL_ORDERS = 2
 _JUMP_TRIES = 200
+_ALL_ORDERS = 720
+_LOCAL_MAX_TENSORS = 64
+_LOCAL_TRIES = 8
+_LOCAL_ROUNDS = 6
+
+
+def _distinct_order_count(numels: Sequence[int], blocks: Sequence[int],
+                          indices: Sequence[int]) -> int:
+    """Multinomial count of distinct orders (tensors of equal numel and block are alike)."""
+    counts: dict[tuple[int, int], int] = {}
+    for i in indices:
+        counts[(numels[i], blocks[i])] = counts.get((numels[i], blocks[i]), 0) + 1
+    total = math.factorial(len(indices))
+    for c in counts.values():
+        total //= math.factorial(c)
+    return total
+
+
+def local_search(numels: Sequence[int], blocks: Sequence[int], orders: Sequence[tuple[int, ...]],
+                 shard: int, world_size: int) -> tuple[int, ...] | None:
+    """Steepest descent on the greedy's end over swap and move neighbourhoods at one S.
+
+    Starts from the given order whose greedy ends first; each round evaluates every swap of two
+    tensors and every move of one tensor to another position (one vectorised lane each) and keeps
+    the best. Returns an order that fits in ``world_size * shard``, or ``None``.
+    """
+    capacity = world_size * shard
+    sizes = np.array([shard], dtype=np.int64)
+    e_arr = np.array([[numels[i] for i in o] for o in orders], dtype=np.int64)
+    g_arr = np.array([[blocks[i] for i in o] for o in orders], dtype=np.int64)
+    ends = greedy_ends(e_arr, g_arr, sizes)[:, 0]
+    current, end = orders[int(np.argmin(ends))], int(ends.min())
+    n = len(current)
+    for _ in range(_LOCAL_ROUNDS):
+        neighbours: list[tuple[int, ...]] = []
+        for a in range(n):
+            for b in range(a + 1, n):
+                if (numels[current[a]], blocks[current[a]]) == (numels[current[b]],
+                                                                 blocks[current[b]]):
+                    continue
+                swapped = list(current)
+                swapped[a], swapped[b] = swapped[b], swapped[a]
+                neighbours.append(tuple(swapped))
+                moved = list(current)
+                moved.insert(b, moved.pop(a))
+                neighbours.append(tuple(moved))
+        if not neighbours:
+            return None
+        e_arr = np.array([[numels[i] for i in o] for o in neighbours], dtype=np.int64)
+        g_arr = np.array([[blocks[i] for i in o] for o in neighbours], dtype=np.int64)
+        ends = greedy_ends(e_arr, g_arr, sizes)[:, 0]
+        best = int(np.argmin(ends))
+        if int(ends[best]) <= capacity:
+            return neighbours[best]
+        if int(ends[best]) >= end:
+            return None
+        current, end = neighbours[best], int(ends[best])
+    return None
 
 
 def static_orders(numels: Sequence[int], blocks: Sequence[int],
@@ -99,65 +159,67 @@ def fill_offsets(numels: Sequence[int], blocks: Sequence[int], order: Sequence[i
                  shard: int, world_size: int) -> dict[int, int] | None:
     """Dynamic greedy with gap filling for one shard size; ``None`` if it does not fit.
 
-    Tensors of equal (numel, block) are interchangeable "kinds"; the preferred kind is the first
-    one in ``order`` with tensors left. When it would cross a boundary with a gap (the distance to
-    its earliest aligned start), the kind with the smallest gap is placed instead and the gap is
-    first filled with the largest whole tensors that fit in it (they stay inside one shard).
+    Tensors of equal (numel, block) are interchangeable "kinds". Block-1 tensors (norms, biases)
+    are *fillers*: they can cross a boundary anywhere, so they are kept back for boundaries.
+    The other kinds are placed in ``order``. When the next one would cross a boundary with a gap
+    (the distance to its earliest aligned start), in turn: a filler long enough to cross the
+    boundary is placed instead (no gap); else a kind that crosses without a gap; else the kind
+    with the smallest gap, the gap first filled with the largest whole tensors that fit in it
+    (they stay inside one shard). Leftover fillers go last.
     """
     kinds: dict[tuple[int, int], deque[int]] = {}
     for i in order:
         if numels[i] > 0:
             kinds.setdefault((numels[i], blocks[i]), deque()).append(i)
-    keys = list(kinds)
-    by_size = sorted(keys, key=lambda k: (-k[0], keys.index(k)))
+    mains = [k for k in kinds if k[1] > 1]
+    fillers = sorted((k for k in kinds if k[1] == 1), key=lambda k: k[0])
+    by_size = sorted(kinds, key=lambda k: -k[0])
     capacity = world_size * shard
     offsets: dict[int, int] = {}
     p = 0
-    left = sum(len(q) for q in kinds.values())
 
     def put(key: tuple[int, int], at: int) -> int:
-        index = kinds[key].popleft()
-        offsets[index] = at
+        offsets[kinds[key].popleft()] = at
         return at + key[0]
 
-    while left:
-        first = next(k for k in keys if kinds[k])
-        b = (p // shard + 1) * shard
-        if p + first[0] <= b:
-            p = put(first, p)
-            left -= 1
-            if p > capacity:
-                return None
-            continue
-        best: tuple[int, int] | None = None
-        best_at = 0
-        for key in keys:
-            if not kinds[key]:
-                continue
-            at = earliest_start(p, key[0], key[1], shard)
-            if at is not None and (best is None or at < best_at):
-                best, best_at = key, at
-                if at == p:
-                    break
-        if best is None:
-            return None
-        # Fill [p, best_at) with whole tensors; they cannot cross ``b`` since best_at <= b.
-        while best_at > p:
-            room = best_at - p
-            filler = next((k for k in by_size if kinds[k] and k[0] <= room
-                           and (k != best or len(kinds[k]) > 1)), None)
-            if filler is None:
+    while True:
+        first = next((k for k in mains if kinds[k]), None)
+        if first is None:
+            first = next((k for k in fillers if kinds[k]), None)
+            if first is None:
                 break
-            p = put(filler, p)
-            left -= 1
-        at = earliest_start(p, best[0], best[1], shard)
-        if at is None:
-            return None
-        p = put(best, at)
-        left -= 1
+        b = (p // shard + 1) * shard
+        at = earliest_start(p, first[0], first[1], shard)
+        if at == p:
+            p = put(first, p)
+        elif (cross := next((k for k in fillers if kinds[k] and p + k[0] > b), None)):
+            p = put(cross, p)
+        else:
+            best, best_at = first, at
+            for key in mains:
+                if kinds[key] and key != first:
+                    other = earliest_start(p, key[0], key[1], shard)
+                    if other is not None and (best_at is None or other < best_at):
+                        best, best_at = key, other
+                        if other == p:
+                            break
+            if best_at is None:
+                return None
+            # Fill [p, best_at) with whole tensors; they cannot cross ``b`` (best_at <= b).
+            while best_at > p:
+                room = best_at - p
+                filler = next((k for k in by_size if kinds[k] and k[0] <= room
+                               and (k != best or len(kinds[k]) > 1)), None)
+                if filler is None:
+                    break
+                p = put(filler, p)
+            at = earliest_start(p, best[0], best[1], shard)
+            if at is None:
+                return None
+            p = put(best, at)
         if p > capacity:
             return None
-    return offsets if p <= capacity else None
+    return offsets
 
 
 def _take(iterator: Iterator[int], count: int, limit: int) -> list[int]:
@@ -171,6 +233,44 @@ def _take(iterator: Iterator[int], count: int, limit: int) -> list[int]:
     return out
 
 
+class _Scanner:
+    """Static orders checked on successive batches of admissible shard sizes (vectorised)."""
+
+    def __init__(self, numels: Sequence[int], blocks: Sequence[int], orders: list[tuple[int, ...]],
+                 world_size: int, align: int, limit: int) -> None:
+        self.orders = orders
+        self.m = world_size
+        self.e = np.array([[numels[i] for i in o] for o in orders], dtype=np.int64)
+        self.g = np.array([[blocks[i] for i in o] for o in orders], dtype=np.int64)
+        self.candidates = candidate_shard_sizes(numels, blocks, world_size, align)
+        self.limit = limit
+        self.batch = _FIRST_BATCH
+        self.work = 0
+        self.tried: list[int] = []  # sizes where every static order failed, increasing
+        self.best_end: list[int] = []  # the best order's greedy end at each of them
+        self.exhausted = False
+
+    def step(self) -> tuple[int, tuple[int, ...]] | None:
+        """Check the next batch; the smallest fitting (S, order) in it, if any."""
+        chunk = _take(self.candidates, self.batch, self.limit)
+        if not chunk:
+            self.exhausted = True
+            return None
+        sizes = np.array(chunk, dtype=np.int64)
+        ends = greedy_ends(self.e, self.g, sizes)
+        ok = ends <= sizes[None, :] * self.m
+        self.work += ends.size * self.e.shape[1]
+        self.batch = min(self.batch * 4, _MAX_BATCH)
+        hits = np.flatnonzero(ok.any(axis=0))
+        j = int(hits[0]) if hits.size else len(chunk)
+        self.tried.extend(chunk[:j])
+        self.best_end.extend(int(x) for x in ends[:, :j].min(axis=0))
+        if j == len(chunk):
+            return None
+        self.exhausted = True
+        return chunk[j], self.orders[int(np.flatnonzero(ok[:, j])[0])]
+
+
 def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
     numels = [s.numel for s in specs]
     blocks = [s.block for s in specs]
@@ -181,62 +281,66 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
         return _make_plan(specs, m, align, upper.shard_size,
                           dict(enumerate(upper.offsets)), "auto")
     orders = static_orders(numels, blocks, nonempty)
-    e_arr = np.array([[numels[i] for i in o] for o in orders], dtype=np.int64)
-    g_arr = np.array([[blocks[i] for i in o] for o in orders], dtype=np.int64)
-    candidates = candidate_shard_sizes(numels, blocks, m, align)
-    limit = upper.shard_size
-    tried: list[int] = []
-    best_end: list[int] = []
-    found: tuple[int, tuple[int, ...]] | None = None
-    work, batch = 0, _FIRST_BATCH
-    while work < _SCAN_WORK:
-        chunk = _take(candidates, batch, limit)
-        if not chunk:
-            break
-        sizes = np.array(chunk, dtype=np.int64)
-        ends = greedy_ends(e_arr, g_arr, sizes)
-        ok = ends <= sizes[None, :] * m
-        work += ends.size * len(nonempty)
-        hits = np.flatnonzero(ok.any(axis=0))
-        if hits.size:
-            j = int(hits[0])
-            found = (chunk[j], orders[int(np.flatnonzero(ok[:, j])[0])])
-            tried.extend(chunk[:j])
-            best_end.extend(int(x) for x in ends[:, :j].min(axis=0))
-            break
-        tried.extend(chunk)
-        best_end.extend(int(x) for x in ends.min(axis=0))
-        batch = min(batch * 4, _MAX_BATCH)
+    exhaustive = _distinct_order_count(numels, blocks, nonempty) <= _ALL_ORDERS
+    if exhaustive:
+        # Small groups: every distinct order is a lane, so the scan is exact.
+        orders += [o for o in distinct_orders(numels, blocks, nonempty) if o not in orders]
+    scan = _Scanner(numels, blocks, orders, m, align, upper.shard_size)
 
-    # Gap filling on the smallest sizes the static orders could not use.
-    for shard in tried[:_FILL_TRIES]:
-        for order in orders[:3]:
-            offsets = fill_offsets(numels, blocks, order, shard, m)
-            if offsets is not None:
-                return _make_plan(specs, m, align, shard, offsets, "auto")
+    def done(shard: int, offsets: dict[int, int] | None) -> Plan:
+        assert offsets is not None
+        return _make_plan(specs, m, align, shard, offsets, "auto")
+
+    fill_work = 0
+    filled = 0  # scan.tried[:filled] have been tried with gap filling
+
+    def try_fill(upto: int) -> Plan | None:
+        """Local search and gap filling on failed sizes, smallest first, within budgets."""
+        nonlocal fill_work, filled
+        while filled < min(upto, len(scan.tried)) and fill_work < _FILL_WORK:
+            shard = scan.tried[filled]
+            filled += 1
+            if not exhaustive and len(nonempty) <= _LOCAL_MAX_TENSORS and filled <= _LOCAL_TRIES:
+                order = local_search(numels, blocks, orders, shard, m)
+                if order is not None:
+                    return done(shard, _place(numels, blocks, order, shard, m))
+            for order in orders[:_FILL_ORDERS]:
+                fill_work += len(nonempty)
+                offsets = fill_offsets(numels, blocks, order, shard, m)
+                if offsets is not None:
+                    return done(shard, offsets)
+        return None
+
+    found = None
+    while found is None and not scan.exhausted and scan.work < _SCAN_WORK:
+        found = scan.step()
+        if found is None and not exhaustive:
+            # Before scanning further, see whether gap filling makes a smaller size fit.
+            result = try_fill(filled + _FILL_PER_BATCH)
+            if result is not None:
+                return result
     if found is not None:
+        if not exhaustive and (result := try_fill(len(scan.tried))) is not None:
+            return result
         shard, order = found
-        placed = _place(numels, blocks, order, shard, m)
-        assert placed is not None
-        return _make_plan(specs, m, align, shard, placed, "auto")
+        return done(shard, _place(numels, blocks, order, shard, m))
 
-    # Budget spent (or nothing below the naive plan): jump from the best failing end.
-    if tried:
-        shard = tried[-1]
-        need = best_end[-1]
+    # Budgets spent (or nothing below the naive plan): jump from the best failing end.
+    if scan.tried and not scan.exhausted:
+        shard, need = scan.tried[-1], scan.best_end[-1]
         for _ in range(_JUMP_TRIES):
             shard = max(shard + align, round_up(-(-need // m), align))
             while not admissible(numels, blocks, m, align, shard):
                 shard += align
-            if shard >= limit:
+            if shard >= upper.shard_size:
                 break
-            sizes = np.array([shard], dtype=np.int64)
-            ends = greedy_ends(e_arr, g_arr, sizes)[:, 0]
+            ends = greedy_ends(scan.e, scan.g, np.array([shard], dtype=np.int64))[:, 0]
             hit = np.flatnonzero(ends <= shard * m)
             if hit.size:
-                placed = _place(numels, blocks, orders[int(hit[0])], shard, m)
-                assert placed is not None
-                return _make_plan(specs, m, align, shard, placed, "auto")
+                return done(shard, _place(numels, blocks, orders[int(hit[0])], shard, m))
+            offsets = fill_offsets(numels, blocks, orders[0], shard, m)
+            if offsets is not None:
+                return done(shard, offsets)
             need = int(ends.min())
     return _make_plan(specs, m, align, upper.shard_size, dict(enumerate(upper.offsets)), "auto")
 
