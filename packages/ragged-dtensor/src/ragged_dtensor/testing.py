@@ -9,6 +9,10 @@ Every package of the monorepo reuses these in its tests.
   of this process). Starts in milliseconds; use it for property tests over many shapes and meshes.
 
 ``fn(rank, world_size, *args)`` must be a module-level function (it is pickled for processes).
+
+Pitfall of threads: they share torch's global random generator, so ``torch.manual_seed(0)`` followed
+by ``torch.randn`` in each thread interleaves and gives every rank *different* data. Use a local
+``torch.Generator().manual_seed(0)`` (``torch.randn(..., generator=gen)``) in threaded bodies.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["DistributedFailure", "run_processes", "run_threaded", "free_port"]
+__all__ = ["CollectiveCounter", "DistributedFailure", "count_collectives", "free_port",
+           "run_processes", "run_threaded"]
 
 T = TypeVar("T")
 
@@ -166,6 +171,86 @@ def run_threaded(
         head = [f"ranks {missing} did not finish within {timeout:.0f} s"] if missing else []
         raise DistributedFailure("\n".join(head + errors))
     return [outcomes[r][1] for r in range(world_size)]
+
+
+_COUNTED = (
+    "all_gather_single", "all_gather_into_tensor", "all_gather", "reduce_scatter_single",
+    "reduce_scatter_tensor", "reduce_scatter", "all_reduce", "all_to_all_single", "all_to_all",
+    "broadcast", "scatter", "gather", "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    "all_gather_object", "broadcast_object_list",
+)
+
+
+class CollectiveCounter:
+    """Per-thread tally of ``torch.distributed`` collective calls and the bytes they send.
+
+    ``calls`` maps a collective's name to how many times this thread (rank) issued it; ``bytes``
+    to the bytes of its input tensors. It sees calls made through ``torch.distributed.<name>``
+    (every package here calls collectives that way), not torch-internal functional collectives.
+    """
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.calls.values())
+
+    def record(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+        size = 0
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                size = max(size, value.numel() * value.element_size())
+        self.bytes[name] = self.bytes.get(name, 0) + size
+
+
+_counter_state = threading.local()
+_counter_lock = threading.Lock()
+_counter_depth = 0
+_originals: dict[str, Callable[..., Any]] = {}
+
+
+def _counting(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        stack: list[CollectiveCounter] = getattr(_counter_state, "stack", [])
+        for counter in stack:
+            counter.record(name, args, kwargs)
+        return original(*args, **kwargs)
+
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+class count_collectives:  # noqa: N801 - used as a context manager, like torch's modes
+    """``with count_collectives() as c: ...`` then ``c.calls`` / ``c.bytes`` / ``c.total``."""
+
+    def __enter__(self) -> CollectiveCounter:
+        global _counter_depth
+        with _counter_lock:
+            if _counter_depth == 0:
+                for name in _COUNTED:
+                    original = getattr(dist, name)
+                    _originals[name] = original
+                    setattr(dist, name, _counting(name, original))
+            _counter_depth += 1
+        self.counter = CollectiveCounter()
+        stack = getattr(_counter_state, "stack", None)
+        if stack is None:
+            stack = _counter_state.stack = []
+        stack.append(self.counter)
+        return self.counter
+
+    def __exit__(self, *exc: object) -> None:
+        global _counter_depth
+        _counter_state.stack.remove(self.counter)
+        with _counter_lock:
+            _counter_depth -= 1
+            if _counter_depth == 0:
+                for name, original in _originals.items():
+                    setattr(dist, name, original)
+                _originals.clear()
 
 
 if sys.platform == "win32":  # pragma: no cover

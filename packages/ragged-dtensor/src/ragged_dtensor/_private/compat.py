@@ -120,6 +120,13 @@ def _install_redistribute() -> None:
     _INSTALLED["redistribute"] = True
 
 
+def _local_numel(spec: DTensorSpec) -> int:
+    axis = ragged_axis(spec.placements)
+    assert axis is not None
+    return steps_expected_local(spec, x_shape(tuple(spec.shape), spec.mesh, spec.placements),
+                                spec.mesh, axis)
+
+
 def _install_propagator() -> None:
     propagator = DTensor._op_dispatcher.sharding_propagator
     original = propagator.propagate_op_sharding_non_cached
@@ -128,7 +135,7 @@ def _install_propagator() -> None:
     @functools.wraps(original)
     def propagate(op_schema: OpSchema) -> OutputSharding:
         if ops.schema_has_ragged(op_schema):
-            return ops.propagate_ragged(op_schema, tensor_meta)
+            return ops.propagate_ragged(op_schema, tensor_meta, _local_numel)
         return original(op_schema)
 
     propagator.propagate_op_sharding_non_cached = propagate  # type: ignore[method-assign]

@@ -235,7 +235,7 @@ def _reduction(schema: OpSchema, meta: object) -> OutputSharding | None:
             placements = _reduced_placements(spec, lambda: _norm_partial(ord_))
             return OutputSharding(_with_meta(spec, placements, meta))
         raise _error(op, spec, f"norm over dims {dim} of a flat ragged share is not supported")
-    if op.name() == "aten::_foreach_norm":
+    if op.name().split(".")[0] == "aten::_foreach_norm":
         specs = args[0]
         assert isinstance(specs, list | tuple)
         ord_ = args[1] if len(args) > 1 else schema.kwargs_schema.get("ord", 2)
@@ -248,13 +248,56 @@ def _reduction(schema: OpSchema, meta: object) -> OutputSharding | None:
     return None
 
 
-def propagate_ragged(schema: OpSchema, tensor_meta: Callable[[OpSchema], Any]) -> OutputSharding:
-    """The output sharding of ``schema`` (which has at least one ragged operand), or raise."""
+# ops whose size (and stride) argument names the *global* shape: index of size, of stride
+_SHAPE_ARG_OPS: dict[torch._ops.OpOverload, tuple[int, int | None]] = {
+    aten.new_empty_strided.default: (1, 2),
+    aten.new_empty.default: (1, None),
+    aten.new_zeros.default: (1, None),
+    aten.new_ones.default: (1, None),
+    aten.new_full.default: (1, None),
+    aten.view.default: (1, None),
+    aten._unsafe_view.default: (1, None),
+    aten.reshape.default: (1, None),
+    aten.expand.default: (1, None),
+}
+
+
+def _shape_arg_op(schema: OpSchema, meta: object, local_numel: Callable[[DTensorSpec], int],
+                  ) -> OutputSharding | None:
+    """Same-shape views and ``new_*`` factories: rewrite the size to this rank's flat share."""
+    op = schema.op
+    if op not in _SHAPE_ARG_OPS:
+        return None
+    spec = schema.args_schema[0]
+    assert isinstance(spec, DTensorSpec)
+    size_idx, stride_idx = _SHAPE_ARG_OPS[op]
+    size = schema.args_schema[size_idx]
+    assert isinstance(size, list | tuple)
+    if [int(s) for s in size] != list(spec.shape):
+        raise _error(op, spec, f"size {list(size)} differs from the global shape; a ragged "
+                     "share is a flat range, so only same-shape views/factories are supported")
+    args = list(schema.args_schema)
+    args[size_idx] = [local_numel(spec)]
+    if stride_idx is not None:
+        args[stride_idx] = [1]
+    new_schema = OpSchema(op, tuple(args), schema.kwargs_schema, schema_info=schema.schema_info)
+    assert isinstance(meta, TensorMeta)
+    return OutputSharding(_with_meta(spec, spec.placements, meta), redistribute_schema=new_schema,
+                          needs_redistribute=True, use_val_from_redistribute_schema=True)
+
+
+def propagate_ragged(schema: OpSchema, tensor_meta: Callable[[OpSchema], Any],
+                     local_numel: Callable[[DTensorSpec], int]) -> OutputSharding:
+    """The output sharding of ``schema`` (which has at least one ragged operand), or raise.
+
+    ``local_numel(spec)`` is this rank's number of elements of a ragged spec (the only
+    rank-dependent input; the propagator's cache is per thread, hence per rank).
+    """
     op = schema.op
     meta = tensor_meta(schema)
-    reduced = _reduction(schema, meta)
-    if reduced is not None:
-        return reduced
+    for rule in (_reduction(schema, meta), _shape_arg_op(schema, meta, local_numel)):
+        if rule is not None:
+            return rule
     if _is_elementwise(op):
         return _elementwise(schema, meta)
     spec = _first_ragged(schema)
