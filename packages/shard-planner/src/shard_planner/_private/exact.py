@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shard_planner._private.bounds import candidate_shard_sizes
+from shard_planner._private.bounds import admissible_shard_sizes
 from shard_planner._private.greedy import greedy_ends
 from shard_planner._private.plan import Plan
 from shard_planner._private.search import _make_plan, _place, distinct_orders
@@ -44,7 +44,7 @@ def exact_plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> 
     orders = distinct_orders(numels, blocks, nonempty)
     e_arr = np.array([[numels[i] for i in o] for o in orders], dtype=np.int64)
     g_arr = np.array([[blocks[i] for i in o] for o in orders], dtype=np.int64)
-    candidates = candidate_shard_sizes(numels, blocks, m, align)
+    candidates = admissible_shard_sizes(numels, blocks, m, align)
     batch = 8
     while True:
         chunk = [next(candidates) for _ in range(batch)]

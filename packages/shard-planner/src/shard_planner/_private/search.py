@@ -33,7 +33,7 @@ import numpy as np
 from shard_planner._private.baselines import naive_plan
 from shard_planner._private.bounds import (
     admissible,
-    candidate_shard_sizes,
+    admissible_shard_sizes,
     lower_bound_shard_size,
     round_up,
 )
@@ -163,9 +163,10 @@ def fill_offsets(numels: Sequence[int], blocks: Sequence[int], order: Sequence[i
     are *fillers*: they can cross a boundary anywhere, so they are kept back for boundaries.
     The other kinds are placed in ``order``. When the next one would cross a boundary with a gap
     (the distance to its earliest aligned start), in turn: a filler long enough to cross the
-    boundary is placed instead (no gap); else a kind that crosses without a gap; else the kind
-    with the smallest gap, the gap first filled with the largest whole tensors that fit in it
-    (they stay inside one shard). Leftover fillers go last.
+    boundary is placed instead (no gap); else, if the gap is only an alignment gap (shorter than
+    the block), the tensor itself; else the kind with the smallest gap. The gap is first filled
+    with the largest whole tensors that fit in it (they stay inside one shard). Leftover fillers
+    go last.
     """
     kinds: dict[tuple[int, int], deque[int]] = {}
     for i in order:
@@ -174,20 +175,25 @@ def fill_offsets(numels: Sequence[int], blocks: Sequence[int], order: Sequence[i
     mains = [k for k in kinds if k[1] > 1]
     fillers = sorted((k for k in kinds if k[1] == 1), key=lambda k: k[0])
     by_size = sorted(kinds, key=lambda k: -k[0])
+    # The preferred sequence: main tensors in ``order``, then fillers; placed ones are skipped.
+    sequence = [i for i in order if numels[i] > 0 and blocks[i] > 1]
+    sequence += [kinds[k][j] for k in fillers for j in range(len(kinds[k]))]
     capacity = world_size * shard
     offsets: dict[int, int] = {}
     p = 0
+    cursor = 0
 
     def put(key: tuple[int, int], at: int) -> int:
         offsets[kinds[key].popleft()] = at
         return at + key[0]
 
     while True:
-        first = next((k for k in mains if kinds[k]), None)
-        if first is None:
-            first = next((k for k in fillers if kinds[k]), None)
-            if first is None:
-                break
+        while cursor < len(sequence) and sequence[cursor] in offsets:
+            cursor += 1
+        if cursor == len(sequence):
+            break
+        nxt = sequence[cursor]
+        first = (numels[nxt], blocks[nxt])
         b = (p // shard + 1) * shard
         at = earliest_start(p, first[0], first[1], shard)
         if at == p:
@@ -196,7 +202,9 @@ def fill_offsets(numels: Sequence[int], blocks: Sequence[int], order: Sequence[i
             p = put(cross, p)
         else:
             best, best_at = first, at
-            for key in mains:
+            # An alignment gap (shorter than a block) is cheap: keep the order. A longer one
+            # means the tensor would skip to the next shard: look for a better kind first.
+            for key in mains if at is None or at - p >= first[1] else ():
                 if kinds[key] and key != first:
                     other = earliest_start(p, key[0], key[1], shard)
                     if other is not None and (best_at is None or other < best_at):
@@ -242,7 +250,7 @@ class _Scanner:
         self.m = world_size
         self.e = np.array([[numels[i] for i in o] for o in orders], dtype=np.int64)
         self.g = np.array([[blocks[i] for i in o] for o in orders], dtype=np.int64)
-        self.candidates = candidate_shard_sizes(numels, blocks, world_size, align)
+        self.candidates = admissible_shard_sizes(numels, blocks, world_size, align)
         self.limit = limit
         self.batch = _FIRST_BATCH
         self.work = 0
@@ -389,7 +397,7 @@ def _model_order(specs: Sequence[TensorSpec], world_size: int, align: int) -> Pl
     numels = [s.numel for s in specs]
     blocks = [s.block for s in specs]
     order = [i for i, e in enumerate(numels) if e > 0]
-    for shard in candidate_shard_sizes(numels, blocks, world_size, align):
+    for shard in admissible_shard_sizes(numels, blocks, world_size, align):
         placed = _place(numels, blocks, order, shard, world_size)
         if placed is not None:
             return _make_plan(specs, world_size, align, shard, placed, "model-order")
