@@ -1,0 +1,51 @@
+"""Hypothesis: every method's plan satisfies every invariant on random groups.
+
+Example counts come from FUZZ_EXAMPLES (default 300; ``nox -s fuzz`` runs 10,000).
+"""
+
+from __future__ import annotations
+
+from planner_testing import FUZZ_EXAMPLES, check_plan_independently, groups
+from hypothesis import HealthCheck, given, settings
+
+import shard_planner as sp
+
+Case = tuple[list[sp.TensorSpec], int, int]
+SETTINGS = settings(max_examples=FUZZ_EXAMPLES, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(groups())
+def test_property_auto_plan_is_valid_bounded_and_deterministic(case: Case) -> None:
+    specs, world, align = case
+    p = sp.plan(specs, world, align)
+    p.validate()
+    check_plan_independently(p, specs)
+    assert p.shard_size >= sp.lower_bound(specs, world, align)
+    for baseline in ("naive", "megatron", "paper"):
+        assert p.shard_size <= sp.plan(specs, world, align, method=baseline).shard_size
+    again = sp.plan(list(specs), world, align)
+    assert again == p and hash(again) == hash(p) and again.fingerprint == p.fingerprint
+
+
+@SETTINGS
+@given(groups())
+def test_property_every_method_is_valid(case: Case) -> None:
+    specs, world, align = case
+    for method in ("paper", "naive", "megatron", "model-order"):
+        p = sp.plan(specs, world, align, method=method)
+        p.validate()
+        check_plan_independently(p, specs)
+
+
+@SETTINGS
+@given(groups(max_tensors=4, max_blocks=12))
+def test_property_auto_matches_exact_on_tiny_groups(case: Case) -> None:
+    specs, world, align = case
+    exact = sp.exact_plan(specs, world, align)
+    exact.validate()
+    check_plan_independently(exact, specs)
+    assert sp.lower_bound(specs, world, align) <= exact.shard_size
+    # With at most 720 distinct orders the fast planner checks them all: it must be optimal.
+    assert sp.plan(specs, world, align).shard_size == exact.shard_size
