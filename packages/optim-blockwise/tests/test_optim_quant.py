@@ -153,3 +153,28 @@ def test_property_shard_with_head_offset_equals_whole(
     # A shard's own partial absmax is a lower bound of the whole block's.
     local = ob.block_absmax(part, block, head)
     assert torch.all(local <= part_absmax)
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_table_lookup_equals_binary_search_nearest_code(signed: bool) -> None:
+    """The bucketed lookup returns exactly ``searchsorted(midpoints, x)`` everywhere, including
+    exactly on midpoints and one ulp either side of them."""
+    from optim_blockwise._private.quant import _map_and_midpoints, nearest_code
+
+    code, mid = _map_and_midpoints(signed, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    xs = [
+        torch.rand(200_000, generator=gen),
+        torch.logspace(-12, 0, 100_000),
+        mid,
+        torch.nextafter(mid, torch.full_like(mid, 2.0)),
+        torch.nextafter(mid, torch.full_like(mid, -2.0)),
+        code,
+        torch.tensor([0.0, 1.0, 1e-45, 1e-38]),
+    ]
+    x = torch.cat(xs).clamp(-1, 1)
+    if signed:
+        x = torch.cat([x, -x])
+    else:
+        x = x.abs()
+    assert torch.equal(nearest_code(x, signed), torch.searchsorted(mid, x))
