@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 
 from hypothesis import strategies as st
-
 from shard_planner import Plan, TensorSpec
 
 FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "300"))
@@ -22,12 +22,13 @@ def check_plan_independently(p: Plan, specs: Sequence[TensorSpec]) -> None:
     assert m * s >= sum(x.numel for x in specs)
     assert p.padding == m * s - p.total_numel >= 0
     assert sorted(p.order) == list(range(len(specs)))
-    intervals = sorted((p.offsets[i], p.offsets[i] + x.numel, i) for i, x in enumerate(specs)
-                       if x.numel > 0)
-    for (a0, a1, _), (b0, _, _) in zip(intervals, intervals[1:], strict=False):
+    intervals = sorted(
+        (p.offsets[i], p.offsets[i] + x.numel, i) for i, x in enumerate(specs) if x.numel > 0
+    )
+    for (_, a1, _), (b0, _, _) in itertools.pairwise(intervals):
         assert a1 <= b0, "intervals overlap"
     for start, stop, i in intervals:
-        assert 0 <= start and stop <= m * s
+        assert start >= 0 and stop <= m * s
         for k in range(1, m):
             if start < k * s < stop:
                 assert (k * s - start) % specs[i].block == 0, f"boundary {k * s} cuts tensor {i}"
@@ -64,9 +65,12 @@ def check_plan_independently(p: Plan, specs: Sequence[TensorSpec]) -> None:
 
 
 @st.composite
-def groups(draw: st.DrawFn, max_tensors: int = 10, max_blocks: int = 24,
-           block_choices: Sequence[int] = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32)
-           ) -> tuple[list[TensorSpec], int, int]:
+def groups(
+    draw: st.DrawFn,
+    max_tensors: int = 10,
+    max_blocks: int = 24,
+    block_choices: Sequence[int] = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32),
+) -> tuple[list[TensorSpec], int, int]:
     """(specs, world_size, align) for small random groups, zero-size tensors included."""
     n = draw(st.integers(1, max_tensors))
     specs = []

@@ -6,9 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from planner_testing import check_plan_independently
-
 import shard_planner as sp
+from planner_testing import check_plan_independently
 from shard_planner import Slice, TensorSpec
 
 
@@ -39,7 +38,7 @@ def test_bad_input_raises_value_error_naming_it(make, message) -> None:  # type:
 
 
 def test_error_names_the_tensor() -> None:
-    with pytest.raises(ValueError, match="'layers.0.w'"):
+    with pytest.raises(ValueError, match=r"'layers\.0\.w'"):
         TensorSpec(12, 5, "layers.0.w")
 
 
@@ -74,7 +73,8 @@ def test_rank_slices_exact_values() -> None:
     p = sp.plan(specs, 2, 6)
     assert p.shard_size == 6
     assert p.rank_slices(0) == (Slice(0, 0, 6, 0, 6),) or p.rank_slices(0) == (
-        Slice(1, 0, 6, 0, 6),)
+        Slice(1, 0, 6, 0, 6),
+    )
     assert p.local_units(0) in ((3, 0), (0, 3))
     with pytest.raises(ValueError, match="rank 2 out of range"):
         p.rank_slices(2)
@@ -84,16 +84,40 @@ def test_rank_slices_exact_values() -> None:
 
 def test_validate_catches_a_cut_block_and_overlap() -> None:
     good = sp.plan([TensorSpec(8, 4, "w"), TensorSpec(8, 4, "v")], 2)
-    bad = sp.Plan(world_size=2, shard_size=8, align=1, numels=(8, 8), blocks=(4, 4),
-                  names=("w", "v"), offsets=(2, 10), order=(0, 1))
+    bad = sp.Plan(
+        world_size=2,
+        shard_size=8,
+        align=1,
+        numels=(8, 8),
+        blocks=(4, 4),
+        names=("w", "v"),
+        offsets=(2, 10),
+        order=(0, 1),
+    )
     with pytest.raises(ValueError, match=r"'w'\): shard boundary 8 cuts a block"):
         bad.validate()
-    overlap = sp.Plan(world_size=2, shard_size=8, align=1, numels=(8, 8), blocks=(4, 4),
-                      names=("w", "v"), offsets=(0, 4), order=(0, 1))
+    overlap = sp.Plan(
+        world_size=2,
+        shard_size=8,
+        align=1,
+        numels=(8, 8),
+        blocks=(4, 4),
+        names=("w", "v"),
+        offsets=(0, 4),
+        order=(0, 1),
+    )
     with pytest.raises(ValueError, match="overlaps"):
         overlap.validate()
-    outside = sp.Plan(world_size=2, shard_size=8, align=1, numels=(8, 8), blocks=(4, 4),
-                      names=("w", "v"), offsets=(0, 12), order=(0, 1))
+    outside = sp.Plan(
+        world_size=2,
+        shard_size=8,
+        align=1,
+        numels=(8, 8),
+        blocks=(4, 4),
+        names=("w", "v"),
+        offsets=(0, 12),
+        order=(0, 1),
+    )
     with pytest.raises(ValueError, match="outside the buffer"):
         outside.validate()
     good.validate()
@@ -117,9 +141,13 @@ print(sp.plan(specs, 13, 8).fingerprint)
 def test_fingerprint_is_stable_across_processes_and_hash_seeds() -> None:
     prints = set()
     for seed in ("0", "1", "12345"):
-        out = subprocess.run([sys.executable, "-c", _FINGERPRINT_SCRIPT], check=True,
-                             capture_output=True, text=True, env={"PYTHONHASHSEED": seed,
-                                                                  "PATH": ""})
+        out = subprocess.run(
+            [sys.executable, "-c", _FINGERPRINT_SCRIPT],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={"PYTHONHASHSEED": seed, "PATH": ""},
+        )
         prints.add(out.stdout.strip())
     assert len(prints) == 1
     (value,) = prints

@@ -5,14 +5,14 @@ Example counts come from FUZZ_EXAMPLES (default 300; ``nox -s fuzz`` runs 10,000
 
 from __future__ import annotations
 
-from planner_testing import FUZZ_EXAMPLES, check_plan_independently, groups
-from hypothesis import HealthCheck, given, settings
-
 import shard_planner as sp
+from hypothesis import HealthCheck, given, settings
+from planner_testing import FUZZ_EXAMPLES, check_plan_independently, groups
 
 Case = tuple[list[sp.TensorSpec], int, int]
-SETTINGS = settings(max_examples=FUZZ_EXAMPLES, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @SETTINGS

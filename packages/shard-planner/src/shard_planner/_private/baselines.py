@@ -39,17 +39,33 @@ def _aligned_concat(specs: Sequence[TensorSpec], units: Sequence[int]) -> tuple[
     return offsets, p
 
 
-def _finish(specs: Sequence[TensorSpec], world_size: int, align: int, step: int,
-            offsets: list[int], end: int, method: str) -> Plan:
+def _finish(
+    specs: Sequence[TensorSpec],
+    world_size: int,
+    align: int,
+    *,
+    step: int,
+    offsets: list[int],
+    end: int,
+    method: str,
+) -> Plan:
     shard = max(round_up(-(-end // world_size), step), step)
     capacity = world_size * shard
-    offsets = [min(o, capacity - 1) if s.numel == 0 else o
-               for o, s in zip(offsets, specs, strict=True)]
+    offsets = [
+        min(o, capacity - 1) if s.numel == 0 else o for o, s in zip(offsets, specs, strict=True)
+    ]
     order = tuple(sorted(range(len(specs)), key=lambda i: (offsets[i], i)))
-    return Plan(world_size=world_size, shard_size=shard, align=align,
-                numels=tuple(s.numel for s in specs), blocks=tuple(s.block for s in specs),
-                names=tuple(s.name for s in specs), offsets=tuple(offsets), order=order,
-                method=method)
+    return Plan(
+        world_size=world_size,
+        shard_size=shard,
+        align=align,
+        numels=tuple(s.numel for s in specs),
+        blocks=tuple(s.block for s in specs),
+        names=tuple(s.name for s in specs),
+        offsets=tuple(offsets),
+        order=order,
+        method=method,
+    )
 
 
 def _lcm_of_blocks(specs: Sequence[TensorSpec], align: int) -> int:
@@ -61,7 +77,7 @@ def naive_plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> 
     check_inputs(specs, world_size, align)
     step = _lcm_of_blocks(specs, align) if world_size > 1 else align
     offsets, end = _aligned_concat(specs, [s.block if world_size > 1 else 1 for s in specs])
-    return _finish(specs, world_size, align, step, offsets, end, "naive")
+    return _finish(specs, world_size, align, step=step, offsets=offsets, end=end, method="naive")
 
 
 def megatron_plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> Plan:
@@ -69,7 +85,9 @@ def megatron_plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1) 
     check_inputs(specs, world_size, align)
     chunk = _lcm_of_blocks(specs, align)
     offsets, end = _aligned_concat(specs, [chunk] * len(specs))
-    return _finish(specs, world_size, align, chunk, offsets, end, "megatron")
+    return _finish(
+        specs, world_size, align, step=chunk, offsets=offsets, end=end, method="megatron"
+    )
 
 
 @attrs.frozen
@@ -99,8 +117,9 @@ class Fsdp2Layout:
         return self.padding / self.total_numel if self.total_numel else 0.0
 
 
-def fsdp2_layout(shapes: Sequence[Sequence[int]], blocks: Sequence[int],
-                 world_size: int) -> Fsdp2Layout:
+def fsdp2_layout(
+    shapes: Sequence[Sequence[int]], blocks: Sequence[int], world_size: int
+) -> Fsdp2Layout:
     """Per-rank storage of FSDP2's even dim-0 split of tensors of the given shapes.
 
     A rank stores ``ceil(dim0 / m)`` rows of ``prod(shape[1:])`` elements of every tensor (the
@@ -121,5 +140,6 @@ def fsdp2_layout(shapes: Sequence[Sequence[int]], blocks: Sequence[int],
         chunk = rows * row
         if numel and world_size > 1 and chunk < numel and chunk % block != 0:
             cuts.append(index)
-    return Fsdp2Layout(world_size=world_size, shard_numel=shard, total_numel=total,
-                       cuts_blocks=tuple(cuts))
+    return Fsdp2Layout(
+        world_size=world_size, shard_numel=shard, total_numel=total, cuts_blocks=tuple(cuts)
+    )

@@ -10,9 +10,9 @@ Take a non-empty tensor of ``e = n*g`` elements (``n`` blocks of ``g``) and ``m 
   blocks of at most ``S`` elements each, so ``e <= 2*g*floor(S/g)``, i.e. ``S >= tau``, with
   ``tau = g*ceil(n/2)``.
 So for ``S < tau`` the shard size must be a multiple of ``g``, and for ``S >= tau`` the tensor
-alone constrains nothing (beyond ``g <= S``). The set of tensors "forcing" their block on S shrinks as S grows; the
-breakpoints are the ``tau`` values. Between two breakpoints every admissible S is a multiple of
-``L = lcm(align, forced blocks)``.
+alone constrains nothing (beyond ``g <= S``). The set of tensors "forcing" their block on S
+shrinks as S grows; the breakpoints are the ``tau`` values. Between two breakpoints every
+admissible S is a multiple of ``L = lcm(align, forced blocks)``.
 
 [Note: what the tensors force together: boundaries and runs]
 A boundary lies strictly inside at most one tensor. A tensor longer than S contains at least
@@ -69,8 +69,9 @@ def _thresholds(numels: Sequence[int], blocks: Sequence[int]) -> dict[int, int]:
     return taus
 
 
-def admissible(numels: Sequence[int], blocks: Sequence[int], world_size: int, align: int,
-               shard_size: int) -> bool:
+def admissible(
+    numels: Sequence[int], blocks: Sequence[int], world_size: int, align: int, shard_size: int
+) -> bool:
     """Whether ``shard_size`` passes every necessary condition of the module Note."""
     s = shard_size
     if s < 1 or s % align != 0 or world_size * s < sum(numels):
@@ -89,8 +90,12 @@ def admissible(numels: Sequence[int], blocks: Sequence[int], world_size: int, al
     return bool(admissible_mask(e_arr, g_arr, world_size, np.array([s], dtype=np.int64))[0])
 
 
-def admissible_mask(numels: npt.NDArray[np.int64], blocks: npt.NDArray[np.int64], world_size: int,
-                    shard_sizes: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+def admissible_mask(
+    numels: npt.NDArray[np.int64],
+    blocks: npt.NDArray[np.int64],
+    world_size: int,
+    shard_sizes: npt.NDArray[np.int64],
+) -> npt.NDArray[np.bool_]:
     """The joint conditions (boundary count, runs of single crossers) for each shard size.
 
     Assumes the per-tensor conditions hold (sizes from ``candidate_shard_sizes``).
@@ -117,8 +122,9 @@ def admissible_mask(numels: npt.NDArray[np.int64], blocks: npt.NDArray[np.int64]
     return np.asarray(ok & (n_single + runs <= m), dtype=bool)
 
 
-def admissible_shard_sizes(numels: Sequence[int], blocks: Sequence[int], world_size: int,
-                           align: int, batch: int = 64) -> Iterator[int]:
+def admissible_shard_sizes(
+    numels: Sequence[int], blocks: Sequence[int], world_size: int, align: int, batch: int = 64
+) -> Iterator[int]:
     """Every shard size passing all necessary conditions, increasing (infinite generator)."""
     sizes = candidate_shard_sizes(numels, blocks, world_size, align)
     e_arr = np.asarray(numels, dtype=np.int64)
@@ -128,8 +134,9 @@ def admissible_shard_sizes(numels: Sequence[int], blocks: Sequence[int], world_s
         yield from (int(c) for c in chunk[admissible_mask(e_arr, g_arr, world_size, chunk)])
 
 
-def candidate_shard_sizes(numels: Sequence[int], blocks: Sequence[int], world_size: int,
-                          align: int) -> Iterator[int]:
+def candidate_shard_sizes(
+    numels: Sequence[int], blocks: Sequence[int], world_size: int, align: int
+) -> Iterator[int]:
     """Every admissible shard size in increasing order (an infinite generator)."""
     total = sum(numels)
     lo = max(-(-total // world_size), 1)
@@ -140,7 +147,7 @@ def candidate_shard_sizes(numels: Sequence[int], blocks: Sequence[int], world_si
             s += align
     nonempty_blocks = [g for e, g in zip(numels, blocks, strict=True) if e > 0]
     if nonempty_blocks:
-        lo = max(lo, max(nonempty_blocks))
+        lo = max(lo, *nonempty_blocks)
     taus = _thresholds(numels, blocks)
     breakpoints = sorted(set(taus.values()))
     s = lo
@@ -157,7 +164,8 @@ def candidate_shard_sizes(numels: Sequence[int], blocks: Sequence[int], world_si
         s = upper
 
 
-def lower_bound_shard_size(numels: Sequence[int], blocks: Sequence[int], world_size: int,
-                           align: int) -> int:
+def lower_bound_shard_size(
+    numels: Sequence[int], blocks: Sequence[int], world_size: int, align: int
+) -> int:
     """The smallest admissible shard size: no plan of this group can have a smaller one."""
     return next(admissible_shard_sizes(numels, blocks, world_size, align))

@@ -85,19 +85,60 @@ class Model:
 
 # Published hyper-parameters (copied; the shapes below are our derivation).
 CONFIGS: dict[str, dict[str, int | bool]] = {
-    "llama3-8b": {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 8, "head_dim": 128,
-                  "ffn": 14336, "vocab": 128256},
-    "llama3-70b": {"hidden": 8192, "layers": 80, "heads": 64, "kv_heads": 8, "head_dim": 128,
-                   "ffn": 28672, "vocab": 128256},
-    "gpt-oss-120b": {"hidden": 2880, "layers": 36, "heads": 64, "kv_heads": 8, "head_dim": 64,
-                     "vocab": 201088, "experts": 128, "expert_ffn": 2880},
-    "deepseek-v3-671b": {"hidden": 7168, "layers": 61, "first_dense_layers": 3,
-                         "dense_ffn": 18432, "vocab": 129280, "heads": 128, "q_lora_rank": 1536,
-                         "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-                         "v_head_dim": 128, "routed_experts": 256, "shared_experts": 1,
-                         "expert_ffn": 2048},
-    "qwen3-30b-a3b": {"hidden": 2048, "layers": 48, "heads": 32, "kv_heads": 4, "head_dim": 128,
-                      "vocab": 151936, "experts": 128, "expert_ffn": 768},
+    "llama3-8b": {
+        "hidden": 4096,
+        "layers": 32,
+        "heads": 32,
+        "kv_heads": 8,
+        "head_dim": 128,
+        "ffn": 14336,
+        "vocab": 128256,
+    },
+    "llama3-70b": {
+        "hidden": 8192,
+        "layers": 80,
+        "heads": 64,
+        "kv_heads": 8,
+        "head_dim": 128,
+        "ffn": 28672,
+        "vocab": 128256,
+    },
+    "gpt-oss-120b": {
+        "hidden": 2880,
+        "layers": 36,
+        "heads": 64,
+        "kv_heads": 8,
+        "head_dim": 64,
+        "vocab": 201088,
+        "experts": 128,
+        "expert_ffn": 2880,
+    },
+    "deepseek-v3-671b": {
+        "hidden": 7168,
+        "layers": 61,
+        "first_dense_layers": 3,
+        "dense_ffn": 18432,
+        "vocab": 129280,
+        "heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "routed_experts": 256,
+        "shared_experts": 1,
+        "expert_ffn": 2048,
+    },
+    "qwen3-30b-a3b": {
+        "hidden": 2048,
+        "layers": 48,
+        "heads": 32,
+        "kv_heads": 4,
+        "head_dim": 128,
+        "vocab": 151936,
+        "experts": 128,
+        "expert_ffn": 768,
+    },
 }
 
 
@@ -120,39 +161,53 @@ def _llama(name: str) -> Model:
     c = CONFIGS[name]
     h, hd, ffn = int(c["hidden"]), int(c["head_dim"]), int(c["ffn"])
     q, kv = int(c["heads"]) * hd, int(c["kv_heads"]) * hd
-    layer = Group("layer", (
-        _vec("input_layernorm.weight", h),
-        _mat("self_attn.q_proj.weight", q, h),
-        _mat("self_attn.k_proj.weight", kv, h),
-        _mat("self_attn.v_proj.weight", kv, h),
-        _mat("self_attn.o_proj.weight", h, q),
-        _vec("post_attention_layernorm.weight", h),
-        _mat("mlp.gate_proj.weight", ffn, h),
-        _mat("mlp.up_proj.weight", ffn, h),
-        _mat("mlp.down_proj.weight", h, ffn),
-    ), count=int(c["layers"]))
+    layer = Group(
+        "layer",
+        (
+            _vec("input_layernorm.weight", h),
+            _mat("self_attn.q_proj.weight", q, h),
+            _mat("self_attn.k_proj.weight", kv, h),
+            _mat("self_attn.v_proj.weight", kv, h),
+            _mat("self_attn.o_proj.weight", h, q),
+            _vec("post_attention_layernorm.weight", h),
+            _mat("mlp.gate_proj.weight", ffn, h),
+            _mat("mlp.up_proj.weight", ffn, h),
+            _mat("mlp.down_proj.weight", h, ffn),
+        ),
+        count=int(c["layers"]),
+    )
     return Model(name, _ends(h, int(c["vocab"]), int(c["layers"]), [layer]))
 
 
 def _gpt_oss() -> Model:
     c = CONFIGS["gpt-oss-120b"]
-    h, hd, n_exp, ffn = int(c["hidden"]), int(c["head_dim"]), int(c["experts"]), int(c["expert_ffn"])
+    h, hd = int(c["hidden"]), int(c["head_dim"])
+    n_exp, ffn = int(c["experts"]), int(c["expert_ffn"])
     q, kv = int(c["heads"]) * hd, int(c["kv_heads"]) * hd
-    layer = Group("layer", (
-        _vec("input_layernorm.weight", h),
-        _mat("self_attn.q_proj.weight", q, h), _vec("self_attn.q_proj.bias", q),
-        _mat("self_attn.k_proj.weight", kv, h), _vec("self_attn.k_proj.bias", kv),
-        _mat("self_attn.v_proj.weight", kv, h), _vec("self_attn.v_proj.bias", kv),
-        _mat("self_attn.o_proj.weight", h, q), _vec("self_attn.o_proj.bias", h),
-        _vec("self_attn.sinks", int(c["heads"])),
-        _vec("post_attention_layernorm.weight", h),
-        _mat("mlp.router.weight", n_exp, h), _vec("mlp.router.bias", n_exp),
-        # Fused experts: [E, hidden, 2*ffn] (gate and up interleaved) and [E, ffn, hidden].
-        _mat("mlp.experts.gate_up_proj", n_exp, h, 2 * ffn),
-        _vec("mlp.experts.gate_up_proj_bias", n_exp, 2 * ffn),
-        _mat("mlp.experts.down_proj", n_exp, ffn, h),
-        _vec("mlp.experts.down_proj_bias", n_exp, h),
-    ), count=int(c["layers"]))
+    layer = Group(
+        "layer",
+        (
+            _vec("input_layernorm.weight", h),
+            _mat("self_attn.q_proj.weight", q, h),
+            _vec("self_attn.q_proj.bias", q),
+            _mat("self_attn.k_proj.weight", kv, h),
+            _vec("self_attn.k_proj.bias", kv),
+            _mat("self_attn.v_proj.weight", kv, h),
+            _vec("self_attn.v_proj.bias", kv),
+            _mat("self_attn.o_proj.weight", h, q),
+            _vec("self_attn.o_proj.bias", h),
+            _vec("self_attn.sinks", int(c["heads"])),
+            _vec("post_attention_layernorm.weight", h),
+            _mat("mlp.router.weight", n_exp, h),
+            _vec("mlp.router.bias", n_exp),
+            # Fused experts: [E, hidden, 2*ffn] (gate and up interleaved) and [E, ffn, hidden].
+            _mat("mlp.experts.gate_up_proj", n_exp, h, 2 * ffn),
+            _vec("mlp.experts.gate_up_proj_bias", n_exp, 2 * ffn),
+            _mat("mlp.experts.down_proj", n_exp, ffn, h),
+            _vec("mlp.experts.down_proj_bias", n_exp, h),
+        ),
+        count=int(c["layers"]),
+    )
     return Model("gpt-oss-120b", _ends(h, int(c["vocab"]), int(c["layers"]), [layer]))
 
 
@@ -173,50 +228,68 @@ def _deepseek() -> Model:
         _vec("post_attention_layernorm.weight", h),
     )
     dense_ffn, ffn = int(c["dense_ffn"]), int(c["expert_ffn"])
-    dense = Group("dense_layer", (*attn,
-                                  _mat("mlp.gate_proj.weight", dense_ffn, h),
-                                  _mat("mlp.up_proj.weight", dense_ffn, h),
-                                  _mat("mlp.down_proj.weight", h, dense_ffn)),
-                  count=int(c["first_dense_layers"]))
+    dense = Group(
+        "dense_layer",
+        (
+            *attn,
+            _mat("mlp.gate_proj.weight", dense_ffn, h),
+            _mat("mlp.up_proj.weight", dense_ffn, h),
+            _mat("mlp.down_proj.weight", h, dense_ffn),
+        ),
+        count=int(c["first_dense_layers"]),
+    )
     experts: list[Weight] = []
     for j in range(int(c["routed_experts"])):
-        experts += [_mat(f"mlp.experts.{j}.gate_proj.weight", ffn, h),
-                    _mat(f"mlp.experts.{j}.up_proj.weight", ffn, h),
-                    _mat(f"mlp.experts.{j}.down_proj.weight", h, ffn)]
+        experts += [
+            _mat(f"mlp.experts.{j}.gate_proj.weight", ffn, h),
+            _mat(f"mlp.experts.{j}.up_proj.weight", ffn, h),
+            _mat(f"mlp.experts.{j}.down_proj.weight", h, ffn),
+        ]
     shared = int(c["shared_experts"]) * ffn
-    moe = Group("moe_layer", (
-        *attn,
-        _mat("mlp.gate.weight", int(c["routed_experts"]), h),
-        _vec("mlp.gate.e_score_correction_bias", int(c["routed_experts"])),
-        *experts,
-        _mat("mlp.shared_experts.gate_proj.weight", shared, h),
-        _mat("mlp.shared_experts.up_proj.weight", shared, h),
-        _mat("mlp.shared_experts.down_proj.weight", h, shared),
-    ), count=int(c["layers"]) - int(c["first_dense_layers"]))
+    moe = Group(
+        "moe_layer",
+        (
+            *attn,
+            _mat("mlp.gate.weight", int(c["routed_experts"]), h),
+            _vec("mlp.gate.e_score_correction_bias", int(c["routed_experts"])),
+            *experts,
+            _mat("mlp.shared_experts.gate_proj.weight", shared, h),
+            _mat("mlp.shared_experts.up_proj.weight", shared, h),
+            _mat("mlp.shared_experts.down_proj.weight", h, shared),
+        ),
+        count=int(c["layers"]) - int(c["first_dense_layers"]),
+    )
     return Model("deepseek-v3-671b", _ends(h, int(c["vocab"]), int(c["layers"]), [dense, moe]))
 
 
 def _qwen_moe() -> Model:
     c = CONFIGS["qwen3-30b-a3b"]
-    h, hd, ffn, n_exp = int(c["hidden"]), int(c["head_dim"]), int(c["expert_ffn"]), int(c["experts"])
+    h, hd = int(c["hidden"]), int(c["head_dim"])
+    ffn, n_exp = int(c["expert_ffn"]), int(c["experts"])
     q, kv = int(c["heads"]) * hd, int(c["kv_heads"]) * hd
     experts: list[Weight] = []
     for j in range(n_exp):
-        experts += [_mat(f"mlp.experts.{j}.gate_proj.weight", ffn, h),
-                    _mat(f"mlp.experts.{j}.up_proj.weight", ffn, h),
-                    _mat(f"mlp.experts.{j}.down_proj.weight", h, ffn)]
-    layer = Group("layer", (
-        _vec("input_layernorm.weight", h),
-        _mat("self_attn.q_proj.weight", q, h),
-        _mat("self_attn.k_proj.weight", kv, h),
-        _mat("self_attn.v_proj.weight", kv, h),
-        _mat("self_attn.o_proj.weight", h, q),
-        _vec("self_attn.q_norm.weight", hd),
-        _vec("self_attn.k_norm.weight", hd),
-        _vec("post_attention_layernorm.weight", h),
-        _mat("mlp.gate.weight", n_exp, h),
-        *experts,
-    ), count=int(c["layers"]))
+        experts += [
+            _mat(f"mlp.experts.{j}.gate_proj.weight", ffn, h),
+            _mat(f"mlp.experts.{j}.up_proj.weight", ffn, h),
+            _mat(f"mlp.experts.{j}.down_proj.weight", h, ffn),
+        ]
+    layer = Group(
+        "layer",
+        (
+            _vec("input_layernorm.weight", h),
+            _mat("self_attn.q_proj.weight", q, h),
+            _mat("self_attn.k_proj.weight", kv, h),
+            _mat("self_attn.v_proj.weight", kv, h),
+            _mat("self_attn.o_proj.weight", h, q),
+            _vec("self_attn.q_norm.weight", hd),
+            _vec("self_attn.k_norm.weight", hd),
+            _vec("post_attention_layernorm.weight", h),
+            _mat("mlp.gate.weight", n_exp, h),
+            *experts,
+        ),
+        count=int(c["layers"]),
+    )
     return Model("qwen3-30b-a3b", _ends(h, int(c["vocab"]), int(c["layers"]), [layer]))
 
 

@@ -35,12 +35,14 @@ def exact_plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> 
     blocks = [s.block for s in specs]
     nonempty = [i for i, e in enumerate(numels) if e > 0]
     if len(nonempty) > MAX_EXACT_TENSORS:
-        raise ValueError(f"specs: the exact solver takes at most {MAX_EXACT_TENSORS} non-empty "
-                         f"tensors ({math.factorial(MAX_EXACT_TENSORS)} orders), got "
-                         f"{len(nonempty)}")
+        raise ValueError(
+            f"specs: the exact solver takes at most {MAX_EXACT_TENSORS} non-empty "
+            f"tensors ({math.factorial(MAX_EXACT_TENSORS)} orders), got "
+            f"{len(nonempty)}"
+        )
     m = world_size
     if not nonempty:
-        return _make_plan(specs, m, align, align, {}, "exact")
+        return _make_plan(specs, m, align, shard=align, offsets={}, method="exact")
     orders = distinct_orders(numels, blocks, nonempty)
     e_arr = np.array([[numels[i] for i in o] for o in orders], dtype=np.int64)
     g_arr = np.array([[blocks[i] for i in o] for o in orders], dtype=np.int64)
@@ -56,5 +58,5 @@ def exact_plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> 
             order = orders[int(np.flatnonzero(ok[:, j])[0])]
             placed = _place(numels, blocks, order, chunk[j], m)
             assert placed is not None
-            return _make_plan(specs, m, align, chunk[j], placed, "exact")
+            return _make_plan(specs, m, align, shard=chunk[j], offsets=placed, method="exact")
         batch = min(batch * 2, max(8, 65536 // len(orders)))

@@ -12,8 +12,8 @@ At position ``p`` let ``b`` be the next boundary strictly above ``p``. Then, in 
 1. ``p + e <= b``: the tensor fits before ``b``; start at ``p``.
 2. Otherwise the tensor crosses ``b``; the earliest start with ``b - l`` a multiple of ``g`` is
    ``l1 = p + (b - p) mod g`` (``<= b``). Every further boundary ``b + jS`` inside is fine iff
-   ``S mod g == 0``; otherwise ``l1`` works only if the tensor ends by ``b + S``. Later starts of the
-   same family only end later, and ``l = b`` with ``e > S`` would cross ``b + S`` unaligned.
+   ``S mod g == 0``; otherwise ``l1`` works only if the tensor ends by ``b + S``. Later starts of
+   the same family only end later, and ``l = b`` with ``e > S`` would cross ``b + S`` unaligned.
 3. With ``S mod g != 0`` and the tensor too long for (2): it can cross only ``b + S``, entering
    it aligned: ``l3 = b + S mod g``, valid iff ``l3 + e <= b + 2S``. Past that the pattern repeats
    with period ``S``, so if ``l3`` fails no start is feasible for this ``S``.

@@ -122,8 +122,9 @@ class Plan:
     # -- per tensor / per rank ---------------------------------------------------------------
     def _check_index(self, index: int) -> None:
         if not 0 <= index < len(self.numels):
-            raise ValueError(f"tensor index {index} out of range for a plan of "
-                             f"{len(self.numels)} tensors")
+            raise ValueError(
+                f"tensor index {index} out of range for a plan of {len(self.numels)} tensors"
+            )
 
     def tensor_range(self, index: int) -> tuple[int, int]:
         """Global ``[start, stop)`` of tensor ``index`` in the buffer."""
@@ -196,8 +197,16 @@ class Plan:
 
     def validate(self) -> None:
         """Re-check every invariant; raise ``ValueError`` naming the first violation."""
-        validate_layout(self.numels, self.blocks, self.offsets, self.order, self.world_size,
-                        self.shard_size, self.align, self.names)
+        validate_layout(
+            self.numels,
+            self.blocks,
+            self.offsets,
+            self.order,
+            world_size=self.world_size,
+            shard_size=self.shard_size,
+            align=self.align,
+            names=self.names,
+        )
 
 
 def _name(names: Sequence[str], index: int) -> str:
@@ -210,6 +219,7 @@ def validate_layout(
     blocks: Sequence[int],
     offsets: Sequence[int],
     order: Sequence[int],
+    *,
     world_size: int,
     shard_size: int,
     align: int,
@@ -218,8 +228,10 @@ def validate_layout(
     """Check a layout: sizes, alignment, containment, disjointness, contiguity, no cut block."""
     n = len(numels)
     if not (len(blocks) == len(offsets) == n and len(order) == n):
-        raise ValueError(f"plan fields disagree in length: numels {n}, blocks {len(blocks)}, "
-                         f"offsets {len(offsets)}, order {len(order)}")
+        raise ValueError(
+            f"plan fields disagree in length: numels {n}, blocks {len(blocks)}, "
+            f"offsets {len(offsets)}, order {len(order)}"
+        )
     if names and len(names) != n:
         raise ValueError(f"plan has {len(names)} names for {n} tensors")
     if world_size < 1:
@@ -244,13 +256,19 @@ def validate_layout(
                 raise ValueError(f"{who}: offset {start} outside [0, {capacity})")
             continue
         if start < 0 or start + numel > capacity:
-            raise ValueError(f"{who}: range [{start}, {start + numel}) outside the buffer "
-                             f"[0, {capacity}) of {world_size} x {shard_size}")
+            raise ValueError(
+                f"{who}: range [{start}, {start + numel}) outside the buffer "
+                f"[0, {capacity}) of {world_size} x {shard_size}"
+            )
         if start < previous_stop:
-            raise ValueError(f"{who}: range [{start}, {start + numel}) overlaps "
-                             f"{_name(names, previous)} ending at {previous_stop}")
+            raise ValueError(
+                f"{who}: range [{start}, {start + numel}) overlaps "
+                f"{_name(names, previous)} ending at {previous_stop}"
+            )
         bad = first_bad_boundary(start, numel, block, shard_size)
         if bad is not None:
-            raise ValueError(f"{who}: shard boundary {bad} cuts a block of {block} elements "
-                             f"(tensor at [{start}, {start + numel}))")
+            raise ValueError(
+                f"{who}: shard boundary {bad} cuts a block of {block} elements "
+                f"(tensor at [{start}, {start + numel}))"
+            )
         previous_stop, previous = start + numel, index

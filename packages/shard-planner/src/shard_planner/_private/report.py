@@ -23,8 +23,14 @@ from shard_planner._private.baselines import fsdp2_layout
 from shard_planner._private.catalogue import Model, catalogue_model
 from shard_planner._private.search import lower_bound, plan
 
-__all__ = ["Granularity", "ReportRow", "format_json", "format_table", "parse_granularity",
-           "report_rows"]
+__all__ = [
+    "Granularity",
+    "ReportRow",
+    "format_json",
+    "format_table",
+    "parse_granularity",
+    "report_rows",
+]
 
 _MIB = 1 << 20
 
@@ -50,8 +56,10 @@ def parse_granularity(text: str) -> Granularity:
         if rows < 1:
             raise ValueError
     except ValueError:
-        raise ValueError(f"block granularity {text!r}: expected rows (e.g. 16) or a tile "
-                         f"(e.g. 32x32) with positive sizes") from None
+        raise ValueError(
+            f"block granularity {text!r}: expected rows (e.g. 16) or a tile "
+            f"(e.g. 32x32) with positive sizes"
+        ) from None
     return Granularity(raw, rows)
 
 
@@ -84,8 +92,9 @@ def _row(model: Model, world: int, gran: Granularity, align: int, itemsize: int)
         start = time.perf_counter()
         ours = plan(specs, world, align)
         slowest = max(slowest, time.perf_counter() - start)
-        others = {name: plan(specs, world, align, method=name)
-                  for name in ("paper", "naive", "megatron")}
+        others = {
+            name: plan(specs, world, align, method=name) for name in ("paper", "naive", "megatron")
+        }
         fsdp2 = fsdp2_layout([w.shape for w in group.weights], [s.block for s in specs], world)
         bound = lower_bound(specs, world, align)
         n = group.count
@@ -104,22 +113,37 @@ def _row(model: Model, world: int, gran: Granularity, align: int, itemsize: int)
         return 100.0 * value / total
 
     return ReportRow(
-        model=model.name, world_size=world, granularity=gran.label,
-        ours=pct(padding["ours"]), paper=pct(padding["paper"]), naive=pct(padding["naive"]),
-        megatron=pct(padding["megatron"]), fsdp2=pct(padding["fsdp2"]),
+        model=model.name,
+        world_size=world,
+        granularity=gran.label,
+        ours=pct(padding["ours"]),
+        paper=pct(padding["paper"]),
+        naive=pct(padding["naive"]),
+        megatron=pct(padding["megatron"]),
+        fsdp2=pct(padding["fsdp2"]),
         lower_bound=pct(padding["lb"]),
-        shard_mib=shard * itemsize / _MIB, fsdp2_shard_mib=fsdp2_shard * itemsize / _MIB,
+        shard_mib=shard * itemsize / _MIB,
+        fsdp2_shard_mib=fsdp2_shard * itemsize / _MIB,
         gathered_mib=gathered * itemsize / _MIB,
         fsdp2_gathered_mib=fsdp2_gathered * itemsize / _MIB,
-        plan_ms=slowest * 1e3, groups=len(model.groups))
+        plan_ms=slowest * 1e3,
+        groups=len(model.groups),
+    )
 
 
-def report_rows(models: Sequence[str], worlds: Sequence[int], granularities: Sequence[Granularity],
-                *, align_bytes: int = 16, itemsize: int = 2) -> list[ReportRow]:
+def report_rows(
+    models: Sequence[str],
+    worlds: Sequence[int],
+    granularities: Sequence[Granularity],
+    *,
+    align_bytes: int = 16,
+    itemsize: int = 2,
+) -> list[ReportRow]:
     """Rows for every (model, world size, granularity); ``align = align_bytes / itemsize``."""
     if itemsize < 1 or align_bytes < 1 or align_bytes % itemsize != 0:
-        raise ValueError(f"align_bytes {align_bytes} must be a positive multiple of itemsize "
-                         f"{itemsize}")
+        raise ValueError(
+            f"align_bytes {align_bytes} must be a positive multiple of itemsize {itemsize}"
+        )
     align = align_bytes // itemsize
     rows: list[ReportRow] = []
     for name in models:
@@ -133,13 +157,20 @@ def report_rows(models: Sequence[str], worlds: Sequence[int], granularities: Seq
 
 
 _COLUMNS = [
-    ("model", "model", "{}"), ("world_size", "m", "{}"), ("granularity", "block", "{}"),
-    ("ours", "ours %", "{:.3f}"), ("lower_bound", "bound %", "{:.3f}"),
-    ("paper", "paper %", "{:.3f}"), ("naive", "naive %", "{:.3f}"),
-    ("megatron", "megatron %", "{:.3f}"), ("fsdp2", "fsdp2 %", "{:.3f}"),
-    ("shard_mib", "shard MiB", "{:.1f}"), ("fsdp2_shard_mib", "fsdp2 shard MiB", "{:.1f}"),
+    ("model", "model", "{}"),
+    ("world_size", "m", "{}"),
+    ("granularity", "block", "{}"),
+    ("ours", "ours %", "{:.3f}"),
+    ("lower_bound", "bound %", "{:.3f}"),
+    ("paper", "paper %", "{:.3f}"),
+    ("naive", "naive %", "{:.3f}"),
+    ("megatron", "megatron %", "{:.3f}"),
+    ("fsdp2", "fsdp2 %", "{:.3f}"),
+    ("shard_mib", "shard MiB", "{:.1f}"),
+    ("fsdp2_shard_mib", "fsdp2 shard MiB", "{:.1f}"),
     ("gathered_mib", "gathered MiB", "{:.1f}"),
-    ("fsdp2_gathered_mib", "fsdp2 gathered MiB", "{:.1f}"), ("plan_ms", "plan ms", "{:.1f}"),
+    ("fsdp2_gathered_mib", "fsdp2 gathered MiB", "{:.1f}"),
+    ("plan_ms", "plan ms", "{:.1f}"),
 ]
 
 

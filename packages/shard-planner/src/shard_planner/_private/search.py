@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -59,8 +59,9 @@ _LOCAL_TRIES = 8
 _LOCAL_ROUNDS = 6
 
 
-def _distinct_order_count(numels: Sequence[int], blocks: Sequence[int],
-                          indices: Sequence[int]) -> int:
+def _distinct_order_count(
+    numels: Sequence[int], blocks: Sequence[int], indices: Sequence[int]
+) -> int:
     """Multinomial count of distinct orders (tensors of equal numel and block are alike)."""
     counts: dict[tuple[int, int], int] = {}
     for i in indices:
@@ -71,8 +72,13 @@ def _distinct_order_count(numels: Sequence[int], blocks: Sequence[int],
     return total
 
 
-def local_search(numels: Sequence[int], blocks: Sequence[int], orders: Sequence[tuple[int, ...]],
-                 shard: int, world_size: int) -> tuple[int, ...] | None:
+def local_search(
+    numels: Sequence[int],
+    blocks: Sequence[int],
+    orders: Sequence[tuple[int, ...]],
+    shard: int,
+    world_size: int,
+) -> tuple[int, ...] | None:
     """Steepest descent on the greedy's end over swap and move neighbourhoods at one S.
 
     Starts from the given order whose greedy ends first; each round evaluates every swap of two
@@ -90,8 +96,10 @@ def local_search(numels: Sequence[int], blocks: Sequence[int], orders: Sequence[
         neighbours: list[tuple[int, ...]] = []
         for a in range(n):
             for b in range(a + 1, n):
-                if (numels[current[a]], blocks[current[a]]) == (numels[current[b]],
-                                                                 blocks[current[b]]):
+                if (numels[current[a]], blocks[current[a]]) == (
+                    numels[current[b]],
+                    blocks[current[b]],
+                ):
                     continue
                 swapped = list(current)
                 swapped[a], swapped[b] = swapped[b], swapped[a]
@@ -113,16 +121,17 @@ def local_search(numels: Sequence[int], blocks: Sequence[int], orders: Sequence[
     return None
 
 
-def static_orders(numels: Sequence[int], blocks: Sequence[int],
-                  indices: Sequence[int]) -> list[tuple[int, ...]]:
+def static_orders(
+    numels: Sequence[int], blocks: Sequence[int], indices: Sequence[int]
+) -> list[tuple[int, ...]]:
     """The static candidate orders over ``indices`` (see the module Note), duplicates removed."""
     base = list(indices)
-    keys = [
-        lambda i: 0,
-        lambda i: -blocks[i],
-        lambda i: -numels[i],
+    keys: list[Callable[[int], tuple[int, ...]]] = [
+        lambda i: (),
+        lambda i: (-blocks[i],),
+        lambda i: (-numels[i],),
         lambda i: (-blocks[i], -numels[i]),
-        lambda i: numels[i],
+        lambda i: (numels[i],),
     ]
     found: list[tuple[int, ...]] = []
     for key in keys:
@@ -132,31 +141,48 @@ def static_orders(numels: Sequence[int], blocks: Sequence[int],
     return found
 
 
-def _make_plan(specs: Sequence[TensorSpec], world_size: int, align: int, shard: int,
-               offsets: dict[int, int], method: str) -> Plan:
+def _make_plan(
+    specs: Sequence[TensorSpec],
+    world_size: int,
+    align: int,
+    *,
+    shard: int,
+    offsets: dict[int, int],
+    method: str,
+) -> Plan:
     capacity = world_size * shard
     full: list[int] = []
     for i, spec in enumerate(specs):
         at = offsets.get(i, 0)
         full.append(min(at, capacity - 1) if spec.numel == 0 else at)
     order = tuple(sorted(range(len(specs)), key=lambda i: (full[i], specs[i].numel > 0, i)))
-    return Plan(world_size=world_size, shard_size=shard, align=align,
-                numels=tuple(s.numel for s in specs), blocks=tuple(s.block for s in specs),
-                names=tuple(s.name for s in specs), offsets=tuple(full), order=order,
-                method=method)
+    return Plan(
+        world_size=world_size,
+        shard_size=shard,
+        align=align,
+        numels=tuple(s.numel for s in specs),
+        blocks=tuple(s.block for s in specs),
+        names=tuple(s.name for s in specs),
+        offsets=tuple(full),
+        order=order,
+        method=method,
+    )
 
 
-def _place(numels: Sequence[int], blocks: Sequence[int], order: Sequence[int], shard: int,
-           world_size: int) -> dict[int, int] | None:
-    offsets = greedy_offsets([numels[i] for i in order], [blocks[i] for i in order], shard,
-                             world_size * shard)
+def _place(
+    numels: Sequence[int], blocks: Sequence[int], order: Sequence[int], shard: int, world_size: int
+) -> dict[int, int] | None:
+    offsets = greedy_offsets(
+        [numels[i] for i in order], [blocks[i] for i in order], shard, world_size * shard
+    )
     if offsets is None:
         return None
     return dict(zip(order, offsets, strict=True))
 
 
-def fill_offsets(numels: Sequence[int], blocks: Sequence[int], order: Sequence[int],
-                 shard: int, world_size: int) -> dict[int, int] | None:
+def fill_offsets(
+    numels: Sequence[int], blocks: Sequence[int], order: Sequence[int], shard: int, world_size: int
+) -> dict[int, int] | None:
     """Dynamic greedy with gap filling for one shard size; ``None`` if it does not fit.
 
     Tensors of equal (numel, block) are interchangeable "kinds". Block-1 tensors (norms, biases)
@@ -198,7 +224,7 @@ def fill_offsets(numels: Sequence[int], blocks: Sequence[int], order: Sequence[i
         at = earliest_start(p, first[0], first[1], shard)
         if at == p:
             p = put(first, p)
-        elif (cross := next((k for k in fillers if kinds[k] and p + k[0] > b), None)):
+        elif cross := next((k for k in fillers if kinds[k] and p + k[0] > b), None):
             p = put(cross, p)
         else:
             best, best_at = first, at
@@ -216,8 +242,14 @@ def fill_offsets(numels: Sequence[int], blocks: Sequence[int], order: Sequence[i
             # Fill [p, best_at) with whole tensors; they cannot cross ``b`` (best_at <= b).
             while best_at > p:
                 room = best_at - p
-                filler = next((k for k in by_size if kinds[k] and k[0] <= room
-                               and (k != best or len(kinds[k]) > 1)), None)
+                filler = next(
+                    (
+                        k
+                        for k in by_size
+                        if kinds[k] and k[0] <= room and (k != best or len(kinds[k]) > 1)
+                    ),
+                    None,
+                )
                 if filler is None:
                     break
                 p = put(filler, p)
@@ -244,8 +276,16 @@ def _take(iterator: Iterator[int], count: int, limit: int) -> list[int]:
 class _Scanner:
     """Static orders checked on successive batches of admissible shard sizes (vectorised)."""
 
-    def __init__(self, numels: Sequence[int], blocks: Sequence[int], orders: list[tuple[int, ...]],
-                 world_size: int, align: int, limit: int) -> None:
+    def __init__(
+        self,
+        numels: Sequence[int],
+        blocks: Sequence[int],
+        orders: list[tuple[int, ...]],
+        *,
+        world_size: int,
+        align: int,
+        limit: int,
+    ) -> None:
         self.orders = orders
         self.m = world_size
         self.e = np.array([[numels[i] for i in o] for o in orders], dtype=np.int64)
@@ -286,18 +326,24 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
     m = world_size
     upper = naive_plan(specs, world_size, align)
     if not nonempty or m == 1:
-        return _make_plan(specs, m, align, upper.shard_size,
-                          dict(enumerate(upper.offsets)), "auto")
+        return _make_plan(
+            specs,
+            m,
+            align,
+            shard=upper.shard_size,
+            offsets=dict(enumerate(upper.offsets)),
+            method="auto",
+        )
     orders = static_orders(numels, blocks, nonempty)
     exhaustive = _distinct_order_count(numels, blocks, nonempty) <= _ALL_ORDERS
     if exhaustive:
         # Small groups: every distinct order is a lane, so the scan is exact.
         orders += [o for o in distinct_orders(numels, blocks, nonempty) if o not in orders]
-    scan = _Scanner(numels, blocks, orders, m, align, upper.shard_size)
+    scan = _Scanner(numels, blocks, orders, world_size=m, align=align, limit=upper.shard_size)
 
     def done(shard: int, offsets: dict[int, int] | None) -> Plan:
         assert offsets is not None
-        return _make_plan(specs, m, align, shard, offsets, "auto")
+        return _make_plan(specs, m, align, shard=shard, offsets=offsets, method="auto")
 
     fill_work = 0
     filled = 0  # scan.tried[:filled] have been tried with gap filling
@@ -350,7 +396,14 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
             if offsets is not None:
                 return done(shard, offsets)
             need = int(ends.min())
-    return _make_plan(specs, m, align, upper.shard_size, dict(enumerate(upper.offsets)), "auto")
+    return _make_plan(
+        specs,
+        m,
+        align,
+        shard=upper.shard_size,
+        offsets=dict(enumerate(upper.offsets)),
+        method="auto",
+    )
 
 
 def _paper(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
@@ -373,8 +426,8 @@ def _paper(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
     steps = [math.lcm(align, *distinct[:j]) for j in range(len(distinct) + 1)]
     best: tuple[int, tuple[int, ...]] | None = None
     for step in dict.fromkeys(steps):
-        floor_units = -(-max(-(-total // m), max(distinct)) // step)
-        hi_units = -(-max(total, max(distinct)) // step)  # everything in shard 0: feasible
+        floor_units = -(-max(-(-total // m), *distinct) // step)
+        hi_units = -(-max(total, *distinct) // step)  # everything in shard 0: feasible
         for order in orders:
             lo, hi = floor_units, hi_units
             while lo < hi:
@@ -389,7 +442,7 @@ def _paper(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
     assert best is not None
     placed = _place(numels, blocks, best[1], best[0], m)
     assert placed is not None
-    return _make_plan(specs, m, align, best[0], placed, "paper")
+    return _make_plan(specs, m, align, shard=best[0], offsets=placed, method="paper")
 
 
 def _model_order(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
@@ -400,7 +453,9 @@ def _model_order(specs: Sequence[TensorSpec], world_size: int, align: int) -> Pl
     for shard in admissible_shard_sizes(numels, blocks, world_size, align):
         placed = _place(numels, blocks, order, shard, world_size)
         if placed is not None:
-            return _make_plan(specs, world_size, align, shard, placed, "model-order")
+            return _make_plan(
+                specs, world_size, align, shard=shard, offsets=placed, method="model-order"
+            )
     raise AssertionError("unreachable: S >= total always fits")  # pragma: no cover
 
 
@@ -411,8 +466,9 @@ def lower_bound(specs: Sequence[TensorSpec], world_size: int, align: int = 1) ->
     return lower_bound_shard_size(numels, [s.block for s in specs], world_size, align)
 
 
-def plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1, *,
-         method: str = "auto") -> Plan:
+def plan(
+    specs: Sequence[TensorSpec], world_size: int, align: int = 1, *, method: str = "auto"
+) -> Plan:
     """Pack ``specs`` into one buffer of ``world_size`` equal shards without cutting a block.
 
     ``align``: every shard size is a multiple of it (e.g. 16 bytes / itemsize for NCCL).
@@ -442,8 +498,9 @@ def plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1, *,
 
 
 # Used by tests and the exact solver: distinct permutations of a multiset of tensor kinds.
-def distinct_orders(numels: Sequence[int], blocks: Sequence[int],
-                    indices: Sequence[int]) -> list[tuple[int, ...]]:
+def distinct_orders(
+    numels: Sequence[int], blocks: Sequence[int], indices: Sequence[int]
+) -> list[tuple[int, ...]]:
     """All orders of ``indices`` up to swapping tensors of equal (numel, block)."""
     seen: set[tuple[tuple[int, int], ...]] = set()
     found: list[tuple[int, ...]] = []

@@ -42,8 +42,10 @@ class TensorSpec:
         if self.block < 1:
             raise ValueError(f"{where}: block must be >= 1 element, got {self.block}")
         if self.numel % self.block != 0:
-            raise ValueError(f"{where}: block {self.block} must divide numel {self.numel} "
-                             f"(blocks tile the tensor from its first element)")
+            raise ValueError(
+                f"{where}: block {self.block} must divide numel {self.numel} "
+                f"(blocks tile the tensor from its first element)"
+            )
 
 
 def _label(index: int, spec: TensorSpec) -> str:
@@ -55,8 +57,9 @@ def check_inputs(specs: Sequence[TensorSpec], world_size: int, align: int) -> No
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if isinstance(align, bool) or not isinstance(align, int) or align < 1:
-        raise ValueError(f"align must be an int >= 1 (elements per shard-size quantum), "
-                         f"got {align!r}")
+        raise ValueError(
+            f"align must be an int >= 1 (elements per shard-size quantum), got {align!r}"
+        )
     if len(specs) == 0:
         raise ValueError("specs is empty: a group needs at least one TensorSpec")
     for index, spec in enumerate(specs):
@@ -65,8 +68,9 @@ def check_inputs(specs: Sequence[TensorSpec], world_size: int, align: int) -> No
         if spec.numel < 0:
             raise ValueError(f"{_label(index, spec)}: numel must be >= 0, got {spec.numel}")
         if spec.block < 1:
-            raise ValueError(f"{_label(index, spec)}: block must be >= 1 element, "
-                             f"got {spec.block}")
+            raise ValueError(f"{_label(index, spec)}: block must be >= 1 element, got {spec.block}")
         if spec.numel % spec.block != 0:
-            raise ValueError(f"{_label(index, spec)}: block {spec.block} must divide numel "
-                             f"{spec.numel} (blocks tile the tensor from its first element)")
+            raise ValueError(
+                f"{_label(index, spec)}: block {spec.block} must divide numel "
+                f"{spec.numel} (blocks tile the tensor from its first element)"
+            )
