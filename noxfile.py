@@ -1,7 +1,7 @@
 """The one task runner of the monorepo.
 
-`nox -t ci` is what CI runs (lint, typecheck, architecture, every package's tests in its own venv,
-cross-package integration). `nox -s demo` is the main job; `nox -s bench` the side-by-side benchmarks.
+`nox -t ci` is what CI runs (lint, typecheck, architecture, every package's tests in its own
+venv, cross-package integration). `nox -s demo` is the main job; `nox -s bench` the side-by-side benchmarks.
 
 Each package's test session installs only what that package declares (its sibling dependencies come
 from this checkout), so an undeclared import fails there instead of passing by accident.
@@ -80,8 +80,9 @@ def _install_packages(session: nox.Session, folders: list[Path], *, extras: str 
         # The pinned CPU wheel first, so no package's range can pull a multi-GB CUDA build.
         session.install(TORCH)
     suffix = f"[{extras}]" if extras else ""
-    session.install(*(f"{folder}{suffix}" if folder == folders[-1] else str(folder)
-                      for folder in folders))
+    session.install(
+        *(f"{folder}{suffix}" if folder == folders[-1] else str(folder) for folder in folders)
+    )
 
 
 _PACKAGE_NAMES = list(_packages())
@@ -94,8 +95,16 @@ def tests(session: nox.Session, package: str) -> None:
     folders = _sibling_closure(package)
     _install_packages(session, folders, extras="test")
     tests_dir = _packages()[package] / "tests"
-    session.run("pytest", str(tests_dir), "-m", "not slow", "-p", "no:cacheprovider",
-                "--timeout=900", *session.posargs)
+    session.run(
+        "pytest",
+        str(tests_dir),
+        "-m",
+        "not slow",
+        "-p",
+        "no:cacheprovider",
+        "--timeout=900",
+        *session.posargs,
+    )
 
 
 @nox.session(tags=["ci"])
@@ -103,8 +112,16 @@ def integration(session: nox.Session) -> None:
     """Cross-package tests (root tests/) with every package installed."""
     session.install(TORCH)
     session.install(*(str(p) + "[test]" for p in _packages().values()))
-    session.run("pytest", "tests", "-m", "not slow", "-p", "no:cacheprovider", "--timeout=900",
-                *session.posargs)
+    session.run(
+        "pytest",
+        "tests",
+        "-m",
+        "not slow",
+        "-p",
+        "no:cacheprovider",
+        "--timeout=900",
+        *session.posargs,
+    )
 
 
 @nox.session(tags=["ci"])
@@ -136,8 +153,17 @@ def fuzz(session: nox.Session) -> None:
     session.install(TORCH)
     session.install(*(str(p) + "[test]" for p in _packages().values()))
     session.env["FUZZ_EXAMPLES"] = "10000"
-    session.run("pytest", "-m", "fuzz or not fuzz", "-k", "property", "packages",
-                "-p", "no:cacheprovider", *session.posargs)
+    session.run(
+        "pytest",
+        "-m",
+        "fuzz or not fuzz",
+        "-k",
+        "property",
+        "packages",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+    )
 
 
 @nox.session

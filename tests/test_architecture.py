@@ -67,7 +67,9 @@ def _declared(folder: Path) -> tuple[str, set[str]]:
 def test_every_package_is_in_the_table() -> None:
     names = {_declared(f)[0] for f in _package_folders()}
     assert names, "no packages found"
-    assert names <= set(ALLOWED_SIBLINGS), f"packages missing from the table: {names - set(ALLOWED_SIBLINGS)}"
+    assert names <= set(ALLOWED_SIBLINGS), (
+        f"packages missing from the table: {names - set(ALLOWED_SIBLINGS)}"
+    )
 
 
 @pytest.mark.parametrize("folder", _package_folders(), ids=lambda p: p.name)
@@ -98,8 +100,12 @@ def test_shard_planner_never_imports_torch() -> None:
     folder = PACKAGES / "shard-planner"
     if not folder.exists():
         pytest.fail("packages/shard-planner is missing")
-    offenders = [f"{p}:{ln} {m}" for p in (folder / "src").rglob("*.py")
-                 for ln, m in _imports(p) if m.split(".")[0] == "torch"]
+    offenders = [
+        f"{p}:{ln} {m}"
+        for p in (folder / "src").rglob("*.py")
+        for ln, m in _imports(p)
+        if m.split(".")[0] == "torch"
+    ]
     assert not offenders, offenders
 
 
@@ -107,11 +113,20 @@ def test_shard_planner_never_imports_torch() -> None:
 def test_package_layout(folder: Path) -> None:
     name, _ = _declared(folder)
     src = folder / "src" / name
-    for required in (src / "__init__.py", src / "py.typed", folder / "README.md",
-                     folder / "CHANGELOG.md"):
+    for required in (
+        src / "__init__.py",
+        src / "py.typed",
+        folder / "README.md",
+        folder / "CHANGELOG.md",
+    ):
         assert required.is_file(), f"{required.relative_to(ROOT)} is missing"
     init = ast.parse((src / "__init__.py").read_text())
-    assigned = {t.id for n in init.body if isinstance(n, ast.Assign) for t in n.targets
-                if isinstance(t, ast.Name)}
+    assigned = {
+        t.id
+        for n in init.body
+        if isinstance(n, ast.Assign)
+        for t in n.targets
+        if isinstance(t, ast.Name)
+    }
     assert "__all__" in assigned, f"{name}/__init__.py must define __all__"
     assert "__version__" in assigned, f"{name}/__init__.py must define __version__"

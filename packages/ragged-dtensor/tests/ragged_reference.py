@@ -6,9 +6,8 @@ import math
 from collections.abc import Sequence
 
 import torch
-from torch.distributed.tensor.placement_types import Placement, Shard
-
 from ragged_dtensor import RaggedShard
+from torch.distributed.tensor.placement_types import Placement, Shard
 
 
 def mesh_coordinate(rank: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
@@ -19,8 +18,9 @@ def mesh_coordinate(rank: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(coord))
 
 
-def reference_local(full: torch.Tensor, mesh_shape: Sequence[int],
-                    placements: Sequence[Placement], rank: int) -> torch.Tensor:
+def reference_local(
+    full: torch.Tensor, mesh_shape: Sequence[int], placements: Sequence[Placement], rank: int
+) -> torch.Tensor:
     """The local tensor rank ``rank`` must hold: standard placements first, ragged innermost."""
     coord = mesh_coordinate(rank, mesh_shape)
     x = full

@@ -6,18 +6,21 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from ragged_dtensor import RaggedOpError, RaggedShard, hooks_installed
+from ragged_dtensor.testing import count_collectives, run_threaded
 from ragged_reference import reference_local
 from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from ragged_dtensor import RaggedOpError, RaggedShard, hooks_installed
-from ragged_dtensor.testing import count_collectives, run_threaded
-
 
 def test_every_hook_is_installed() -> None:
-    assert hooks_installed() == {"redistribute": True, "propagator": True,
-                                 "distribute_tensor": True, "from_local": True,
-                                 "checkpoint": True}
+    assert hooks_installed() == {
+        "redistribute": True,
+        "propagator": True,
+        "distribute_tensor": True,
+        "from_local": True,
+        "checkpoint": True,
+    }
 
 
 def _units(world: int) -> tuple[int, ...]:
@@ -57,8 +60,9 @@ def _elementwise_body(rank: int, world: int) -> None:
     assert counter.total == 0
     assert s.placements == (Partial(),)
     torch.testing.assert_close(s.full_tensor(), a.sum(), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(n.full_tensor(), torch.linalg.vector_norm(a, 3), rtol=1e-6,
-                               atol=1e-6)
+    torch.testing.assert_close(
+        n.full_tensor(), torch.linalg.vector_norm(a, 3), rtol=1e-6, atol=1e-6
+    )
     for got, want in zip(norms, [a.norm(), b.norm()], strict=True):
         torch.testing.assert_close(got.full_tensor(), want, rtol=1e-6, atol=1e-6)
 
@@ -113,9 +117,11 @@ def _optimizer_body(rank: int, world: int, kind: str) -> float:
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(0)  # threads share torch's global generator
     shapes = [(8, 3), (5,), (4, 2, 3)]
-    placements = [RaggedShard((0,), (1, 3) if world == 2 else (2, 2, 0, 4)),
-                  RaggedShard((0,), (0, 5) if world == 2 else (1, 2, 2, 0)),
-                  RaggedShard((0, 1), (1, 7) if world == 2 else (0, 4, 1, 3))]
+    placements = [
+        RaggedShard((0,), (1, 3) if world == 2 else (2, 2, 0, 4)),
+        RaggedShard((0,), (0, 5) if world == 2 else (1, 2, 2, 0)),
+        RaggedShard((0, 1), (1, 7) if world == 2 else (0, 4, 1, 3)),
+    ]
     init = [torch.randn(s, generator=gen) for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(5)]
     makers: dict[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
@@ -126,8 +132,10 @@ def _optimizer_body(rank: int, world: int, kind: str) -> float:
         "sgd_fused": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
     }
     ref = [torch.nn.Parameter(t.clone()) for t in init]
-    dist_params = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [p]))
-                   for t, p in zip(init, placements, strict=True)]
+    dist_params = [
+        torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [p]))
+        for t, p in zip(init, placements, strict=True)
+    ]
     opt_ref, opt_dist = makers[kind](ref), makers[kind](dist_params)
     for step_grads in grads:
         for p, g in zip(ref, step_grads, strict=True):
@@ -147,8 +155,9 @@ def _optimizer_body(rank: int, world: int, kind: str) -> float:
     return worst
 
 
-@pytest.mark.parametrize("kind", ["adamw_foreach", "adamw_fused", "adamw_loop", "sgd_foreach",
-                                  "sgd_fused"])
+@pytest.mark.parametrize(
+    "kind", ["adamw_foreach", "adamw_fused", "adamw_loop", "sgd_foreach", "sgd_fused"]
+)
 @pytest.mark.parametrize("world", [2, 4])
 def test_torch_optimizers_and_clip_grad_norm_match_single_process(kind: str, world: int) -> None:
     # Identical arithmetic per element; the one difference is clip_grad_norm_'s total norm, summed

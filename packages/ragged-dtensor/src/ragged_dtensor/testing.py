@@ -32,8 +32,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["CollectiveCounter", "DistributedFailure", "count_collectives", "free_port",
-           "run_processes", "run_threaded"]
+__all__ = [
+    "CollectiveCounter",
+    "DistributedFailure",
+    "count_collectives",
+    "free_port",
+    "run_processes",
+    "run_threaded",
+]
 
 T = TypeVar("T")
 
@@ -50,14 +56,23 @@ def free_port() -> int:
 
 
 def _process_entry(
-    rank: int, world_size: int, port: int, timeout: float, fn: Callable[..., Any],
-    args: Sequence[Any], results: Any, env: dict[str, str],
+    rank: int,
+    world_size: int,
+    port: int,
+    timeout: float,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    results: Any,
+    env: dict[str, str],
 ) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)
     try:
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(seconds=timeout),
         )
         value = fn(rank, world_size, *args)
@@ -70,7 +85,10 @@ def _process_entry(
 
 
 def run_processes(
-    fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 120.0,
+    fn: Callable[..., T],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
     env: dict[str, str] | None = None,
 ) -> list[T]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes.
@@ -83,9 +101,11 @@ def run_processes(
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_process_entry,
-                    args=(rank, world_size, port, timeout, fn, args, results, env or {}),
-                    daemon=True)
+        ctx.Process(
+            target=_process_entry,
+            args=(rank, world_size, port, timeout, fn, args, results, env or {}),
+            daemon=True,
+        )
         for rank in range(world_size)
     ]
     for proc in procs:
@@ -121,8 +141,10 @@ def run_processes(
         lines = []
         if missing:
             codes = {r: procs[r].exitcode for r in missing}
-            lines.append(f"ranks {missing} did not finish within {timeout:.0f} s "
-                         f"(exit codes {codes}; a negative code is the signal that killed it)")
+            lines.append(
+                f"ranks {missing} did not finish within {timeout:.0f} s "
+                f"(exit codes {codes}; a negative code is the signal that killed it)"
+            )
         raise DistributedFailure("\n".join(lines + errors))
     return [outcomes[r][1] for r in range(world_size)]
 
@@ -131,10 +153,13 @@ def run_threaded(
     fn: Callable[..., T], world_size: int, *args: Any, timeout: float = 60.0
 ) -> list[T]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` threads sharing a threaded PG."""
-    from torch.testing._internal.distributed import multi_threaded_pg as mtpg
+    import importlib
 
+    # torch's threaded process group lives in its (untyped) internal testing package
+    mtpg: Any = importlib.import_module("torch.testing._internal.distributed.multi_threaded_pg")
+    c10d: Any = torch._C._distributed_c10d
     world = mtpg._install_threaded_pg()
-    store = dist.HashStore()
+    store = dist.HashStore()  # type: ignore[attr-defined]
     outcomes: dict[int, tuple[str, Any]] = {}
     lock = threading.Lock()
 
@@ -152,10 +177,11 @@ def run_threaded(
             if world == dist.distributed_c10d._world:
                 dist.destroy_process_group()
 
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    c10d._set_thread_isolation_mode(True)
     try:
-        threads = [threading.Thread(target=worker, args=(r,), daemon=True)
-                   for r in range(world_size)]
+        threads = [
+            threading.Thread(target=worker, args=(r,), daemon=True) for r in range(world_size)
+        ]
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + timeout
@@ -164,7 +190,7 @@ def run_threaded(
         mtpg.ProcessLocalGroup.reset()
     finally:
         mtpg._uninstall_threaded_pg()
-        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        c10d._set_thread_isolation_mode(False)
     errors = [f"--- rank {r} ---\n{v}" for r, (s, v) in sorted(outcomes.items()) if s == "error"]
     missing = [r for r in range(world_size) if r not in outcomes]
     if errors or missing:
@@ -174,10 +200,25 @@ def run_threaded(
 
 
 _COUNTED = (
-    "all_gather_single", "all_gather_into_tensor", "all_gather", "reduce_scatter_single",
-    "reduce_scatter_tensor", "reduce_scatter", "all_reduce", "all_to_all_single", "all_to_all",
-    "broadcast", "scatter", "gather", "send", "recv", "isend", "irecv", "batch_isend_irecv",
-    "all_gather_object", "broadcast_object_list",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "all_gather",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "all_reduce",
+    "all_to_all_single",
+    "all_to_all",
+    "broadcast",
+    "scatter",
+    "gather",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "all_gather_object",
+    "broadcast_object_list",
 )
 
 
@@ -223,7 +264,7 @@ def _counting(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-class count_collectives:  # noqa: N801 - used as a context manager, like torch's modes
+class count_collectives:
     """``with count_collectives() as c: ...`` then ``c.calls`` / ``c.bytes`` / ``c.total``."""
 
     def __enter__(self) -> CollectiveCounter:

@@ -11,14 +11,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from ragged_dtensor._private.geometry import FlatRange
+from ragged_dtensor._private.placement import RaggedShard
+from ragged_dtensor._private.redistribute import ragged_axis, x_shape
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, Replicate
-
-from ragged_dtensor._private.geometry import FlatRange
-from ragged_dtensor._private.placement import RaggedShard
-from ragged_dtensor._private.redistribute import ragged_axis, x_shape
 
 __all__ = [
     "check_ragged_local",
@@ -40,26 +39,37 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def _check_placements(mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int],
-                      ) -> tuple[int, RaggedShard, tuple[int, ...]]:
+def _check_placements(
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: Sequence[int],
+) -> tuple[int, RaggedShard, tuple[int, ...]]:
     if len(placements) != mesh.ndim:
-        raise ValueError(f"{len(placements)} placements {tuple(placements)} for a "
-                         f"{mesh.ndim}-D mesh: expected one placement per mesh axis")
+        raise ValueError(
+            f"{len(placements)} placements {tuple(placements)} for a "
+            f"{mesh.ndim}-D mesh: expected one placement per mesh axis"
+        )
     axis = ragged_axis(placements)
     assert axis is not None
     placement = placements[axis]
     assert isinstance(placement, RaggedShard)
     if len(placement.local_units) != mesh.size(axis):
-        raise ValueError(f"{placement!r} on mesh axis {axis}: {len(placement.local_units)} "
-                         f"local_units but the axis has {mesh.size(axis)} ranks")
+        raise ValueError(
+            f"{placement!r} on mesh axis {axis}: {len(placement.local_units)} "
+            f"local_units but the axis has {mesh.size(axis)} ranks"
+        )
     xs = x_shape(shape, mesh, placements)
     placement.validate(xs, where=f"mesh axis {axis}")
     return axis, placement, xs
 
 
-def distribute_ragged(tensor: torch.Tensor, device_mesh: DeviceMesh | None,
-                      placements: Sequence[Placement],
-                      original: Callable[..., DTensor], **kwargs: Any) -> DTensor:
+def distribute_ragged(
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None,
+    placements: Sequence[Placement],
+    original: Callable[..., DTensor],
+    **kwargs: Any,
+) -> DTensor:
     """torch's distribute_tensor with the ragged axis cut locally from the replicated value."""
     if device_mesh is None:
         raise ValueError("distribute_tensor with a RaggedShard placement needs device_mesh")
@@ -69,63 +79,90 @@ def distribute_ragged(tensor: torch.Tensor, device_mesh: DeviceMesh | None,
     coordinate = device_mesh.get_local_rank(axis)
     flat = placement.flat_range(xs, coordinate)
     local = base.to_local().detach().reshape(-1)[flat.start : flat.stop]
-    spec = DTensorSpec(device_mesh, tuple(placements),
-                       tensor_meta=TensorMeta(tensor.shape, _contiguous_stride(tensor.shape),
-                                              tensor.dtype))
-    return DTensor(local.requires_grad_(tensor.requires_grad), spec,  # type: ignore[call-arg]
-                   requires_grad=tensor.requires_grad)
+    spec = DTensorSpec(
+        device_mesh,
+        tuple(placements),
+        tensor_meta=TensorMeta(tensor.shape, _contiguous_stride(tensor.shape), tensor.dtype),
+    )
+    return DTensor(  # type: ignore[no-untyped-call]
+        local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad
+    )
 
 
-def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh,
-                      placements: Sequence[Placement], *, src_data_rank: int | None = 0,
-                      ) -> DTensor:
+def distribute_tensor(
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    *,
+    src_data_rank: int | None = 0,
+) -> DTensor:
     """``torch.distributed.tensor.distribute_tensor``, accepting RaggedShard (same semantics)."""
     from torch.distributed.tensor import distribute_tensor as torch_distribute
 
     return torch_distribute(tensor, device_mesh, placements, src_data_rank=src_data_rank)
 
 
-def check_ragged_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None,
-                       placements: Sequence[Placement], *, shape: torch.Size | None = None,
-                       stride: tuple[int, ...] | None = None, **kwargs: Any,
-                       ) -> tuple[torch.Tensor, dict[str, Any]]:
+def check_ragged_local(
+    local_tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None,
+    placements: Sequence[Placement],
+    *,
+    shape: torch.Size | None = None,
+    stride: tuple[int, ...] | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """Validate a ragged local tensor for ``DTensor.from_local``; returns (flat local, kwargs)."""
     if device_mesh is None:
         raise ValueError("DTensor.from_local with a RaggedShard placement needs device_mesh")
     if shape is None:
-        raise ValueError("DTensor.from_local with a RaggedShard placement needs shape=: the "
-                         "global shape cannot be inferred from a flat ragged share")
+        raise ValueError(
+            "DTensor.from_local with a RaggedShard placement needs shape=: the "
+            "global shape cannot be inferred from a flat ragged share"
+        )
     axis, placement, xs = _check_placements(device_mesh, placements, tuple(shape))
     contiguous = _contiguous_stride(tuple(shape))
     if stride is not None and tuple(stride) != contiguous:
-        raise ValueError(f"RaggedShard needs a row-major tensor: stride {tuple(stride)} given for "
-                         f"shape {tuple(shape)}, expected {contiguous}")
+        raise ValueError(
+            f"RaggedShard needs a row-major tensor: stride {tuple(stride)} given for "
+            f"shape {tuple(shape)}, expected {contiguous}"
+        )
     if not local_tensor.is_contiguous():
-        raise ValueError(f"the local tensor of a RaggedShard DTensor must be contiguous (got "
-                         f"shape {tuple(local_tensor.shape)}, stride {local_tensor.stride()})")
+        raise ValueError(
+            f"the local tensor of a RaggedShard DTensor must be contiguous (got "
+            f"shape {tuple(local_tensor.shape)}, stride {local_tensor.stride()})"
+        )
     coordinate = device_mesh.get_local_rank(axis)
     expected = placement.local_numel(xs, coordinate)
     if local_tensor.numel() != expected:
-        raise ValueError(f"rank with coordinate {coordinate} on mesh axis {axis}: local tensor has "
-                         f"{local_tensor.numel()} elements but {placement!r} on shape {xs} gives "
-                         f"it {placement.local_units[coordinate]} units = {expected} elements")
+        raise ValueError(
+            f"rank with coordinate {coordinate} on mesh axis {axis}: local tensor has "
+            f"{local_tensor.numel()} elements but {placement!r} on shape {xs} gives "
+            f"it {placement.local_units[coordinate]} units = {expected} elements"
+        )
     kwargs.update(shape=torch.Size(shape), stride=contiguous)
     return local_tensor.reshape(-1), kwargs
 
 
-def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh,
-               placements: Sequence[Placement], *, shape: Sequence[int],
-               requires_grad: bool | None = None) -> DTensor:
+def from_local(
+    local_tensor: torch.Tensor,
+    device_mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    *,
+    shape: Sequence[int],
+    requires_grad: bool | None = None,
+) -> DTensor:
     """Wrap this rank's flat share as a DTensor (validated against the units; no communication)."""
-    dt = DTensor.from_local(local_tensor, device_mesh, placements, shape=torch.Size(shape),
-                            run_check=False)
+    dt = DTensor.from_local(
+        local_tensor, device_mesh, placements, shape=torch.Size(shape), run_check=False
+    )
     if requires_grad is not None:
         dt.requires_grad_(requires_grad)
     return dt
 
 
-def redistribute(dt: DTensor, placements: Sequence[Placement],
-                 device_mesh: DeviceMesh | None = None) -> DTensor:
+def redistribute(
+    dt: DTensor, placements: Sequence[Placement], device_mesh: DeviceMesh | None = None
+) -> DTensor:
     """``dt.redistribute(...)``: one collective per changed axis for ragged transitions."""
     return dt.redistribute(device_mesh or dt.device_mesh, tuple(placements))
 

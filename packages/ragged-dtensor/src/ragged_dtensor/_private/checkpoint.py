@@ -13,6 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from ragged_dtensor._private.geometry import flat_range_to_boxes
+from ragged_dtensor._private.placement import RaggedShard
+from ragged_dtensor._private.redistribute import ragged_axis
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -21,10 +24,6 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Replicate
-
-from ragged_dtensor._private.geometry import flat_range_to_boxes
-from ragged_dtensor._private.placement import RaggedShard
-from ragged_dtensor._private.redistribute import ragged_axis
 
 __all__ = ["install", "ragged_chunks"]
 
@@ -87,8 +86,10 @@ def install(dtensor_cls: Any) -> None:
         for offset, _, view in ragged_chunks(self):
             if index.offset is not None and offset == torch.Size(index.offset):
                 return view
-        raise ValueError(f"checkpoint asked {index.fqn!r} for a chunk at offset {index.offset}, "
-                         f"which this rank's ragged share {self.placements} does not hold")
+        raise ValueError(
+            f"checkpoint asked {index.fqn!r} for a chunk at offset {index.offset}, "
+            f"which this rank's ragged share {self.placements} does not hold"
+        )
 
     dtensor_cls.__create_write_items__ = create_write_items
     dtensor_cls.__create_chunk_list__ = create_chunk_list

@@ -1,4 +1,5 @@
-"""Free functions for the collectives of ragged layouts: one collective each, uneven shares padded.
+"""Free functions for the collectives of ragged layouts: one collective each, uneven shares
+padded.
 
 [Note: padding uneven shares]
 gloo rejects an all-gather whose per-rank sizes differ, and NCCL's all-gather wants equal sizes too,
@@ -15,25 +16,34 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup
-
 from ragged_dtensor._private.geometry import FlatRange
+from torch.distributed import ProcessGroup
 
 __all__ = ["all_gather_flat", "all_to_all_flat", "reduce_scatter_flat", "reduce_op"]
 
 
 def reduce_op(name: str) -> dist.ReduceOp.RedOpType:
     """The c10d reduction for a Partial's reduce_op name (avg is done as sum, then divided)."""
-    table = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-             "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
+    table = {
+        "sum": dist.ReduceOp.SUM,
+        "avg": dist.ReduceOp.SUM,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+        "product": dist.ReduceOp.PRODUCT,
+    }
     if name not in table:
-        raise ValueError(f"Partial({name!r}) cannot be reduce-scattered into a RaggedShard: "
-                         f"expected one of {sorted(table)}")
+        raise ValueError(
+            f"Partial({name!r}) cannot be reduce-scattered into a RaggedShard: "
+            f"expected one of {sorted(table)}"
+        )
     return table[name]
 
 
-def all_gather_flat(local: torch.Tensor, ranges: Sequence[FlatRange], group: ProcessGroup,
-                    ) -> torch.Tensor:
+def all_gather_flat(
+    local: torch.Tensor,
+    ranges: Sequence[FlatRange],
+    group: ProcessGroup,
+) -> torch.Tensor:
     """Gather each rank's flat ``ranges[k]`` share into one flat tensor (one all-gather).
 
     ``local`` is this rank's share (1-D, contiguous). Returns the concatenation of all shares in
@@ -55,8 +65,9 @@ def all_gather_flat(local: torch.Tensor, ranges: Sequence[FlatRange], group: Pro
     return torch.cat(pieces)
 
 
-def reduce_scatter_flat(full: torch.Tensor, ranges: Sequence[FlatRange], rank: int, op: str,
-                        group: ProcessGroup) -> torch.Tensor:
+def reduce_scatter_flat(
+    full: torch.Tensor, ranges: Sequence[FlatRange], rank: int, op: str, group: ProcessGroup
+) -> torch.Tensor:
     """Reduce ``full`` (same shape on every rank) and keep this rank's ``ranges[rank]``.
 
     One reduce-scatter. ``op`` is the Partial's reduce_op; "avg" divides the sum by the group size.
@@ -79,8 +90,13 @@ def reduce_scatter_flat(full: torch.Tensor, ranges: Sequence[FlatRange], rank: i
     return result
 
 
-def all_to_all_flat(local: torch.Tensor, src: Sequence[FlatRange], dst: Sequence[FlatRange],
-                    rank: int, group: ProcessGroup) -> torch.Tensor:
+def all_to_all_flat(
+    local: torch.Tensor,
+    src: Sequence[FlatRange],
+    dst: Sequence[FlatRange],
+    rank: int,
+    group: ProcessGroup,
+) -> torch.Tensor:
     """Move from the ``src`` split to the ``dst`` split of the same flat tensor (one all-to-all).
 
     Rank ``i`` sends rank ``j`` the intersection of ``src[i]`` and ``dst[j]``: a contiguous piece of
@@ -90,8 +106,13 @@ def all_to_all_flat(local: torch.Tensor, src: Sequence[FlatRange], dst: Sequence
     send_sizes = [_overlap(mine_src, d) for d in dst]
     recv_sizes = [_overlap(s, mine_dst) for s in src]
     out = local.new_empty(mine_dst.numel)
-    dist.all_to_all_single(out, local.reshape(-1).contiguous(), output_split_sizes=recv_sizes,
-                           input_split_sizes=send_sizes, group=group)
+    dist.all_to_all_single(
+        out,
+        local.reshape(-1).contiguous(),
+        output_split_sizes=recv_sizes,
+        input_split_sizes=send_sizes,
+        group=group,
+    )
     return out
 
 

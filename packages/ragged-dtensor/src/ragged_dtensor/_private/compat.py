@@ -27,6 +27,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from ragged_dtensor._private import checkpoint, ops
+from ragged_dtensor._private.placement import RaggedShard
+from ragged_dtensor._private.redistribute import execute, plan_redistribute, ragged_axis, x_shape
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import _api as dtensor_api
@@ -36,10 +39,6 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor._sharding_prop import LocalLRUCache
 from torch.distributed.tensor.placement_types import Placement, Replicate
-
-from ragged_dtensor._private import checkpoint, ops
-from ragged_dtensor._private.placement import RaggedShard
-from ragged_dtensor._private.redistribute import execute, plan_redistribute, ragged_axis, x_shape
 
 __all__ = ["hooks_installed", "install", "ragged_redistribute_local"]
 
@@ -52,11 +51,13 @@ def _spec_has_ragged(spec: DTensorSpec) -> bool:
     return any(isinstance(p, RaggedShard) for p in spec.placements)
 
 
-def _torch_redistribute(mesh: DeviceMesh, meta: TensorMeta | None,
-                        ) -> Callable[[torch.Tensor, tuple[Placement, ...], tuple[Placement, ...]],
-                                      torch.Tensor]:
-    def run(local: torch.Tensor, before: tuple[Placement, ...],
-            after: tuple[Placement, ...]) -> torch.Tensor:
+def _torch_redistribute(
+    mesh: DeviceMesh,
+    meta: TensorMeta | None,
+) -> Callable[[torch.Tensor, tuple[Placement, ...], tuple[Placement, ...]], torch.Tensor]:
+    def run(
+        local: torch.Tensor, before: tuple[Placement, ...], after: tuple[Placement, ...]
+    ) -> torch.Tensor:
         src = DTensorSpec(mesh, before, tensor_meta=meta)
         dst = DTensorSpec(mesh, after, tensor_meta=meta)
         return _ORIGINAL_REDISTRIBUTE(local, src, dst)
@@ -64,8 +65,11 @@ def _torch_redistribute(mesh: DeviceMesh, meta: TensorMeta | None,
     return run
 
 
-def ragged_redistribute_local(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec,
-                              ) -> torch.Tensor:
+def ragged_redistribute_local(
+    local: torch.Tensor,
+    current: DTensorSpec,
+    target: DTensorSpec,
+) -> torch.Tensor:
     """Redistribute a local tensor between specs of which at least one is ragged."""
     if current.mesh != target.mesh:
         raise NotImplementedError("redistributing a ragged DTensor across device meshes")
@@ -77,20 +81,25 @@ def ragged_redistribute_local(local: torch.Tensor, current: DTensorSpec, target:
             placement = spec.placements[axis]
             assert isinstance(placement, RaggedShard)
             if len(placement.local_units) != mesh.size(axis):
-                raise ValueError(f"{role} placement {placement!r} on mesh axis {axis}: "
-                                 f"{len(placement.local_units)} local_units for "
-                                 f"{mesh.size(axis)} ranks")
+                raise ValueError(
+                    f"{role} placement {placement!r} on mesh axis {axis}: "
+                    f"{len(placement.local_units)} local_units for "
+                    f"{mesh.size(axis)} ranks"
+                )
     src_x = x_shape(shape, mesh, current.placements)
     dst_x = x_shape(shape, mesh, target.placements)
-    steps = plan_redistribute(tuple(mesh.shape), tuple(current.placements),
-                              tuple(target.placements), src_x, dst_x)
+    steps = plan_redistribute(
+        tuple(mesh.shape), tuple(current.placements), tuple(target.placements), src_x, dst_x
+    )
     axis = ragged_axis(current.placements)
     if axis is not None:
         expected = steps_expected_local(current, src_x, mesh, axis)
         if local.numel() != expected:
-            raise ValueError(f"local tensor of {local.numel()} elements does not match "
-                             f"{current.placements[axis]!r} on shape {src_x} (expected "
-                             f"{expected} on mesh-axis coordinate {mesh.get_local_rank(axis)})")
+            raise ValueError(
+                f"local tensor of {local.numel()} elements does not match "
+                f"{current.placements[axis]!r} on shape {src_x} (expected "
+                f"{expected} on mesh-axis coordinate {mesh.get_local_rank(axis)})"
+            )
     return execute(steps, local, mesh, _torch_redistribute(mesh, current.tensor_meta))
 
 
@@ -100,8 +109,13 @@ def steps_expected_local(spec: DTensorSpec, xs: Sequence[int], mesh: DeviceMesh,
     return placement.local_numel(xs, mesh.get_local_rank(axis))
 
 
-def _redistribute_hook(local_tensor: torch.Tensor, current_spec: DTensorSpec,
-                       target_spec: DTensorSpec, *args: Any, **kwargs: Any) -> torch.Tensor:
+def _redistribute_hook(
+    local_tensor: torch.Tensor,
+    current_spec: DTensorSpec,
+    target_spec: DTensorSpec,
+    *args: Any,
+    **kwargs: Any,
+) -> torch.Tensor:
     if _spec_has_ragged(current_spec) or _spec_has_ragged(target_spec):
         return ragged_redistribute_local(local_tensor, current_spec, target_spec)
     return _ORIGINAL_REDISTRIBUTE(local_tensor, current_spec, target_spec, *args, **kwargs)
@@ -110,12 +124,16 @@ def _redistribute_hook(local_tensor: torch.Tensor, current_spec: DTensorSpec,
 def _install_redistribute() -> None:
     params = list(inspect.signature(_ORIGINAL_REDISTRIBUTE).parameters)
     if params[:3] != ["local_tensor", "current_spec", "target_spec"]:
-        raise RuntimeError(f"ragged_dtensor: torch's redistribute_local_tensor changed "
-                           f"(parameters {params}); this torch version is not supported")
+        raise RuntimeError(
+            f"ragged_dtensor: torch's redistribute_local_tensor changed "
+            f"(parameters {params}); this torch version is not supported"
+        )
     for module in (dtensor_redistribute, dtensor_dispatch, dtensor_api):
         if getattr(module, "redistribute_local_tensor", None) is not _ORIGINAL_REDISTRIBUTE:
-            raise RuntimeError(f"ragged_dtensor: {module.__name__}.redistribute_local_tensor is "
-                               f"not torch's function any more; refusing to patch")
+            raise RuntimeError(
+                f"ragged_dtensor: {module.__name__}.redistribute_local_tensor is "
+                f"not torch's function any more; refusing to patch"
+            )
         module.redistribute_local_tensor = _redistribute_hook  # type: ignore[attr-defined]
     _INSTALLED["redistribute"] = True
 
@@ -123,8 +141,9 @@ def _install_redistribute() -> None:
 def _local_numel(spec: DTensorSpec) -> int:
     axis = ragged_axis(spec.placements)
     assert axis is not None
-    return steps_expected_local(spec, x_shape(tuple(spec.shape), spec.mesh, spec.placements),
-                                spec.mesh, axis)
+    return steps_expected_local(
+        spec, x_shape(tuple(spec.shape), spec.mesh, spec.placements), spec.mesh, axis
+    )
 
 
 def _install_propagator() -> None:
@@ -139,28 +158,40 @@ def _install_propagator() -> None:
         return original(op_schema)
 
     propagator.propagate_op_sharding_non_cached = propagate  # type: ignore[method-assign]
-    propagator.propagate_op_sharding = LocalLRUCache(propagate)  # type: ignore[method-assign]
+    propagator.propagate_op_sharding = LocalLRUCache(propagate)
     _INSTALLED["propagator"] = True
 
 
 _ORIGINAL_DISTRIBUTE = dtensor_api.distribute_tensor
 # A private copy of torch's function: the public one gets our trampoline as its code object.
 _TORCH_DISTRIBUTE = types.FunctionType(
-    _ORIGINAL_DISTRIBUTE.__code__, _ORIGINAL_DISTRIBUTE.__globals__, "distribute_tensor",
-    _ORIGINAL_DISTRIBUTE.__defaults__, _ORIGINAL_DISTRIBUTE.__closure__)
+    _ORIGINAL_DISTRIBUTE.__code__,
+    _ORIGINAL_DISTRIBUTE.__globals__,
+    "distribute_tensor",
+    _ORIGINAL_DISTRIBUTE.__defaults__,
+    _ORIGINAL_DISTRIBUTE.__closure__,
+)
 _TORCH_DISTRIBUTE.__kwdefaults__ = _ORIGINAL_DISTRIBUTE.__kwdefaults__
 
 
-def _distribute_impl(tensor: torch.Tensor, device_mesh: DeviceMesh | None,
-                     placements: Sequence[Placement] | None, src_data_rank: int | None,
-                     ) -> DTensor:
+def _distribute_impl(
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None,
+    placements: Sequence[Placement] | None,
+    src_data_rank: int | None,
+) -> DTensor:
     if placements is None or not any(isinstance(p, RaggedShard) for p in placements):
-        return _TORCH_DISTRIBUTE(tensor, device_mesh, placements,  # type: ignore[no-any-return]
-                                 src_data_rank=src_data_rank)
+        return _TORCH_DISTRIBUTE(  # type: ignore[no-any-return]
+            tensor,
+            device_mesh,
+            placements,
+            src_data_rank=src_data_rank,
+        )
     from ragged_dtensor._private.api import distribute_ragged
 
-    return distribute_ragged(tensor, device_mesh, placements, _TORCH_DISTRIBUTE,
-                             src_data_rank=src_data_rank)
+    return distribute_ragged(
+        tensor, device_mesh, placements, _TORCH_DISTRIBUTE, src_data_rank=src_data_rank
+    )
 
 
 def _distribute_trampoline(  # type: ignore[no-untyped-def]
@@ -183,8 +214,10 @@ def _install_distribute() -> None:
     if params != ["tensor", "device_mesh", "placements", "src_data_rank"] or (
         _ORIGINAL_DISTRIBUTE.__code__.co_freevars
     ):
-        raise RuntimeError(f"ragged_dtensor: torch's distribute_tensor changed (parameters "
-                           f"{params}); this torch version is not supported")
+        raise RuntimeError(
+            f"ragged_dtensor: torch's distribute_tensor changed (parameters "
+            f"{params}); this torch version is not supported"
+        )
     dtensor_api.__dict__["_ragged_distribute_impl"] = _distribute_impl
     _ORIGINAL_DISTRIBUTE.__code__ = _distribute_trampoline.__code__
     _INSTALLED["distribute_tensor"] = True
@@ -193,8 +226,12 @@ def _install_distribute() -> None:
 _ORIGINAL_FROM_LOCAL = DTensor.from_local
 
 
-def _from_local_hook(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
-                     placements: Sequence[Placement] | None = None, **kwargs: Any) -> DTensor:
+def _from_local_hook(
+    local_tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
+    **kwargs: Any,
+) -> DTensor:
     if placements is not None and any(isinstance(p, RaggedShard) for p in placements):
         from ragged_dtensor._private.api import check_ragged_local
 
@@ -203,15 +240,17 @@ def _from_local_hook(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None 
 
 
 def _install_from_local() -> None:
-    DTensor.from_local = staticmethod(_from_local_hook)  # type: ignore[method-assign,assignment]
+    DTensor.from_local = staticmethod(_from_local_hook)  # type: ignore[method-assign]
     _INSTALLED["from_local"] = True
 
 
 def _install_checkpoint() -> None:
     for name in ("__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__"):
         if not hasattr(DTensor, name):
-            raise RuntimeError(f"ragged_dtensor: DTensor.{name} is gone; checkpoint hooks cannot "
-                               f"be installed on this torch version")
+            raise RuntimeError(
+                f"ragged_dtensor: DTensor.{name} is gone; checkpoint hooks cannot "
+                f"be installed on this torch version"
+            )
     checkpoint.install(DTensor)
     _INSTALLED["checkpoint"] = True
 
@@ -221,8 +260,9 @@ def install() -> None:
     if _INSTALLED:
         return
     if not torch.__version__.startswith(SUPPORTED_TORCH):
-        raise ImportError(f"ragged_dtensor supports torch {SUPPORTED_TORCH}; found "
-                          f"{torch.__version__}")
+        raise ImportError(
+            f"ragged_dtensor supports torch {SUPPORTED_TORCH}; found {torch.__version__}"
+        )
     _install_redistribute()
     _install_propagator()
     _install_distribute()

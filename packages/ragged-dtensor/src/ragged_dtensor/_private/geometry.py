@@ -50,11 +50,15 @@ def validate_units(
     """Raise ``ValueError`` naming the problem if ``(dims, local_units)`` cannot cut ``shape``."""
     prefix = f"{where}: " if where else ""
     if tuple(dims) != tuple(range(len(dims))):
-        raise ValueError(f"{prefix}RaggedShard dims {tuple(dims)} must be a prefix (0, 1, ...) of "
-                         f"the tensor's dimensions")
+        raise ValueError(
+            f"{prefix}RaggedShard dims {tuple(dims)} must be a prefix (0, 1, ...) of "
+            f"the tensor's dimensions"
+        )
     if len(dims) > len(shape):
-        raise ValueError(f"{prefix}RaggedShard dims {tuple(dims)} exceed the tensor's "
-                         f"{len(shape)} dimensions (shape {tuple(shape)})")
+        raise ValueError(
+            f"{prefix}RaggedShard dims {tuple(dims)} exceed the tensor's "
+            f"{len(shape)} dimensions (shape {tuple(shape)})"
+        )
     if any(u < 0 for u in local_units):
         raise ValueError(f"{prefix}RaggedShard local_units {tuple(local_units)} must be >= 0")
     total = sum(local_units)
@@ -62,12 +66,16 @@ def validate_units(
         raise ValueError(f"{prefix}RaggedShard local_units {tuple(local_units)} sum to 0")
     rows = prefix_rows(shape, dims)
     if not dims and sum(1 for u in local_units if u) != 1:
-        raise ValueError(f"{prefix}RaggedShard(dims=()) treats the whole tensor as one unit: "
-                         f"local_units {tuple(local_units)} must be one-hot")
+        raise ValueError(
+            f"{prefix}RaggedShard(dims=()) treats the whole tensor as one unit: "
+            f"local_units {tuple(local_units)} must be one-hot"
+        )
     if rows % total != 0:
-        raise ValueError(f"{prefix}RaggedShard local_units {tuple(local_units)} sum to {total}, "
-                         f"which does not divide the {rows} prefix rows of dims {tuple(dims)} "
-                         f"of shape {tuple(shape)}")
+        raise ValueError(
+            f"{prefix}RaggedShard local_units {tuple(local_units)} sum to {total}, "
+            f"which does not divide the {rows} prefix rows of dims {tuple(dims)} "
+            f"of shape {tuple(shape)}"
+        )
 
 
 def unit_numel(shape: Sequence[int], local_units: Sequence[int]) -> int:

@@ -20,11 +20,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from ragged_dtensor._private.placement import RaggedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
-
-from ragged_dtensor._private.placement import RaggedShard
 
 __all__ = ["RaggedOpError", "has_ragged", "propagate_ragged"]
 
@@ -36,7 +35,9 @@ class RaggedOpError(NotImplementedError):
 
 
 def has_ragged(spec: object) -> bool:
-    return isinstance(spec, DTensorSpec) and any(isinstance(p, RaggedShard) for p in spec.placements)
+    return isinstance(spec, DTensorSpec) and any(
+        isinstance(p, RaggedShard) for p in spec.placements
+    )
 
 
 def _schema_has_ragged(schema: OpSchema) -> bool:
@@ -49,27 +50,43 @@ def _schema_has_ragged(schema: OpSchema) -> bool:
 
 
 _ELEMENTWISE_EXTRA = {
-    aten.detach.default, aten.alias.default, aten.clone.default, aten._to_copy.default,
-    aten.copy_.default, aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor,
-    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-    aten.full_like.default, aten.uniform_.default, aten.normal_.default,
-    aten.bernoulli_.float, aten.to.dtype,
+    aten.detach.default,
+    aten.alias.default,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.copy_.default,
+    aten.zero_.default,
+    aten.fill_.Scalar,
+    aten.fill_.Tensor,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.uniform_.default,
+    aten.normal_.default,
+    aten.bernoulli_.float,
+    aten.to.dtype,
 }
 _FOREACH_REDUCTIONS = ("aten::_foreach_norm", "aten::_foreach_max")
+
+
+def _op_name(op: torch._ops.OpOverload) -> str:
+    return str(op._schema.name)  # "aten::_foreach_norm" (no overload suffix)
 
 
 def _is_elementwise(op: torch._ops.OpOverload) -> bool:
     if op in _ELEMENTWISE_EXTRA or torch.Tag.pointwise in op.tags:
         return True
-    name = op.name()
+    name = _op_name(op)
     if name.startswith(_FOREACH_REDUCTIONS):
         return False
     return name.startswith(("aten::_foreach_", "aten::_fused_"))
 
 
 def _error(op: torch._ops.OpOverload, spec: DTensorSpec, why: str) -> RaggedOpError:
-    return RaggedOpError(f"{op} on a DTensor with placements {spec.placements} "
-                         f"(shape {tuple(spec.shape)}): {why}")
+    return RaggedOpError(
+        f"{op} on a DTensor with placements {spec.placements} (shape {tuple(spec.shape)}): {why}"
+    )
 
 
 def _first_ragged(schema: OpSchema) -> DTensorSpec:
@@ -90,8 +107,10 @@ def _with_meta(spec: DTensorSpec, placements: Sequence[Placement], meta: object)
     return DTensorSpec(spec.mesh, tuple(placements), tensor_meta=meta)
 
 
-def _align_operands(op: torch._ops.OpOverload, group: Sequence[object],
-                    ) -> tuple[DTensorSpec | None, list[object], bool]:
+def _align_operands(
+    op: torch._ops.OpOverload,
+    group: Sequence[object],
+) -> tuple[DTensorSpec | None, list[object], bool]:
     """Pick the reference ragged spec of one elementwise operand group and align the others.
 
     Returns (reference, new operand specs, whether any operand needs redistribution).
@@ -109,9 +128,13 @@ def _align_operands(op: torch._ops.OpOverload, group: Sequence[object],
             continue
         if has_ragged(spec):
             if spec.placements != ref.placements or spec.shape != ref.shape:
-                raise _error(op, spec, f"operands have different layouts: {spec.placements} "
-                             f"{tuple(spec.shape)} vs {ref.placements} {tuple(ref.shape)}; "
-                             f"redistribute one of them first")
+                raise _error(
+                    op,
+                    spec,
+                    f"operands have different layouts: {spec.placements} "
+                    f"{tuple(spec.shape)} vs {ref.placements} {tuple(ref.shape)}; "
+                    f"redistribute one of them first",
+                )
             out.append(spec)
             continue
         if all(p.is_replicate() for p in spec.placements):
@@ -122,22 +145,33 @@ def _align_operands(op: torch._ops.OpOverload, group: Sequence[object],
                 out.append(DTensorSpec(ref.mesh, ref.placements, tensor_meta=spec.tensor_meta))
                 moved = True
                 continue
-        raise _error(op, ref, f"operand with placements {spec.placements} and shape "
-                     f"{tuple(spec.shape)} cannot be combined elementwise with a ragged operand "
-                     f"(broadcasting against a flat ragged share is not supported)")
+        raise _error(
+            op,
+            ref,
+            f"operand with placements {spec.placements} and shape "
+            f"{tuple(spec.shape)} cannot be combined elementwise with a ragged operand "
+            f"(broadcasting against a flat ragged share is not supported)",
+        )
     return ref, out, moved
 
 
 def _elementwise(schema: OpSchema, meta: object) -> OutputSharding:
     op = schema.op
     args = list(schema.args_schema)
-    foreach = any(isinstance(a, list | tuple) and a and isinstance(a[0], DTensorSpec | type(None))
-                  for a in args)
+    foreach = any(
+        isinstance(a, list | tuple) and a and isinstance(a[0], DTensorSpec | type(None))
+        for a in args
+    )
     moved_any = False
     if foreach:
-        lists = [i for i, a in enumerate(args) if isinstance(a, list | tuple)
-                 and any(isinstance(x, DTensorSpec) for x in a)]
-        length = len(args[lists[0]])
+        lists = [
+            i
+            for i, a in enumerate(args)
+            if isinstance(a, list | tuple) and any(isinstance(x, DTensorSpec) for x in a)
+        ]
+        first = args[lists[0]]
+        assert isinstance(first, list | tuple)
+        length = len(first)
         refs: list[DTensorSpec | None] = []
         new_lists: dict[int, list[object]] = {i: [] for i in lists}
         for j in range(length):
@@ -168,7 +202,7 @@ def _elementwise(schema: OpSchema, meta: object) -> OutputSharding:
         for i, value in zip(positions, aligned, strict=False):
             args[i] = value
         kwargs = dict(schema.kwargs_schema)
-        for k, value in zip(kw_positions, aligned[len(positions):], strict=True):
+        for k, value in zip(kw_positions, aligned[len(positions) :], strict=True):
             kwargs[k] = value
         if meta is None:
             out_spec = None
@@ -178,14 +212,20 @@ def _elementwise(schema: OpSchema, meta: object) -> OutputSharding:
             out_spec = _with_meta(ref, ref.placements, meta)
         if moved_any:
             new_schema = OpSchema(op, tuple(args), kwargs, schema_info=schema.schema_info)
-            return OutputSharding(out_spec, redistribute_schema=new_schema,  # type: ignore[arg-type]
-                                  needs_redistribute=True)
-        return OutputSharding(out_spec)  # type: ignore[arg-type]
+            return OutputSharding(
+                out_spec,
+                redistribute_schema=new_schema,
+                needs_redistribute=True,
+            )
+        return OutputSharding(out_spec)
     if moved_any:
         new_schema = OpSchema(op, tuple(args), schema.kwargs_schema, schema_info=schema.schema_info)
-        return OutputSharding(out_spec, redistribute_schema=new_schema,  # type: ignore[arg-type]
-                              needs_redistribute=True)
-    return OutputSharding(out_spec)  # type: ignore[arg-type]
+        return OutputSharding(
+            out_spec,
+            redistribute_schema=new_schema,
+            needs_redistribute=True,
+        )
+    return OutputSharding(out_spec)
 
 
 def _reduced_placements(spec: DTensorSpec, partial: Callable[[], Placement]) -> list[Placement]:
@@ -224,8 +264,12 @@ def _reduction(schema: OpSchema, meta: object) -> OutputSharding | None:
         dim = args[1] if len(args) > 1 else schema.kwargs_schema.get("dim")
         if op is aten.sum.default or _covers_all_dims(dim, spec.ndim):
             return OutputSharding(_with_meta(spec, _reduced_placements(spec, Partial), meta))
-        raise _error(op, spec, f"sum over dims {dim} of a flat ragged share is not supported; "
-                     "sum over all elements (-> Partial) or redistribute first")
+        raise _error(
+            op,
+            spec,
+            f"sum over dims {dim} of a flat ragged share is not supported; "
+            "sum over all elements (-> Partial) or redistribute first",
+        )
     if op is aten.linalg_vector_norm.default:
         spec = args[0]
         assert isinstance(spec, DTensorSpec)
@@ -235,7 +279,7 @@ def _reduction(schema: OpSchema, meta: object) -> OutputSharding | None:
             placements = _reduced_placements(spec, lambda: _norm_partial(ord_))
             return OutputSharding(_with_meta(spec, placements, meta))
         raise _error(op, spec, f"norm over dims {dim} of a flat ragged share is not supported")
-    if op.name().split(".")[0] == "aten::_foreach_norm":
+    if _op_name(op) == "aten::_foreach_norm":
         specs = args[0]
         assert isinstance(specs, list | tuple)
         ord_ = args[1] if len(args) > 1 else schema.kwargs_schema.get("ord", 2)
@@ -244,7 +288,7 @@ def _reduction(schema: OpSchema, meta: object) -> OutputSharding | None:
         for spec, m in zip(specs, meta, strict=True):
             assert isinstance(spec, DTensorSpec)
             out.append(_with_meta(spec, _reduced_placements(spec, lambda: _norm_partial(ord_)), m))
-        return OutputSharding(out)  # type: ignore[arg-type]
+        return OutputSharding(out)
     return None
 
 
@@ -262,8 +306,11 @@ _SHAPE_ARG_OPS: dict[torch._ops.OpOverload, tuple[int, int | None]] = {
 }
 
 
-def _shape_arg_op(schema: OpSchema, meta: object, local_numel: Callable[[DTensorSpec], int],
-                  ) -> OutputSharding | None:
+def _shape_arg_op(
+    schema: OpSchema,
+    meta: object,
+    local_numel: Callable[[DTensorSpec], int],
+) -> OutputSharding | None:
     """Same-shape views and ``new_*`` factories: rewrite the size to this rank's flat share."""
     op = schema.op
     if op not in _SHAPE_ARG_OPS:
@@ -274,20 +321,31 @@ def _shape_arg_op(schema: OpSchema, meta: object, local_numel: Callable[[DTensor
     size = schema.args_schema[size_idx]
     assert isinstance(size, list | tuple)
     if [int(s) for s in size] != list(spec.shape):
-        raise _error(op, spec, f"size {list(size)} differs from the global shape; a ragged "
-                     "share is a flat range, so only same-shape views/factories are supported")
+        raise _error(
+            op,
+            spec,
+            f"size {list(size)} differs from the global shape; a ragged "
+            "share is a flat range, so only same-shape views/factories are supported",
+        )
     args = list(schema.args_schema)
     args[size_idx] = [local_numel(spec)]
     if stride_idx is not None:
         args[stride_idx] = [1]
     new_schema = OpSchema(op, tuple(args), schema.kwargs_schema, schema_info=schema.schema_info)
     assert isinstance(meta, TensorMeta)
-    return OutputSharding(_with_meta(spec, spec.placements, meta), redistribute_schema=new_schema,
-                          needs_redistribute=True, use_val_from_redistribute_schema=True)
+    return OutputSharding(
+        _with_meta(spec, spec.placements, meta),
+        redistribute_schema=new_schema,
+        needs_redistribute=True,
+        use_val_from_redistribute_schema=True,
+    )
 
 
-def propagate_ragged(schema: OpSchema, tensor_meta: Callable[[OpSchema], Any],
-                     local_numel: Callable[[DTensorSpec], int]) -> OutputSharding:
+def propagate_ragged(
+    schema: OpSchema,
+    tensor_meta: Callable[[OpSchema], Any],
+    local_numel: Callable[[DTensorSpec], int],
+) -> OutputSharding:
     """The output sharding of ``schema`` (which has at least one ragged operand), or raise.
 
     ``local_numel(spec)`` is this rank's number of elements of a ragged spec (the only
@@ -301,9 +359,13 @@ def propagate_ragged(schema: OpSchema, tensor_meta: Callable[[OpSchema], Any],
     if _is_elementwise(op):
         return _elementwise(schema, meta)
     spec = _first_ragged(schema)
-    raise _error(op, spec, "this op is not elementwise and has no ragged sharding rule; "
-                 "redistribute to Replicate/Shard first (e.g. dt.full_tensor() or "
-                 "dt.redistribute(mesh, [Shard(0)]))")
+    raise _error(
+        op,
+        spec,
+        "this op is not elementwise and has no ragged sharding rule; "
+        "redistribute to Replicate/Shard first (e.g. dt.full_tensor() or "
+        "dt.redistribute(mesh, [Shard(0)]))",
+    )
 
 
 def schema_has_ragged(schema: OpSchema) -> bool:

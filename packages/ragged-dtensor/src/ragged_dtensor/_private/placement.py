@@ -6,9 +6,8 @@ from collections.abc import Sequence
 
 import attrs
 import torch
-from torch.distributed.tensor.placement_types import Placement
-
 from ragged_dtensor._private import geometry
+from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["RaggedShard"]
 
@@ -41,17 +40,23 @@ class RaggedShard(Placement):
 
     def __attrs_post_init__(self) -> None:
         if self.dims != tuple(range(len(self.dims))):
-            raise ValueError(f"RaggedShard dims {self.dims} must be a prefix (0, 1, ...) of the "
-                             f"tensor's dimensions")
+            raise ValueError(
+                f"RaggedShard dims {self.dims} must be a prefix (0, 1, ...) of the "
+                f"tensor's dimensions"
+            )
         if not self.local_units:
-            raise ValueError("RaggedShard local_units must have one entry per rank of the mesh axis")
+            raise ValueError(
+                "RaggedShard local_units must have one entry per rank of the mesh axis"
+            )
         if any(u < 0 for u in self.local_units):
             raise ValueError(f"RaggedShard local_units {self.local_units} must all be >= 0")
         if sum(self.local_units) == 0:
             raise ValueError(f"RaggedShard local_units {self.local_units} sum to 0")
         if not self.dims and sum(1 for u in self.local_units if u) != 1:
-            raise ValueError(f"RaggedShard(dims=()) makes the whole tensor one unit: local_units "
-                             f"{self.local_units} must be one-hot")
+            raise ValueError(
+                f"RaggedShard(dims=()) makes the whole tensor one unit: local_units "
+                f"{self.local_units} must be one-hot"
+            )
 
     # -- torch Placement protocol -------------------------------------------------------------
     def is_shard(self, dim: int | None = None) -> bool:
@@ -110,8 +115,11 @@ class RaggedShard(Placement):
 
     def is_box(self, shape: Sequence[int]) -> bool:
         """True when every rank's share is a box (whole slices of dim 0)."""
-        return bool(self.dims) and len(shape) > 0 and self.unit_numel(shape) % max(
-            1, torch.Size(shape)[1:].numel()) == 0
+        return (
+            bool(self.dims)
+            and len(shape) > 0
+            and self.unit_numel(shape) % max(1, torch.Size(shape)[1:].numel()) == 0
+        )
 
     def local_box(self, shape: Sequence[int], rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """``(local_shape, global_offset)`` of ``rank``'s share as a box of the tensor.
@@ -119,8 +127,10 @@ class RaggedShard(Placement):
         Defined when ``is_box(shape)``: the share is ``rows x shape[1:]``. Raises otherwise.
         """
         if not self.is_box(shape):
-            raise ValueError(f"{self!r} on shape {tuple(shape)}: a rank's share is a flat range "
-                             f"that is not a box (units are not whole dim-0 slices)")
+            raise ValueError(
+                f"{self!r} on shape {tuple(shape)}: a rank's share is a flat range "
+                f"that is not a box (units are not whole dim-0 slices)"
+            )
         row = torch.Size(shape)[1:].numel()
         flat = self.flat_range(shape, rank)
         return ((flat.numel // row, *shape[1:]), (flat.start // row, *([0] * (len(shape) - 1))))

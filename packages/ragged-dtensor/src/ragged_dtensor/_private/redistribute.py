@@ -22,12 +22,11 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
-
 from ragged_dtensor._private import collectives
 from ragged_dtensor._private.geometry import FlatRange
 from ragged_dtensor._private.placement import RaggedShard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 __all__ = [
     "RedistributeStep",
@@ -65,8 +64,10 @@ def ragged_axis(placements: Sequence[Placement]) -> int | None:
     """The mesh axis carrying a RaggedShard, or None. Raises if there are several."""
     axes = [i for i, p in enumerate(placements) if isinstance(p, RaggedShard)]
     if len(axes) > 1:
-        raise ValueError(f"placements {tuple(placements)} carry RaggedShard on mesh axes {axes}: "
-                         f"at most one mesh axis may be ragged")
+        raise ValueError(
+            f"placements {tuple(placements)} carry RaggedShard on mesh axes {axes}: "
+            f"at most one mesh axis may be ragged"
+        )
     return axes[0] if axes else None
 
 
@@ -74,8 +75,11 @@ def _without_ragged(placements: Sequence[Placement]) -> tuple[Placement, ...]:
     return tuple(Replicate() if isinstance(p, RaggedShard) else p for p in placements)
 
 
-def x_shape(global_shape: Sequence[int], mesh: DeviceMesh, placements: Sequence[Placement],
-            ) -> tuple[int, ...]:
+def x_shape(
+    global_shape: Sequence[int],
+    mesh: DeviceMesh,
+    placements: Sequence[Placement],
+) -> tuple[int, ...]:
     """Shape of X, the tensor the ragged axis cuts: global shape after every other placement."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -102,8 +106,9 @@ def _chunk_ranges(shape: Sequence[int], world: int) -> tuple[FlatRange, ...]:
 
 def _ragged_ranges(p: RaggedShard, shape: Sequence[int], world: int) -> tuple[FlatRange, ...]:
     if len(p.local_units) != world:
-        raise ValueError(f"{p!r} has {len(p.local_units)} local_units but its mesh axis has "
-                         f"{world} ranks")
+        raise ValueError(
+            f"{p!r} has {len(p.local_units)} local_units but its mesh axis has {world} ranks"
+        )
     p.validate(shape)
     return tuple(p.flat_range(shape, k) for k in range(world))
 
@@ -156,8 +161,7 @@ def plan_redistribute(
     axis = ra if ra is not None else rb
     assert axis is not None
     others_elementwise = all(
-        _elementwise_transition(src[b], dst[b]) for b in range(len(mesh_shape))
-        if b not in (ra, rb)
+        _elementwise_transition(src[b], dst[b]) for b in range(len(mesh_shape)) if b not in (ra, rb)
     )
     shard0_elsewhere = any(
         p.is_shard(0) for b, p in enumerate(src + dst) if b % len(mesh_shape) != axis
@@ -168,9 +172,14 @@ def plan_redistribute(
         if isinstance(s, RaggedShard) and isinstance(d, RaggedShard):
             reduce_others(axis)
             if s != d:
-                emit(StepKind.ALL_TO_ALL, axis, d, x_shape=src_x,
-                     src_ranges=_ragged_ranges(s, src_x, world),
-                     dst_ranges=_ragged_ranges(d, src_x, world))
+                emit(
+                    StepKind.ALL_TO_ALL,
+                    axis,
+                    d,
+                    x_shape=src_x,
+                    src_ranges=_ragged_ranges(s, src_x, world),
+                    dst_ranges=_ragged_ranges(d, src_x, world),
+                )
             return tuple(steps)
         if isinstance(d, RaggedShard):  # standard -> ragged on this axis
             x = dst_x
@@ -178,11 +187,23 @@ def plan_redistribute(
             if s.is_replicate():
                 emit(StepKind.SLICE, axis, d, x_shape=x, dst_ranges=dst_ranges)
             elif s.is_partial():
-                emit(StepKind.REDUCE_SCATTER, axis, d, x_shape=x, dst_ranges=dst_ranges,
-                     reduce_op=str(getattr(s, "reduce_op", "sum")))
+                emit(
+                    StepKind.REDUCE_SCATTER,
+                    axis,
+                    d,
+                    x_shape=x,
+                    dst_ranges=dst_ranges,
+                    reduce_op=str(getattr(s, "reduce_op", "sum")),
+                )
             elif _is_shard0(s) and not shard0_elsewhere:
-                emit(StepKind.ALL_TO_ALL, axis, d, x_shape=x,
-                     src_ranges=_chunk_ranges(x, world), dst_ranges=dst_ranges)
+                emit(
+                    StepKind.ALL_TO_ALL,
+                    axis,
+                    d,
+                    x_shape=x,
+                    src_ranges=_chunk_ranges(x, world),
+                    dst_ranges=dst_ranges,
+                )
             else:  # Shard(k) or exotic: through Replicate
                 before = tuple(cur)
                 cur[axis] = Replicate()
@@ -200,12 +221,20 @@ def plan_redistribute(
         elif d.is_partial():
             op = str(getattr(d, "reduce_op", "sum"))
             if op not in ("sum", "avg"):
-                raise ValueError(f"cannot express {s!r} as Partial({op!r}): only sum/avg partials "
-                                 f"can be formed without communication")
+                raise ValueError(
+                    f"cannot express {s!r} as Partial({op!r}): only sum/avg partials "
+                    f"can be formed without communication"
+                )
             emit(StepKind.TO_PARTIAL, axis, d, x_shape=x, src_ranges=src_ranges, reduce_op=op)
         elif _is_shard0(d) and not shard0_elsewhere:
-            emit(StepKind.ALL_TO_ALL, axis, d, x_shape=x, src_ranges=src_ranges,
-                 dst_ranges=_chunk_ranges(x, world))
+            emit(
+                StepKind.ALL_TO_ALL,
+                axis,
+                d,
+                x_shape=x,
+                src_ranges=src_ranges,
+                dst_ranges=_chunk_ranges(x, world),
+            )
         else:
             emit(StepKind.GATHER, axis, Replicate(), x_shape=x, src_ranges=src_ranges)
             before = tuple(cur)
@@ -216,8 +245,15 @@ def plan_redistribute(
     # General case: other axes move data. Leave the ragged axis through Replicate, let torch
     # move the standard placements, re-enter the ragged axis at the end.
     if ra is not None:
-        emit(StepKind.GATHER, ra, Replicate(), x_shape=src_x,
-             src_ranges=_ragged_ranges(src[ra], src_x, mesh_shape[ra]))  # type: ignore[arg-type]
+        source = src[ra]
+        assert isinstance(source, RaggedShard)
+        emit(
+            StepKind.GATHER,
+            ra,
+            Replicate(),
+            x_shape=src_x,
+            src_ranges=_ragged_ranges(source, src_x, mesh_shape[ra]),
+        )
     mid = list(dst)
     if rb is not None:
         mid[rb] = cur[rb] if (cur[rb].is_replicate() or cur[rb].is_partial()) else Replicate()
@@ -230,19 +266,28 @@ def plan_redistribute(
         assert isinstance(d, RaggedShard)
         ranges = _ragged_ranges(d, dst_x, mesh_shape[rb])
         if cur[rb].is_partial():
-            emit(StepKind.REDUCE_SCATTER, rb, d, x_shape=dst_x, dst_ranges=ranges,
-                 reduce_op=str(getattr(cur[rb], "reduce_op", "sum")))
+            emit(
+                StepKind.REDUCE_SCATTER,
+                rb,
+                d,
+                x_shape=dst_x,
+                dst_ranges=ranges,
+                reduce_op=str(getattr(cur[rb], "reduce_op", "sum")),
+            )
         else:
             emit(StepKind.SLICE, rb, d, x_shape=dst_x, dst_ranges=ranges)
     return tuple(steps)
 
 
-TorchRedistribute = Callable[[torch.Tensor, tuple[Placement, ...], tuple[Placement, ...]],
-                             torch.Tensor]
+TorchRedistribute = Callable[
+    [torch.Tensor, tuple[Placement, ...], tuple[Placement, ...]], torch.Tensor
+]
 
 
 def execute(
-    steps: Sequence[RedistributeStep], local: torch.Tensor, mesh: DeviceMesh,
+    steps: Sequence[RedistributeStep],
+    local: torch.Tensor,
+    mesh: DeviceMesh,
     torch_redistribute: TorchRedistribute,
 ) -> torch.Tensor:
     """Run planned steps on this rank's local tensor."""
@@ -251,8 +296,12 @@ def execute(
     return local
 
 
-def _run_step(step: RedistributeStep, local: torch.Tensor, mesh: DeviceMesh,
-              torch_redistribute: TorchRedistribute) -> torch.Tensor:
+def _run_step(
+    step: RedistributeStep,
+    local: torch.Tensor,
+    mesh: DeviceMesh,
+    torch_redistribute: TorchRedistribute,
+) -> torch.Tensor:
     kind = step.kind
     if kind is StepKind.TORCH:
         return torch_redistribute(local, step.before, step.after)
