@@ -173,8 +173,5 @@ def test_table_lookup_equals_binary_search_nearest_code(signed: bool) -> None:
         torch.tensor([0.0, 1.0, 1e-45, 1e-38]),
     ]
     x = torch.cat(xs).clamp(-1, 1)
-    if signed:
-        x = torch.cat([x, -x])
-    else:
-        x = x.abs()
+    x = torch.cat([x, -x]) if signed else x.abs()
     assert torch.equal(nearest_code(x, signed), torch.searchsorted(mid, x))
