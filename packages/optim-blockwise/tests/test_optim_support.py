@@ -65,7 +65,7 @@ def make_optimizer(kind: str, params: list[Any], kwargs: dict[str, Any]) -> torc
     raise ValueError(kind)
 
 
-def run_steps(  # noqa: PLR0917 - positional: passed through run_threaded/run_processes
+def run_steps(
     mesh: DeviceMesh | None,
     kind: str,
     shapes: list[tuple[int, ...]],
@@ -162,7 +162,7 @@ def assert_records_equal(
             )
 
 
-def check_against_single(  # noqa: PLR0917
+def check_against_single(
     results: list[list[dict[str, torch.Tensor]]],
     single: list[dict[str, torch.Tensor]],
     shapes: list[tuple[int, ...]],

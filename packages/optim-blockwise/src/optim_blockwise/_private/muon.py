@@ -87,7 +87,7 @@ class Muon(torch.optim.Optimizer):
     state (fp32 momentum / moments of its shard) and loads back on the same sharding.
     """
 
-    def __init__(  # noqa: PLR0917 - positional order of torch.optim.Muon, for drop-in use
+    def __init__(
         self,
         params: Iterable[Any],
         lr: float = 1e-3,
