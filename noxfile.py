@@ -1,7 +1,8 @@
 """The one task runner of the monorepo.
 
 `nox -t ci` is what CI runs (lint, typecheck, architecture, every package's tests in its own
-venv, cross-package integration). `nox -s demo` is the main job; `nox -s bench` the side-by-side benchmarks.
+venv, cross-package integration). `nox -s demo` is the main job; `nox -s bench` the side-by-side
+benchmarks.
 
 Each package's test session installs only what that package declares (its sibling dependencies come
 from this checkout), so an undeclared import fails there instead of passing by accident.

@@ -90,6 +90,12 @@ def x_shape(
     return tuple(int(s) for s in shape)
 
 
+def _chunk_rows(rows: int, world: int, rank: int) -> int:
+    """Rows of dim 0 that torch.chunk gives ``rank`` (ceil to the first ranks, maybe 0 last)."""
+    chunk = -(-rows // world) if rows else 0
+    return max(0, min((rank + 1) * chunk, rows) - min(rank * chunk, rows))
+
+
 def _chunk_ranges(shape: Sequence[int], world: int) -> tuple[FlatRange, ...]:
     """Flat ranges of Shard(0) with torch.chunk semantics (ceil rows to the first ranks)."""
     rows = shape[0] if shape else 1
@@ -318,7 +324,7 @@ def _run_step(
         out = collectives.all_to_all_flat(local, step.src_ranges, step.dst_ranges, rank, group)
         after = step.after[step.axis]
         if not isinstance(after, RaggedShard):  # Shard(0): back to its box shape
-            rows = step.dst_ranges[rank].numel // max(1, _row_numel(step.x_shape))
+            rows = _chunk_rows(step.x_shape[0], len(step.dst_ranges), rank)
             return out.view(rows, *step.x_shape[1:])
         return out
     if kind is StepKind.TO_PARTIAL:
