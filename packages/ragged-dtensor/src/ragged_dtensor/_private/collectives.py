@@ -5,9 +5,9 @@ padded.
 gloo rejects an all-gather whose per-rank sizes differ, and NCCL's all-gather wants equal sizes too,
 so an uneven share is padded to the largest one: the collective moves ``m * max_share`` elements.
 When the shares are even (the common case with a planned layout) nothing is padded and nothing is
-copied: the local tensor is sent as is and the gathered buffer *is* the result. A ragged -> ragged change
-uses one all-to-all with uneven splits instead, which every backend accepts and which moves each
-element at most once.
+copied: the local tensor is sent as is and the gathered buffer *is* the result. A ragged -> ragged
+change uses one all-to-all with uneven splits instead, which every backend accepts and which moves
+each element at most once.
 """
 
 from __future__ import annotations
