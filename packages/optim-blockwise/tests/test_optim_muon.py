@@ -218,3 +218,63 @@ def _disagree(rank: int, world: int) -> None:
 def test_ranks_disagreeing_on_grads_raise_instead_of_hanging() -> None:
     with pytest.raises(DistributedFailure, match="disagree"):
         run_threaded(_disagree, 2, timeout=30)
+
+
+def _hsdp(rank: int, world: int, kind: str) -> list[torch.Tensor]:
+    """2-D mesh (replicate x shard): RaggedShard on axis 1, Replicate on axis 0."""
+    from ragged_dtensor import RaggedShard
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    coord = mesh.get_local_rank(1)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(32, 48), (48,)]
+    placements = [RaggedShard((0, 1), (5, 7)), RaggedShard((0,), (1, 2))]
+    fulls = [torch.randn(s, generator=gen) for s in shapes]
+
+    def make(full: torch.Tensor, pl: RaggedShard) -> DTensor:
+        r = pl.flat_range(full.shape, coord)
+        return DTensor.from_local(
+            full.reshape(-1)[r.start : r.stop].clone(),
+            mesh,
+            [Replicate(), pl],
+            shape=full.shape,
+            stride=full.stride(),
+            run_check=False,
+        )
+
+    params = [torch.nn.Parameter(make(f, pl)) for f, pl in zip(fulls, placements, strict=True)]
+    opt: torch.optim.Optimizer
+    if kind == "muon":
+        opt = ob.Muon(params, lr=0.02, ns_dtype=torch.float32)
+    else:
+        opt = ob.AdamW8bit(params, lr=0.01, min_8bit_size=0, block_size=16)
+    for _ in range(5):
+        for p, s, pl in zip(params, shapes, placements, strict=True):
+            p.grad = make(torch.randn(s, generator=gen), pl)
+        opt.step()
+    return [p.detach().to_local().clone() for p in params]
+
+
+@pytest.mark.parametrize("kind", ["muon", "adamw8bit"])
+def test_hsdp_two_dim_mesh_equals_single_device(kind: str) -> None:
+    out = run_threaded(_hsdp, 4, kind)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(32, 48), (48,)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    opt: torch.optim.Optimizer
+    if kind == "muon":
+        opt = ob.Muon(params, lr=0.02, ns_dtype=torch.float32)
+    else:
+        opt = ob.AdamW8bit(params, lr=0.01, min_8bit_size=0, block_size=16)
+    for _ in range(5):
+        for p, s in zip(params, shapes, strict=True):
+            p.grad = torch.randn(s, generator=gen)
+        opt.step()
+    for rank, locals_ in enumerate(out):
+        # ranks 0,1 and 2,3 are the two replicas; coordinate on the shard axis = rank % 2
+        first = rank - rank % 2
+        for i, p in enumerate(params):
+            whole = torch.cat([out[first][i], out[first + 1][i]])
+            assert torch.equal(whole, p.detach().reshape(-1)), f"replica of rank {rank}"
+            assert torch.equal(locals_[i], out[rank % 2][i]), "replicas agree"
