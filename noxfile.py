@@ -180,5 +180,8 @@ def bench(session: nox.Session) -> None:
     """Side-by-side benchmarks against the peers, in one run each (figures, not pass/fail)."""
     session.install(TORCH)
     session.install(*(str(p) for p in _packages().values()))
-    for script in sorted((ROOT / "benchmarks").glob("bench_*.py")):
-        session.run("python", str(script), *session.posargs)
+    scripts = sorted(PACKAGES.glob("*/benchmarks/bench_*.py")) + sorted(
+        (ROOT / "benchmarks").glob("bench_*.py")
+    )
+    for script in scripts:
+        session.run("python", str(script), "--out", str(ROOT / "results"), *session.posargs)
