@@ -158,7 +158,9 @@ WD = 0.1
 BETAS = (0.9, 0.95)
 
 
-def make_optimizers(lr: float) -> dict[str, Callable[[nn.Module], Any]]:
+def make_optimizers(lr: float, muon_lr: float) -> dict[str, Callable[[nn.Module], Any]]:
+    """Factories; ``muon_lr`` is the Muon matrices' lr, the rest of a Muon run uses ``lr``."""
+
     def adamw(m: nn.Module) -> Any:
         return Pair(torch.optim.AdamW(m.parameters(), lr=lr, betas=BETAS, weight_decay=WD))
 
@@ -169,8 +171,8 @@ def make_optimizers(lr: float) -> dict[str, Callable[[nn.Module], Any]]:
         hidden, other = hidden_matrices(m)
         return Pair(
             ob.Muon(
-                [{"params": hidden}, {"params": other, "use_muon": False}],
-                lr=lr,
+                [{"params": hidden}, {"params": other, "use_muon": False, "lr": lr}],
+                lr=muon_lr,
                 weight_decay=WD,
                 adjust_lr_fn="match_rms_adamw",
                 adamw_betas=BETAS,
@@ -180,7 +182,7 @@ def make_optimizers(lr: float) -> dict[str, Callable[[nn.Module], Any]]:
     def torch_muon(m: nn.Module) -> Any:
         hidden, other = hidden_matrices(m)
         return Pair(
-            torch.optim.Muon(hidden, lr=lr, weight_decay=WD, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.Muon(hidden, lr=muon_lr, weight_decay=WD, adjust_lr_fn="match_rms_adamw"),
             torch.optim.AdamW(other, lr=lr, betas=BETAS, weight_decay=WD),
         )
 
@@ -273,7 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", dest="out_opt", default=None)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW-family lr")
+    parser.add_argument("--muon-lr", type=float, default=3e-3, help="lr of Muon's matrices")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=16)
@@ -288,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     results: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
     wall = time.perf_counter()
-    for name, factory in make_optimizers(args.lr).items():
+    for name, factory in make_optimizers(args.lr, args.muon_lr).items():
         if args.only and not any(s.strip() in name for s in args.only.split(",")):
             continue
         for seed in range(args.seeds):
@@ -307,7 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     lines = [
         f"Tiny LLaMA-like char model (dim {args.dim}, {args.layers} layers, context "
         f"{args.context}, batch {args.batch}) on pydoc_data.topics, {args.steps} steps, lr "
-        f"{args.lr} (Muon: match_rms_adamw scaling, same lr), wd {WD}, betas {BETAS}, "
+        f"{args.lr} (Muon matrices: lr {args.muon_lr}, match_rms_adamw scaling), wd {WD}, "
+        f"betas {BETAS}, "
         f"{args.seeds} seed(s), 1 CPU thread, torch {torch.__version__}.",
         "",
         "| optimizer | final val loss (mean) | min / max over seeds | step time median (ms) "

@@ -27,10 +27,15 @@ from optim_blockwise._private.quant import (
     quantize_blockwise,
 )
 
-try:
-    __version__ = version("optim-blockwise")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
-    __version__ = "0.0.0+unknown"
+
+def _version() -> str:
+    try:
+        return version("optim-blockwise")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "0.0.0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     # optimizers
