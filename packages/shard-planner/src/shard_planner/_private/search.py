@@ -51,11 +51,13 @@ _FIRST_BATCH = 16
 _MAX_BATCH = 4096
 _FILL_WORK = 40_000  # tensors placed by gap filling, all tries together
 _FILL_PER_BATCH = 4
+_LADDER_STEPS = 64
+_LOCAL_COST = 50  # a local search round costs about this many gap-filling placements
 _FILL_ORDERS = 2
 _JUMP_TRIES = 200
-_ALL_ORDERS = 720
+_ALL_ORDERS = 5040
+_MAX_LANES = 65536  # order x size lanes per vectorised batch
 _LOCAL_MAX_TENSORS = 64
-_LOCAL_TRIES = 8
 _LOCAL_ROUNDS = 6
 
 
@@ -181,7 +183,13 @@ def _place(
 
 
 def fill_offsets(
-    numels: Sequence[int], blocks: Sequence[int], order: Sequence[int], shard: int, world_size: int
+    numels: Sequence[int],
+    blocks: Sequence[int],
+    order: Sequence[int],
+    shard: int,
+    world_size: int,
+    *,
+    exact: bool = False,
 ) -> dict[int, int] | None:
     """Dynamic greedy with gap filling for one shard size; ``None`` if it does not fit.
 
@@ -192,7 +200,9 @@ def fill_offsets(
     boundary is placed instead (no gap); else, if the gap is only an alignment gap (shorter than
     the block), the tensor itself; else the kind with the smallest gap. The gap is first filled
     with the largest whole tensors that fit in it (they stay inside one shard). Leftover fillers
-    go last.
+    go last. With ``exact`` a kind crossing with no gap at all is preferred even to a short
+    alignment gap of the next tensor (better when kinds are plentiful, worse when the preferred
+    kind is needed later: both are tried).
     """
     kinds: dict[tuple[int, int], deque[int]] = {}
     for i in order:
@@ -228,15 +238,25 @@ def fill_offsets(
             p = put(cross, p)
         else:
             best, best_at = first, at
-            # An alignment gap (shorter than a block) is cheap: keep the order. A longer one
-            # means the tensor would skip to the next shard: look for a better kind first.
-            for key in mains if at is None or at - p >= first[1] else ():
+            # An alignment gap (shorter than a block) is cheap: keep the order (unless the
+            # policy asks for exact fits). A longer one means the tensor would skip to the next
+            # shard: look for a better kind first.
+            look = exact or at is None or at - p >= first[1]
+            for key in mains if look else ():
                 if kinds[key] and key != first:
                     other = earliest_start(p, key[0], key[1], shard)
                     if other is not None and (best_at is None or other < best_at):
                         best, best_at = key, other
                         if other == p:
                             break
+            if (
+                exact
+                and best_at is not None
+                and best_at > p
+                and at is not None
+                and at - p < first[1]
+            ):
+                best, best_at = first, at  # no exact fit found: keep the order after all
             if best_at is None:
                 return None
             # Fill [p, best_at) with whole tensors; they cannot cross ``b`` (best_at <= b).
@@ -292,7 +312,8 @@ class _Scanner:
         self.g = np.array([[blocks[i] for i in o] for o in orders], dtype=np.int64)
         self.candidates = admissible_shard_sizes(numels, blocks, world_size, align)
         self.limit = limit
-        self.batch = _FIRST_BATCH
+        self.max_batch = max(4, min(_MAX_BATCH, _MAX_LANES // len(orders)))
+        self.batch = min(_FIRST_BATCH, self.max_batch)
         self.work = 0
         self.tried: list[int] = []  # sizes where every static order failed, increasing
         self.best_end: list[int] = []  # the best order's greedy end at each of them
@@ -308,7 +329,7 @@ class _Scanner:
         ends = greedy_ends(self.e, self.g, sizes)
         ok = ends <= sizes[None, :] * self.m
         self.work += ends.size * self.e.shape[1]
-        self.batch = min(self.batch * 4, _MAX_BATCH)
+        self.batch = min(self.batch * 4, self.max_batch)
         hits = np.flatnonzero(ok.any(axis=0))
         j = int(hits[0]) if hits.size else len(chunk)
         self.tried.extend(chunk[:j])
@@ -317,6 +338,38 @@ class _Scanner:
             return None
         self.exhausted = True
         return chunk[j], self.orders[int(np.flatnonzero(ok[:, j])[0])]
+
+
+def _ladder(
+    numels: Sequence[int],
+    blocks: Sequence[int],
+    indices: Sequence[int],
+    world_size: int,
+    align: int,
+    lower: int,
+    limit: int,
+) -> list[int]:
+    """Structured shard sizes to try first: the smallest admissible multiples of block LCMs.
+
+    The LCMs of growing prefixes of the distinct blocks (largest first, as the paper searches),
+    each block alone, and the GCD of the blocks: sizes where many crossings align at once.
+    """
+    distinct = sorted({blocks[i] for i in indices if blocks[i] > 1}, reverse=True)
+    units = {math.lcm(align, *distinct[:j]) for j in range(1, len(distinct) + 1)}
+    units |= {math.lcm(align, g) for g in distinct}
+    if distinct:
+        units.add(math.lcm(align, math.gcd(*distinct)))
+    found: set[int] = set()
+    for unit in units:
+        c = round_up(lower, unit)
+        for _ in range(_LADDER_STEPS):
+            if c >= limit:
+                break
+            if admissible(numels, blocks, world_size, align, c):
+                found.add(c)
+                break
+            c += unit
+    return sorted(found)
 
 
 def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
@@ -339,63 +392,79 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
     if exhaustive:
         # Small groups: every distinct order is a lane, so the scan is exact.
         orders += [o for o in distinct_orders(numels, blocks, nonempty) if o not in orders]
-    scan = _Scanner(numels, blocks, orders, world_size=m, align=align, limit=upper.shard_size)
-
-    def done(shard: int, offsets: dict[int, int] | None) -> Plan:
-        assert offsets is not None
-        return _make_plan(specs, m, align, shard=shard, offsets=offsets, method="auto")
-
+    e_arr = np.array([[numels[i] for i in o] for o in orders], dtype=np.int64)
+    g_arr = np.array([[blocks[i] for i in o] for o in orders], dtype=np.int64)
     fill_work = 0
-    filled = 0  # scan.tried[:filled] have been tried with gap filling
 
-    def try_fill(upto: int) -> Plan | None:
-        """Local search and gap filling on failed sizes, smallest first, within budgets."""
-        nonlocal fill_work, filled
-        while filled < min(upto, len(scan.tried)) and fill_work < _FILL_WORK:
-            shard = scan.tried[filled]
-            filled += 1
-            if not exhaustive and len(nonempty) <= _LOCAL_MAX_TENSORS and filled <= _LOCAL_TRIES:
-                order = local_search(numels, blocks, orders, shard, m)
-                if order is not None:
-                    return done(shard, _place(numels, blocks, order, shard, m))
-            for order in orders[:_FILL_ORDERS]:
+    def fill(shard: int) -> dict[int, int] | None:
+        """Local search, then gap filling (both policies), at one size, within the budget."""
+        nonlocal fill_work
+        if exhaustive or fill_work >= _FILL_WORK:
+            return None
+        if len(nonempty) <= _LOCAL_MAX_TENSORS:
+            fill_work += len(nonempty) * _LOCAL_COST
+            order = local_search(numels, blocks, orders, shard, m)
+            if order is not None:
+                return _place(numels, blocks, order, shard, m)
+        for order in orders[:_FILL_ORDERS]:
+            for exact in (False, True):
                 fill_work += len(nonempty)
-                offsets = fill_offsets(numels, blocks, order, shard, m)
+                offsets = fill_offsets(numels, blocks, order, shard, m, exact=exact)
                 if offsets is not None:
-                    return done(shard, offsets)
+                    return offsets
         return None
 
+    def static(shard: int) -> dict[int, int] | None:
+        ends = greedy_ends(e_arr, g_arr, np.array([shard], dtype=np.int64))[:, 0]
+        hit = np.flatnonzero(ends <= shard * m)
+        return _place(numels, blocks, orders[int(hit[0])], shard, m) if hit.size else None
+
+    # 1. Structured sizes first: a good plan early bounds the scan.
+    lower = lower_bound_shard_size(numels, blocks, m, align)
+    best: tuple[int, dict[int, int]] | None = None
+    for shard in _ladder(numels, blocks, nonempty, m, align, lower, upper.shard_size):
+        offsets = static(shard) or fill(shard)
+        if offsets is not None:
+            best = (shard, offsets)
+            break
+    limit = best[0] if best is not None else upper.shard_size
+
+    # 2. Every admissible size below that, upwards, static orders vectorised; gap filling on
+    #    the smallest failures between batches.
+    scan = _Scanner(numels, blocks, orders, world_size=m, align=align, limit=limit)
+    filled = 0
     found = None
     while found is None and not scan.exhausted and scan.work < _SCAN_WORK:
         found = scan.step()
-        if found is None and not exhaustive:
-            # Before scanning further, see whether gap filling makes a smaller size fit.
-            result = try_fill(filled + _FILL_PER_BATCH)
-            if result is not None:
-                return result
+        stop = len(scan.tried) if found is not None else filled + _FILL_PER_BATCH
+        while filled < min(stop, len(scan.tried)) and fill_work < _FILL_WORK:
+            shard = scan.tried[filled]
+            filled += 1
+            offsets = fill(shard)
+            if offsets is not None:
+                return _make_plan(specs, m, align, shard=shard, offsets=offsets, method="auto")
     if found is not None:
-        if not exhaustive and (result := try_fill(len(scan.tried))) is not None:
-            return result
         shard, order = found
-        return done(shard, _place(numels, blocks, order, shard, m))
+        placed = _place(numels, blocks, order, shard, m)
+        assert placed is not None
+        return _make_plan(specs, m, align, shard=shard, offsets=placed, method="auto")
 
-    # Budgets spent (or nothing below the naive plan): jump from the best failing end.
+    # 3. Budgets spent with nothing below the limit: jump from the best failing end.
     if scan.tried and not scan.exhausted:
         shard, need = scan.tried[-1], scan.best_end[-1]
         for _ in range(_JUMP_TRIES):
             shard = max(shard + align, round_up(-(-need // m), align))
             while not admissible(numels, blocks, m, align, shard):
                 shard += align
-            if shard >= upper.shard_size:
+            if shard >= limit:
                 break
-            ends = greedy_ends(scan.e, scan.g, np.array([shard], dtype=np.int64))[:, 0]
-            hit = np.flatnonzero(ends <= shard * m)
-            if hit.size:
-                return done(shard, _place(numels, blocks, orders[int(hit[0])], shard, m))
-            offsets = fill_offsets(numels, blocks, orders[0], shard, m)
+            offsets = static(shard) or fill_offsets(numels, blocks, orders[0], shard, m)
             if offsets is not None:
-                return done(shard, offsets)
+                return _make_plan(specs, m, align, shard=shard, offsets=offsets, method="auto")
+            ends = greedy_ends(e_arr, g_arr, np.array([shard], dtype=np.int64))[:, 0]
             need = int(ends.min())
+    if best is not None:
+        return _make_plan(specs, m, align, shard=best[0], offsets=best[1], method="auto")
     return _make_plan(
         specs,
         m,
