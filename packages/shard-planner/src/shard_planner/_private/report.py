@@ -7,7 +7,9 @@ by how many times the model repeats them, and reported as a percentage of the mo
 parameters. Bytes per rank: the sharded buffer is what a rank stores for the whole model
 (``sum count * S``), the gathered buffer is the largest group's unsharded buffer (``m * S``), the
 peak a rank materialises while that group is gathered. FSDP2 stores ``ceil(dim0/m)`` rows of each
-tensor per rank and gathers ``m`` times that. The planner time is the slowest group's, measured
+tensor per rank and gathers ``m`` times that; "fsdp2 cuts" counts the tensors (over the whole
+model) whose ``ceil(dim0/m)``-row chunks cut a block, i.e. where FSDP2's padding figure is bought
+by breaking the block constraint our plans keep. The planner time is the slowest group's, measured
 once here (a figure, not a test).
 """
 
@@ -78,6 +80,7 @@ class ReportRow:
     fsdp2_shard_mib: float
     gathered_mib: float
     fsdp2_gathered_mib: float
+    fsdp2_cut_tensors: int
     plan_ms: float
     groups: int
 
@@ -86,6 +89,7 @@ def _row(model: Model, world: int, gran: Granularity, align: int, itemsize: int)
     padding = {k: 0 for k in ("ours", "paper", "naive", "megatron", "fsdp2", "lb")}
     shard = fsdp2_shard = 0
     gathered = fsdp2_gathered = 0
+    cut = 0
     slowest = 0.0
     for group in model.groups:
         specs = group.specs(gran.rows)
@@ -107,6 +111,7 @@ def _row(model: Model, world: int, gran: Granularity, align: int, itemsize: int)
         fsdp2_shard += n * fsdp2.shard_numel
         gathered = max(gathered, ours.buffer_numel)
         fsdp2_gathered = max(fsdp2_gathered, fsdp2.buffer_numel)
+        cut += n * len(fsdp2.cuts_blocks)
     total = model.numel
 
     def pct(value: int) -> float:
@@ -126,6 +131,7 @@ def _row(model: Model, world: int, gran: Granularity, align: int, itemsize: int)
         fsdp2_shard_mib=fsdp2_shard * itemsize / _MIB,
         gathered_mib=gathered * itemsize / _MIB,
         fsdp2_gathered_mib=fsdp2_gathered * itemsize / _MIB,
+        fsdp2_cut_tensors=cut,
         plan_ms=slowest * 1e3,
         groups=len(model.groups),
     )
@@ -166,6 +172,7 @@ _COLUMNS = [
     ("naive", "naive %", "{:.3f}"),
     ("megatron", "megatron %", "{:.3f}"),
     ("fsdp2", "fsdp2 %", "{:.3f}"),
+    ("fsdp2_cut_tensors", "fsdp2 cuts", "{}"),
     ("shard_mib", "shard MiB", "{:.1f}"),
     ("fsdp2_shard_mib", "fsdp2 shard MiB", "{:.1f}"),
     ("gathered_mib", "gathered MiB", "{:.1f}"),

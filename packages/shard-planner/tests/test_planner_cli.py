@@ -1,0 +1,67 @@
+"""The command line and the README example."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import shard_planner as sp
+from shard_planner._private.cli import main
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_report_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["report", "--model", "gpt-oss-120b", "--world", "64,256", "--block-rows", "1,128x128"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| model | m | block | ours % |")
+    assert len(out.strip().splitlines()) == 2 + 4
+    assert main([*args, "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["world_size"], r["granularity"]) for r in rows} == {
+        (64, "1"),
+        (64, "128x128"),
+        (256, "1"),
+        (256, "128x128"),
+    }
+    for r in rows:
+        assert r["lower_bound"] <= r["ours"] <= r["naive"] + 1e-9
+        assert r["plan_ms"] >= 0
+
+
+def test_plan_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    specs = [{"numel": 4096 * 3, "block": 4096, "name": "w"}, {"numel": 10, "name": "b"}]
+    path = tmp_path / "specs.json"
+    path.write_text(json.dumps(specs))
+    assert main(["plan", str(path), "--world", "4", "--align", "8"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    expected = sp.plan([sp.TensorSpec(4096 * 3, 4096, "w"), sp.TensorSpec(10, 1, "b")], 4, 8)
+    assert out["shard_size"] == expected.shard_size
+    assert out["fingerprint"] == expected.fingerprint
+    assert out["lower_bound"] <= out["shard_size"]
+
+
+def test_errors_exit_2_with_a_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps([{"numel": 10, "block": 4, "name": "w"}]))
+    assert main(["plan", str(path), "--world", "2"]) == 2
+    assert "block 4 must divide numel 10" in capsys.readouterr().err
+    assert main(["report", "--model", "llama3-8b", "--world", "0", "--block-rows", "1"]) == 2
+    assert main(["report", "--model", "llama3-8b", "--world", "8", "--block-rows", "a"]) == 2
+
+
+def test_models_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "deepseek-v3-671b: 671.03B parameters" in out
+
+
+def test_readme_example_runs() -> None:
+    text = README.read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks, "README has no python example"
+    for code in blocks:
+        exec(compile(code, str(README), "exec"), {})
