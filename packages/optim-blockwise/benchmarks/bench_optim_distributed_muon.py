@@ -55,6 +55,11 @@ class CollectiveCounter(TorchDispatchMode):
         self.bytes = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            # Let DTensor desugar into collectives on plain tensors first (as CommDebugMode).
+            return NotImplemented
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **(kwargs or {}))
         ns = func.namespace
         if ns in ("_c10d_functional", "c10d"):
             name = func.__name__
@@ -79,6 +84,7 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@torch.no_grad()
 def gather_to_all_step(
     params: list[DTensor], bufs: list[torch.Tensor], world: int, lr: float, wd: float
 ) -> dict[str, int]:
@@ -99,7 +105,7 @@ def gather_to_all_step(
         send[pos : pos + u.numel()] = u
         pos += max(hi - lo for lo, hi in r)
     out = [torch.empty_like(send) for _ in range(world)]
-    dist.all_gather([o.view(torch.int16) for o in out], send.view(torch.int16))  # gloo: no bf16
+    dist.all_gather([o.view(torch.uint8) for o in out], send.view(torch.uint8))  # gloo: no bf16
     pos = 0
     for p, shape, r in zip(params, metas, ranges, strict=True):
         width_i = max(hi - lo for lo, hi in r)
