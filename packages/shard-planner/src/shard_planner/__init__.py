@@ -10,10 +10,15 @@ from shard_planner._private.plan import Plan, Slice
 from shard_planner._private.search import METHODS, lower_bound, plan
 from shard_planner._private.spec import TensorSpec
 
-try:
-    __version__ = version("shard-planner")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
-    __version__ = "0.0.0+unknown"
+
+def _version() -> str:
+    try:
+        return version("shard-planner")
+    except PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "0.0.0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "TensorSpec",
