@@ -1,0 +1,35 @@
+"""fsdp_engine: ``fully_shard``, a drop-in for torch FSDP2 built on RaggedShard, the planner and
+DBuffer.
+
+Switching from torch's FSDP2 is an import change::
+
+    from fsdp_engine import fully_shard, MixedPrecisionPolicy
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+
+from fsdp_engine._private.api import FSDPModule, UnshardHandle, fully_shard
+from fsdp_engine._private.policy import (
+    BlockPolicy,
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
+
+try:
+    __version__ = version("fsdp-engine")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "BlockPolicy",
+    "__version__",
+]

@@ -1,0 +1,267 @@
+"""``fully_shard`` and ``FSDPModule``: FSDP2's API, our machinery."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, overload
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_engine._private.group import ParamGroup, ParamRef
+from fsdp_engine._private.policy import (
+    BlockPolicy,
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
+from fsdp_engine._private.state import STATE_ATTR, FSDPState, get_state
+
+__all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` completes the all-gather and
+    registers the unsharded parameters."""
+
+    def __init__(self, state: FSDPState) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        group = self._state.group
+        if group is not None:
+            group.wait_for_unshard()
+            group.register_unsharded()
+
+
+class FSDPModule:
+    """Mixed into the class of every module ``fully_shard`` was applied to (like FSDP2)."""
+
+    def _engine_state(self) -> FSDPState:
+        assert isinstance(self, nn.Module)
+        state = get_state(self)
+        if state is None:  # pragma: no cover - only fully_shard creates FSDPModules
+            raise RuntimeError("module has no fully_shard state")
+        return state
+
+    def _subtree_states(self) -> list[FSDPState]:
+        assert isinstance(self, nn.Module)
+        return [s for m in self.modules() if (s := get_state(m)) is not None]
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters (one collective) and register them unsharded."""
+        state = self._engine_state()
+        if state.group is not None:
+            state.group.unshard(async_op=async_op)
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones."""
+        state = self._engine_state()
+        if state.group is not None:
+            state.group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
+        """``False``: accumulate unsharded gradients locally (no reduce-scatter) until set back."""
+        states = self._subtree_states() if recurse else [self._engine_state()]
+        for state in states:
+            state.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        states = self._subtree_states() if recurse else [self._engine_state()]
+        for state in states:
+            state.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *,
+                                  recurse: bool = True) -> None:
+        states = self._subtree_states() if recurse else [self._engine_state()]
+        for state in states:
+            if state.is_root:
+                continue
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters asynchronously when this module's forward
+        starts."""
+        self._engine_state().forward_prefetch = [_state_of(m, "forward prefetch")
+                                                 for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters asynchronously when this module's backward starts
+        (default: the module that ran forward just before this one)."""
+        self._engine_state().backward_prefetch = [_state_of(m, "backward prefetch")
+                                                  for m in modules]
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """``False``: the next backward does not wait for its gradient reductions (they are
+        waited at the next forward or optimizer-visible use)."""
+        for state in self._subtree_states():
+            state.is_last_backward = is_last_backward
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Divide gradients by ``factor`` instead of averaging over the data-parallel ranks."""
+        if factor <= 0:
+            raise ValueError(f"divide factor must be > 0, got {factor}")
+        for state in self._subtree_states():
+            if state.group is not None:
+                state.group.divide_factor = float(factor)
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # ``to_empty``/``.to`` replace the sharded parameters' local tensors: put ours back.
+        self.reshard()
+        ret = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        for state in self._subtree_states():
+            if state.group is not None:
+                state.group.reset_sharded_params()
+        return ret
+
+
+def _state_of(module: object, what: str) -> FSDPState:
+    state = get_state(module) if isinstance(module, nn.Module) else None
+    if state is None:
+        raise ValueError(f"{what}: {type(module).__name__} is not a fully_shard module")
+    return state
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard needs torch.distributed to be initialized "
+                           "(or pass mesh=)")
+    backend = dist.get_backend()
+    device = "cpu" if backend == "gloo" else torch.accelerator.current_accelerator() or "cpu"
+    return init_device_mesh(str(getattr(device, "type", device)), (dist.get_world_size(),))
+
+
+def _managed_params(module: nn.Module, ignored: set[nn.Parameter]) -> list[ParamRef]:
+    """Parameters of ``module`` not owned by a nested fully_shard module (nor ignored)."""
+    refs: list[ParamRef] = []
+    seen: set[int] = set()
+
+    def visit(mod: nn.Module, prefix: str) -> None:
+        if mod is not module and get_state(mod) is not None:
+            return
+        for attr, param in mod._parameters.items():
+            if param is None or param in ignored or id(param) in seen:
+                continue
+            seen.add(id(param))
+            refs.append(ParamRef(mod, attr, prefix + attr))
+        for name, child in mod._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{name}.")
+
+    visit(module, "")
+    return refs
+
+
+@overload
+def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = ...,
+                reshard_after_forward: bool | int = ...,
+                shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+                mp_policy: MixedPrecisionPolicy = ..., offload_policy: OffloadPolicy = ...,
+                ignored_params: set[nn.Parameter] | None = ...,
+                block_policy: BlockPolicy | None = ...) -> FSDPModule: ...
+
+
+@overload
+def fully_shard(module: list[nn.Module], *, mesh: DeviceMesh | None = ...,
+                reshard_after_forward: bool | int = ...,
+                shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+                mp_policy: MixedPrecisionPolicy = ..., offload_policy: OffloadPolicy = ...,
+                ignored_params: set[nn.Parameter] | None = ...,
+                block_policy: BlockPolicy | None = ...) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int = True,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen value
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen value
+    ignored_params: set[nn.Parameter] | None = None,
+    block_policy: BlockPolicy | None = None,
+) -> FSDPModule | list[FSDPModule]:
+    """Shard ``module``'s parameters over ``mesh`` (FSDP2's signature and behaviour).
+
+    One call makes one group: its parameters are planned into one flat buffer (no block of
+    ``block_policy`` cut by a shard boundary), held as ``RaggedShard`` DTensor views, all-gathered
+    with one collective before forward (and backward) and reduce-scattered with one collective
+    after backward. ``mesh``: 1-D (FSDP) or 2-D (HSDP: axis 0 replicates, axis 1 shards).
+    ``reshard_after_forward``: ``True``/``False``, or an int: ``1`` keeps parameters unsharded
+    like ``False``, the shard-axis size reshards like ``True``.
+    """
+    modules = module if isinstance(module, list) else [module]
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    if len(modules) > 1:
+        raise NotImplementedError("fully_shard of a list of modules as one group is not "
+                                  "supported yet: call it on a common parent module")
+    target = modules[0]
+    if not isinstance(target, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(target).__name__}")
+    if get_state(target) is not None:
+        raise ValueError(f"fully_shard was already applied to this {type(target).__name__}")
+    if shard_placement_fn is not None:
+        raise NotImplementedError("shard_placement_fn: this engine always shards the planned flat "
+                                  "buffer with RaggedShard; use block_policy for granularity")
+    mesh = mesh or _default_mesh()
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard supports a 1-D (FSDP) or 2-D (HSDP) mesh, got "
+                         f"{mesh.ndim}-D {mesh}")
+    shard_axis = mesh.ndim - 1
+    world = mesh.size(shard_axis)
+    if isinstance(offload_policy, CPUOffloadPolicy) and mesh.device_type != "cpu":
+        raise NotImplementedError("CPUOffloadPolicy on an accelerator mesh is not supported yet")
+    if isinstance(reshard_after_forward, bool):
+        reshard = reshard_after_forward
+    elif isinstance(reshard_after_forward, int):
+        if reshard_after_forward not in (1, world):
+            raise NotImplementedError(
+                f"reshard_after_forward={reshard_after_forward}: only 1 (keep unsharded) or the "
+                f"shard-axis size {world} (reshard fully) are supported yet")
+        reshard = reshard_after_forward != 1
+    else:
+        raise TypeError(f"reshard_after_forward must be bool or int, got "
+                        f"{type(reshard_after_forward).__name__}")
+    refs = _managed_params(target, set(ignored_params or ()))
+    _check_devices(refs, mesh)
+    group = (ParamGroup(refs, mesh, mp_policy=mp_policy, block_policy=block_policy,
+                        shard_axis=shard_axis) if refs else None)
+    state = FSDPState(target, group, reshard_after_forward=reshard, mp_policy=mp_policy)
+    target.__dict__[STATE_ATTR] = state
+    cls = type(target)
+    new_cls = _CLASS_CACHE.get(cls)
+    if new_cls is None:
+        new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        _CLASS_CACHE[cls] = new_cls
+    target.__class__ = new_cls
+    result = target
+    assert isinstance(result, FSDPModule)
+    return [result] if isinstance(module, list) else result
+
+
+def _check_devices(refs: Iterable[ParamRef], mesh: DeviceMesh) -> None:
+    devices = {}
+    for ref in refs:
+        param = getattr(ref.owner, ref.attr)
+        if param.is_meta:
+            continue
+        devices.setdefault(param.device.type, ref.fqn)
+    if len(devices) > 1:
+        raise ValueError(f"fully_shard: parameters on different devices: "
+                         f"{ {k: f'e.g. {v}' for k, v in devices.items()} }")
+    for kind, fqn in devices.items():
+        if kind != mesh.device_type:
+            raise ValueError(f"fully_shard: parameter {fqn!r} is on {kind} but the mesh is "
+                             f"{mesh.device_type}; move the module first (or init on meta)")

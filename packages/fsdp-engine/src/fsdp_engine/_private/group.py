@@ -1,0 +1,241 @@
+"""One ``fully_shard`` call's parameters: planned into one flat buffer, one collective each way.
+
+[Note: plan, then hold]
+``ParamGroup`` asks the planner for a layout (each parameter contiguous, no block cut, equal
+shards), then holds the parameters in a ``DBuffer``: the module's registered parameters become
+``RaggedShard`` DTensor views of the shard storage (what the optimizer updates, in place), and the
+parameters used in forward/backward are plain views of the unsharded storage, which one all-gather
+fills and ``reshard`` frees. Gradients mirror it: autograd accumulates into views of an unsharded
+gradient storage (pre-zeroed once per backward, one kernel), one reduce-scatter writes the sharded
+gradient storage whose views are the sharded parameters' ``.grad``. Nothing is copied in or out.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import attrs
+import torch
+import torch.distributed as dist
+from dbuffer import DBuffer, Handle
+from shard_planner import Plan, TensorSpec, plan
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from fsdp_engine._private.policy import BlockPolicy, MixedPrecisionPolicy
+
+__all__ = ["ParamGroup", "ParamRef", "ShardState"]
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDED = "unsharded"
+
+
+@attrs.frozen
+class ParamRef:
+    """Where a managed parameter is registered: ``owner.<attr>``, named ``fqn``."""
+
+    owner: nn.Module
+    attr: str
+    fqn: str
+
+
+def _align_elements(dtype: torch.dtype) -> int:
+    # NCCL prefers 16-byte aligned per-rank sizes; a cheap constraint on every backend.
+    return max(1, 16 // torch.empty((), dtype=dtype).element_size())
+
+
+def build_plan(refs: Sequence[ParamRef], params: Sequence[torch.Tensor], world: int,
+               block_policy: BlockPolicy | None, dtype: torch.dtype) -> Plan:
+    specs = []
+    for ref, param in zip(refs, params, strict=True):
+        block = 1 if block_policy is None else int(block_policy(ref.fqn, param))
+        if block < 1 or param.numel() % block:
+            raise ValueError(f"block policy gave parameter {ref.fqn!r} (shape "
+                             f"{tuple(param.shape)}, {param.numel()} elements) a block of {block} "
+                             f"elements: it must be >= 1 and divide the parameter's numel")
+        specs.append(TensorSpec(numel=param.numel(), block=block, name=ref.fqn))
+    return plan(specs, world, _align_elements(dtype))
+
+
+class ParamGroup:
+    """The parameters of one ``fully_shard`` call over one mesh (1-D, or 2-D HSDP)."""
+
+    def __init__(self, refs: Sequence[ParamRef], mesh: DeviceMesh, *,
+                 mp_policy: MixedPrecisionPolicy, block_policy: BlockPolicy | None,
+                 shard_axis: int) -> None:
+        self.refs = tuple(refs)
+        self.mesh = mesh
+        self.mp_policy = mp_policy
+        originals = [getattr(r.owner, r.attr) for r in refs]
+        dtypes = {p.dtype for p in originals}
+        if len(dtypes) != 1:
+            named = ", ".join(f"{r.fqn}: {p.dtype}" for r, p in zip(refs, originals, strict=True))
+            raise ValueError(f"fully_shard needs one dtype per group; got {named}")
+        self.dtype = dtypes.pop()
+        self.compute_dtype = mp_policy.param_dtype or self.dtype
+        self.reduce_dtype = mp_policy.reduce_dtype or self.compute_dtype
+        self.requires_grad = tuple(p.requires_grad for p in originals)
+        self.world = mesh.size(shard_axis)
+        self.plan = build_plan(refs, originals, self.world, block_policy, self.dtype)
+        shapes = [tuple(p.shape) for p in originals]
+        names = [r.fqn for r in refs]
+        self.params = DBuffer(self.plan, shapes, mesh, dtype=self.dtype, names=names,
+                              shard_axis=shard_axis, check=True)
+        self.grads = self.params.new_like(self.dtype)
+        if self.compute_dtype == self.dtype:
+            self.unsharded_grads = self.grads
+        else:  # low-precision gradients land in their own unsharded storage; its shard is unused
+            self.unsharded_grads = self.params.new_like(self.compute_dtype)
+            self.unsharded_grads.shard.untyped_storage().resize_(0)
+        with torch.no_grad():
+            if not any(p.is_meta for p in originals):
+                self.params.load_full_(
+                    [p.detach().to(self.params.device) for p in originals])
+        self.sharded = [nn.Parameter(view, requires_grad=rg) for view, rg in
+                        zip(self.params.sharded_views(), self.requires_grad, strict=True)]
+        self._unsharded: dict[torch.dtype, list[nn.Parameter]] = {}
+        self.state = ShardState.SHARDED
+        self.unshard_handle: Handle | None = None
+        self.reduce_handle: Handle | None = None
+        self.grads_pending = False  # unsharded gradients accumulated, not yet reduced
+        self.grad_seen = [False] * len(self.refs)  # in the current backward pass
+        self.grad_received = [False] * len(self.refs)  # since the last reduction
+        self.divide_factor: float | None = None
+        self.register_sharded()
+
+    # -- parameter registration ---------------------------------------------------------------
+    def unsharded_params(self) -> list[nn.Parameter]:
+        params = self._unsharded.get(self.compute_dtype)
+        if params is None:
+            views = self.params.full_views(self.compute_dtype)
+            params = [nn.Parameter(v, requires_grad=rg)
+                      for v, rg in zip(views, self.requires_grad, strict=True)]
+            self._unsharded[self.compute_dtype] = params
+        return params
+
+    def register_sharded(self) -> None:
+        for ref, param in zip(self.refs, self.sharded, strict=True):
+            ref.owner._parameters[ref.attr] = param
+
+    def register_unsharded(self) -> None:
+        for ref, param in zip(self.refs, self.unsharded_params(), strict=True):
+            ref.owner._parameters[ref.attr] = param
+
+    def reset_sharded_params(self) -> None:
+        """After ``nn.Module._apply`` (``to_empty``, ``.to``): put our storage back under the
+        module's sharded parameters, keeping any values they were given."""
+        with torch.no_grad():
+            for i, ref in enumerate(self.refs):
+                current = ref.owner._parameters[ref.attr]
+                ours = self.params.local_views()[i]
+                if not isinstance(current, DTensor):
+                    raise TypeError(f"parameter {ref.fqn!r} is no longer a DTensor after _apply")
+                local = current._local_tensor
+                if local.untyped_storage().data_ptr() != ours.untyped_storage().data_ptr() or (
+                        local.storage_offset() != ours.storage_offset()):
+                    if not local.is_meta:
+                        ours.copy_(local.reshape(-1))
+                    current._local_tensor = ours
+                self.sharded[i] = current  # type: ignore[call-overload]
+
+    # -- unshard / reshard -------------------------------------------------------------------
+    def unshard(self, *, async_op: bool = False) -> None:
+        if self.state is ShardState.UNSHARDED or self.unshard_handle is not None:
+            if not async_op:
+                self.wait_for_unshard()
+            return
+        self.unshard_handle = self.params.unshard(dtype=self.compute_dtype, async_op=async_op)
+        if not async_op:
+            self.wait_for_unshard()
+
+    def wait_for_unshard(self) -> None:
+        if self.unshard_handle is not None:
+            self.unshard_handle.wait()
+            self.unshard_handle = None
+            self.state = ShardState.UNSHARDED
+
+    def reshard(self) -> None:
+        self.wait_for_unshard()
+        self.params.reshard()
+        self.register_sharded()
+        self.state = ShardState.SHARDED
+
+    # -- gradients ---------------------------------------------------------------------------
+    def prepare_gradients(self) -> None:
+        """Before this group's backward: unsharded gradient storage, zeroed once, attached as
+        the ``.grad`` of the unsharded parameters so autograd accumulates in place."""
+        self.grad_seen = [False] * len(self.refs)
+        if self.grads_pending:  # accumulating across backward passes without sync
+            return
+        self.unsharded_grads.alloc_unsharded(zero=True)
+        views = self.unsharded_grads.full_views()
+        for param, view, rg in zip(self.unsharded_params(), views, self.requires_grad,
+                                   strict=True):
+            if rg:
+                param.grad = view
+        self.grad_received = [False] * len(self.refs)
+        self.grads_pending = True
+
+    def note_gradient(self, index: int) -> bool:
+        """Record that parameter ``index`` received its gradient; True when all have."""
+        self.grad_seen[index] = True
+        self.grad_received[index] = True
+        return all(seen or not rg for seen, rg in zip(self.grad_seen, self.requires_grad,
+                                                      strict=True))
+
+    def reduce_gradients(self, *, async_op: bool) -> None:
+        """One reduce-scatter (plus one all-reduce per replicate axis for HSDP) of the group."""
+        if not self.grads_pending:
+            return
+        existing = [p.grad for p in self.sharded]
+        accumulate = any(g is not None for g in existing)
+        if accumulate:
+            for i, grad in enumerate(existing):
+                if grad is None:
+                    self.grads.local_views()[i].zero_()
+                elif not _is_view_of(grad, self.grads.local_views()[i]):
+                    raise RuntimeError(f"parameter {self.refs[i].fqn!r}: .grad was replaced by a "
+                                       f"tensor that is not the engine's gradient storage; use "
+                                       f"zero_grad() or accumulate into it in place")
+        if self.divide_factor is not None:
+            self.unsharded_grads.scale_(1.0 / self.divide_factor, part="unsharded")
+            op = "sum"
+        else:
+            op = "avg"
+        # detach autograd's references before the storage is released
+        for param in self.unsharded_params():
+            param.grad = None
+        self.reduce_handle = self.unsharded_grads.reduce_scatter(
+            op=op, reduce_dtype=self.reduce_dtype, accumulate=accumulate, into=self.grads,
+            free_unsharded=True, async_op=async_op)
+        views = self.grads.sharded_views()
+        for i, param in enumerate(self.sharded):
+            seen = self.grad_received[i] or existing[i] is not None
+            param.grad = views[i] if (seen and self.requires_grad[i]) else None
+        self.grads_pending = False
+
+    def wait_for_reduce(self) -> None:
+        if self.reduce_handle is not None:
+            self.reduce_handle.wait()
+            self.reduce_handle = None
+
+    def drop_pending_gradients(self) -> None:
+        for param in self.unsharded_params():
+            param.grad = None
+        self.unsharded_grads.reshard()
+        self.grads_pending = False
+
+
+def _is_view_of(tensor: torch.Tensor, local: torch.Tensor) -> bool:
+    inner = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return bool(inner.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+                and inner.storage_offset() == local.storage_offset())
+
+
+def barrier_check(mesh: DeviceMesh) -> None:
+    """Fail fast if the process group of ``mesh`` does not answer (a mis-built mesh)."""
+    dist.barrier(group=mesh.get_group(0))

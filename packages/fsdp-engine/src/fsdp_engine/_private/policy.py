@@ -1,0 +1,54 @@
+"""Frozen policy value types (FSDP2's signatures) and the block-policy Protocol the engine owns."""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import attrs
+import torch
+
+__all__ = ["BlockPolicy", "CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
+
+
+@attrs.frozen
+class MixedPrecisionPolicy:
+    """Same fields and meaning as ``torch.distributed.fsdp.MixedPrecisionPolicy``.
+
+    ``param_dtype``: dtype of the unsharded parameters used in forward/backward (the all-gather
+    runs in it). ``reduce_dtype``: dtype of the gradient reduction (default: ``param_dtype``).
+    ``output_dtype``: cast of floating outputs of the module. ``cast_forward_inputs``: cast floating
+    inputs to ``param_dtype``.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+
+@attrs.frozen
+class OffloadPolicy:
+    """No offloading (FSDP2's base ``OffloadPolicy``)."""
+
+
+@attrs.frozen
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep the sharded parameters, gradients and optimizer step on the CPU.
+
+    ``pin_memory``: pin the CPU shards (for faster host-device copies on accelerators).
+    """
+
+    pin_memory: bool = True
+
+
+@runtime_checkable
+class BlockPolicy(Protocol):
+    """Each parameter's atomic block in elements: no shard boundary may cut one.
+
+    Called as ``policy(fqn, param)`` with the parameter's fully qualified name (relative to the
+    module ``fully_shard`` is called on) and the parameter itself (its global shape). The result
+    must divide ``param.numel()``; 1 means no constraint. Optimizers from ``optim_blockwise``
+    provide such policies (an 8-bit Adam's quantization block, a matrix's row length...).
+    """
+
+    def __call__(self, name: str, param: torch.Tensor) -> int: ...
