@@ -54,6 +54,7 @@ _FILL_PER_BATCH = 4
 _LADDER_STEPS = 64
 _LOCAL_COST = 50  # a local search round costs about this many gap-filling placements
 _FILL_ORDERS = 2
+_FILL_POLICIES = ("keep", "exact", "min")
 _JUMP_TRIES = 200
 _ALL_ORDERS = 5040
 _MAX_LANES = 65536  # order x size lanes per vectorised batch
@@ -189,7 +190,7 @@ def fill_offsets(
     shard: int,
     world_size: int,
     *,
-    exact: bool = False,
+    policy: str = "keep",
 ) -> dict[int, int] | None:
     """Dynamic greedy with gap filling for one shard size; ``None`` if it does not fit.
 
@@ -200,9 +201,10 @@ def fill_offsets(
     boundary is placed instead (no gap); else, if the gap is only an alignment gap (shorter than
     the block), the tensor itself; else the kind with the smallest gap. The gap is first filled
     with the largest whole tensors that fit in it (they stay inside one shard). Leftover fillers
-    go last. With ``exact`` a kind crossing with no gap at all is preferred even to a short
-    alignment gap of the next tensor (better when kinds are plentiful, worse when the preferred
-    kind is needed later: both are tried).
+    go last. That is ``policy="keep"``. With ``"exact"`` a kind crossing with no gap at all is
+    preferred even to a short alignment gap of the next tensor; with ``"min"`` the kind with the
+    smallest gap always is. Which is best depends on whether the kinds taken out of order are
+    needed later, so the planner tries all three.
     """
     kinds: dict[tuple[int, int], deque[int]] = {}
     for i in order:
@@ -241,7 +243,7 @@ def fill_offsets(
             # An alignment gap (shorter than a block) is cheap: keep the order (unless the
             # policy asks for exact fits). A longer one means the tensor would skip to the next
             # shard: look for a better kind first.
-            look = exact or at is None or at - p >= first[1]
+            look = policy != "keep" or at is None or at - p >= first[1]
             for key in mains if look else ():
                 if kinds[key] and key != first:
                     other = earliest_start(p, key[0], key[1], shard)
@@ -250,7 +252,7 @@ def fill_offsets(
                         if other == p:
                             break
             if (
-                exact
+                policy == "exact"
                 and best_at is not None
                 and best_at > p
                 and at is not None
@@ -407,9 +409,9 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
             if order is not None:
                 return _place(numels, blocks, order, shard, m)
         for order in orders[:_FILL_ORDERS]:
-            for exact in (False, True):
+            for policy in _FILL_POLICIES:
                 fill_work += len(nonempty)
-                offsets = fill_offsets(numels, blocks, order, shard, m, exact=exact)
+                offsets = fill_offsets(numels, blocks, order, shard, m, policy=policy)
                 if offsets is not None:
                     return offsets
         return None
