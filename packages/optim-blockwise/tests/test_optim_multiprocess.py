@@ -105,12 +105,14 @@ def _train(model: torch.nn.Module, kind: str, steps: int) -> list[float]:
     return losses
 
 
-def _fsdp2_run(rank: int, world: int, kind: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _fsdp2_run(
+    rank: int, world: int, kind: str, init: dict[str, torch.Tensor]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
-    model = _TinyLM()
+    model = _TinyLM()  # threads share the global RNG: load the initial weights explicitly
+    model.load_state_dict(init)
     mesh = init_device_mesh("cpu", (world,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
@@ -126,8 +128,9 @@ def test_torch_fsdp2_fully_shard_matches_single_device(kind: str) -> None:
     averaged gradient is the single-device one) track the single-device run."""
     torch.manual_seed(0)
     model = _TinyLM()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
     ref_losses = _train(model, kind, 5)
-    out = run_threaded(_fsdp2_run, 2, kind, timeout=120)
+    out = run_threaded(_fsdp2_run, 2, kind, init, timeout=120)
     for losses, full in out:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         for name, p in model.named_parameters():
