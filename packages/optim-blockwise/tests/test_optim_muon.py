@@ -278,3 +278,37 @@ def test_hsdp_two_dim_mesh_equals_single_device(kind: str) -> None:
             whole = torch.cat([out[first][i], out[first + 1][i]])
             assert torch.equal(whole, p.detach().reshape(-1)), f"replica of rank {rank}"
             assert torch.equal(locals_[i], out[rank % 2][i]), "replicas agree"
+
+
+def _sharded_state_dict_round_trip(rank: int, world: int, kind: str) -> bool:
+    from test_optim_support import make_optimizer
+
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [(64, 96), (33,)]
+    specs = [ragged_spec(s, world, 1, seed=i) for i, s in enumerate(shapes)]
+    gen = torch.Generator().manual_seed(0)
+    fulls = [torch.randn(s, generator=gen) for s in shapes]
+    grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(4)]
+    kwargs: dict[str, Any] = {"lr": 0.01}
+    if kind == "adamw8bit":
+        kwargs["block_size"] = 64
+    params = [torch.nn.Parameter(shard(f, mesh, sp)) for f, sp in zip(fulls, specs, strict=True)]
+    opt = make_optimizer(kind, params, kwargs)
+    for step in range(2):
+        for p, g, sp in zip(params, grads[step], specs, strict=True):
+            p.grad = shard(g, mesh, sp)
+        opt.step()
+    clones = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = make_optimizer(kind, clones, kwargs)
+    opt2.load_state_dict(opt.state_dict())
+    for step in range(2, 4):
+        for p, q, g, sp in zip(params, clones, grads[step], specs, strict=True):
+            p.grad, q.grad = shard(g, mesh, sp), shard(g, mesh, sp)
+        opt.step()
+        opt2.step()
+    return all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(params, clones, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["muon", "adamw8bit"])
+def test_sharded_state_dict_round_trip(kind: str) -> None:
+    assert run_threaded(_sharded_state_dict_round_trip, 3, kind) == [True] * 3
