@@ -13,7 +13,7 @@ Writes ``convergence.png`` and ``convergence.md`` (table: final val loss mean ov
 time median, optimizer state bytes per parameter) into the results folder (default
 ``results/``). About two minutes on one CPU thread with the defaults.
 
-    python bench_optim_convergence.py [--out results] [--steps 600] [--seeds 2]
+    python bench_optim_convergence.py [results] [--steps 600] [--seeds 1] [--lr 1e-2] [--muon-lr 2e-2]
 """
 
 from __future__ import annotations
@@ -274,9 +274,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", nargs="?", default="results")
     parser.add_argument("--out", dest="out_opt", default=None)
     parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW-family lr")
-    parser.add_argument("--muon-lr", type=float, default=3e-3, help="lr of Muon's matrices")
+    parser.add_argument("--seeds", type=int, default=1)
+    # Defaults from a coarse sweep (1 seed, 600 steps): AdamW lr {3e-3, 1e-2, 2e-2} gave val
+    # {1.548, 1.463, 1.465}; Muon matrices {1e-2, 2e-2, 3e-2} (match_rms_adamw) were best at 2e-2.
+    parser.add_argument("--lr", type=float, default=1e-2, help="AdamW-family lr")
+    parser.add_argument("--muon-lr", type=float, default=2e-2, help="lr of Muon's matrices")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=16)
