@@ -13,7 +13,7 @@ Writes ``convergence.png`` and ``convergence.md`` (table: final val loss mean ov
 time median, optimizer state bytes per parameter) into the results folder (default
 ``results/``). About two minutes on one CPU thread with the defaults.
 
-    python bench_optim_convergence.py [results] [--steps 600] [--seeds 1] [--lr 1e-2] [--muon-lr 2e-2]
+    python bench_optim_convergence.py [results] [--steps 600] [--seeds 1] [--lr 1e-2]
 """
 
 from __future__ import annotations
