@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import optim_blockwise as ob
 import pytest
@@ -121,7 +122,7 @@ def test_non_finite_values_poison_only_their_block() -> None:
     assert torch.equal(y[512:], ref), "the finite block is untouched"
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "60")), deadline=None)
 @given(
     n=st.integers(1, 700),
     block=st.sampled_from([1, 3, 16, 64, 256]),
