@@ -237,3 +237,23 @@ def test_aligned_shards_issue_no_collective(monkeypatch: pytest.MonkeyPatch) -> 
     # Unaligned: one batched all-gather per step on each rank.
     run_threaded(_three_steps, 2, False)
     assert len(calls) == 2 * 3
+
+
+def _shard1(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = torch.nn.Parameter(distribute_tensor(torch.randn(8, 8), mesh, [Shard(1)]))
+    opt = ob.AdamW8bit([{"params": [p], "param_names": ["layer.weight"]}])
+    p.grad = distribute_tensor(torch.randn(8, 8), mesh, [Shard(1)])
+    try:
+        opt.step()
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_unsupported_placement_is_rejected_by_name() -> None:
+    messages = run_threaded(_shard1, 2)
+    assert all("'layer.weight'" in m and "Shard(dim=1)" in m for m in messages), messages[0]
