@@ -18,8 +18,8 @@ import numpy as np
 
 from shard_planner._private.bounds import admissible_shard_sizes
 from shard_planner._private.greedy import greedy_ends
+from shard_planner._private.orders import distinct_orders, make_plan, place_in_order
 from shard_planner._private.plan import Plan
-from shard_planner._private.search import _make_plan, _place, distinct_orders
 from shard_planner._private.spec import TensorSpec, check_inputs
 
 __all__ = ["MAX_EXACT_TENSORS", "exact_plan"]
@@ -42,7 +42,7 @@ def exact_plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> 
         )
     m = world_size
     if not nonempty:
-        return _make_plan(specs, m, align, shard=align, offsets={}, method="exact")
+        return make_plan(specs, m, align, shard=align, offsets={}, method="exact")
     orders = distinct_orders(numels, blocks, nonempty)
     e_arr = np.array([[numels[i] for i in o] for o in orders], dtype=np.int64)
     g_arr = np.array([[blocks[i] for i in o] for o in orders], dtype=np.int64)
@@ -56,7 +56,7 @@ def exact_plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> 
         if hits.size:
             j = int(hits[0])
             order = orders[int(np.flatnonzero(ok[:, j])[0])]
-            placed = _place(numels, blocks, order, chunk[j], m)
+            placed = place_in_order(numels, blocks, order, chunk[j], m)
             assert placed is not None
-            return _make_plan(specs, m, align, shard=chunk[j], offsets=placed, method="exact")
+            return make_plan(specs, m, align, shard=chunk[j], offsets=placed, method="exact")
         batch = min(batch * 2, max(8, 65536 // len(orders)))

@@ -1,32 +1,28 @@
 """The planner: choose a shard size and an order so that the greedy placement fits.
 
 [Note: the search ("auto")]
-1. Upper bound: the naive baseline's plan (valid by construction). Nothing worse is returned.
-2. Scan: every admissible shard size (``bounds.candidate_shard_sizes``) from the lower bound
-   upwards, in growing batches, each batch checked for several static orders at once with the
-   vectorised greedy (``greedy.greedy_ends``). The first S with a fitting order is taken. The
-   scan never skips an admissible S, so for the orders tried it finds the smallest S.
-3. Gap filling: for the admissible sizes below that S (all failed with static orders), a dynamic
-   greedy is tried: at each boundary it picks, among the remaining tensor kinds, the one whose
-   crossing wastes least, and fills the gap before it with whole tensors that fit there.
-4. If the scan's work budget runs out first (tiny worlds with big blocks and many small steps),
-   the search jumps: the next S tried is the one that would have made the best failing order fit.
+0. Upper bound: the naive baseline's plan (valid by construction). Nothing worse is returned.
+1. Structured sizes (``_ladder``): the smallest admissible multiples of the LCMs of the blocks
+   (prefixes largest first, each block, their GCD), checked with the static orders and, failing
+   those, with local search and gap filling. Many crossings align at once at such sizes, so a
+   good plan is found early and bounds the scan.
+2. Scan: every admissible size below that (``bounds.admissible_shard_sizes``, from the lower
+   bound upwards) in growing batches, each batch checked for all static orders at once with the
+   vectorised greedy (``greedy.greedy_ends``); after each batch, gap filling and local search on
+   the smallest failures. The scan never skips an admissible S (feasibility is not monotone in
+   S), so for the orders tried it finds the smallest S.
+3. If the scan's budget runs out first (tiny worlds, big blocks, many small steps), the search
+   jumps: the next S tried is the one that would have made the best failing order fit.
+Groups with at most ``_ALL_ORDERS`` distinct orders put every order in the scan: exact.
 
-All budgets count candidates and lanes, never time, so every rank computes the same plan.
-
-[Note: the static orders]
-Model order; blocks descending (big-block tensors first, so a divisibility chain of blocks keeps
-later starts aligned); sizes descending (big tensors span boundaries, small ones fill the end);
-blocks then sizes descending; sizes ascending. Ties keep model order, so the result is
-deterministic.
+All budgets count candidates, lanes and placements, never time, so every rank computes the same
+plan.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -37,11 +33,20 @@ from shard_planner._private.bounds import (
     lower_bound_shard_size,
     round_up,
 )
-from shard_planner._private.greedy import earliest_start, greedy_ends, greedy_offsets
+from shard_planner._private.greedy import greedy_ends
+from shard_planner._private.orders import (
+    distinct_order_count,
+    distinct_orders,
+    fill_offsets,
+    local_search,
+    make_plan,
+    place_in_order,
+    static_orders,
+)
 from shard_planner._private.plan import Plan
 from shard_planner._private.spec import TensorSpec, check_inputs
 
-__all__ = ["METHODS", "lower_bound", "plan", "static_orders"]
+__all__ = ["METHODS", "lower_bound", "plan"]
 
 METHODS = ("auto", "paper", "exact", "naive", "megatron", "model-order")
 
@@ -59,229 +64,6 @@ _JUMP_TRIES = 200
 _ALL_ORDERS = 5040
 _MAX_LANES = 65536  # order x size lanes per vectorised batch
 _LOCAL_MAX_TENSORS = 64
-_LOCAL_ROUNDS = 6
-
-
-def _distinct_order_count(
-    numels: Sequence[int], blocks: Sequence[int], indices: Sequence[int]
-) -> int:
-    """Multinomial count of distinct orders (tensors of equal numel and block are alike)."""
-    counts: dict[tuple[int, int], int] = {}
-    for i in indices:
-        counts[(numels[i], blocks[i])] = counts.get((numels[i], blocks[i]), 0) + 1
-    total = math.factorial(len(indices))
-    for c in counts.values():
-        total //= math.factorial(c)
-    return total
-
-
-def local_search(
-    numels: Sequence[int],
-    blocks: Sequence[int],
-    orders: Sequence[tuple[int, ...]],
-    shard: int,
-    world_size: int,
-) -> tuple[int, ...] | None:
-    """Steepest descent on the greedy's end over swap and move neighbourhoods at one S.
-
-    Starts from the given order whose greedy ends first; each round evaluates every swap of two
-    tensors and every move of one tensor to another position (one vectorised lane each) and keeps
-    the best. Returns an order that fits in ``world_size * shard``, or ``None``.
-    """
-    capacity = world_size * shard
-    sizes = np.array([shard], dtype=np.int64)
-    e_arr = np.array([[numels[i] for i in o] for o in orders], dtype=np.int64)
-    g_arr = np.array([[blocks[i] for i in o] for o in orders], dtype=np.int64)
-    ends = greedy_ends(e_arr, g_arr, sizes)[:, 0]
-    current, end = orders[int(np.argmin(ends))], int(ends.min())
-    n = len(current)
-    for _ in range(_LOCAL_ROUNDS):
-        neighbours: list[tuple[int, ...]] = []
-        for a in range(n):
-            for b in range(a + 1, n):
-                if (numels[current[a]], blocks[current[a]]) == (
-                    numels[current[b]],
-                    blocks[current[b]],
-                ):
-                    continue
-                swapped = list(current)
-                swapped[a], swapped[b] = swapped[b], swapped[a]
-                neighbours.append(tuple(swapped))
-                moved = list(current)
-                moved.insert(b, moved.pop(a))
-                neighbours.append(tuple(moved))
-        if not neighbours:
-            return None
-        e_arr = np.array([[numels[i] for i in o] for o in neighbours], dtype=np.int64)
-        g_arr = np.array([[blocks[i] for i in o] for o in neighbours], dtype=np.int64)
-        ends = greedy_ends(e_arr, g_arr, sizes)[:, 0]
-        best = int(np.argmin(ends))
-        if int(ends[best]) <= capacity:
-            return neighbours[best]
-        if int(ends[best]) >= end:
-            return None
-        current, end = neighbours[best], int(ends[best])
-    return None
-
-
-def static_orders(
-    numels: Sequence[int], blocks: Sequence[int], indices: Sequence[int]
-) -> list[tuple[int, ...]]:
-    """The static candidate orders over ``indices`` (see the module Note), duplicates removed."""
-    base = list(indices)
-    keys: list[Callable[[int], tuple[int, ...]]] = [
-        lambda i: (),
-        lambda i: (-blocks[i],),
-        lambda i: (-numels[i],),
-        lambda i: (-blocks[i], -numels[i]),
-        lambda i: (numels[i],),
-    ]
-    found: list[tuple[int, ...]] = []
-    for key in keys:
-        order = tuple(sorted(base, key=key))  # stable: ties keep model order
-        if order not in found:
-            found.append(order)
-    return found
-
-
-def _make_plan(
-    specs: Sequence[TensorSpec],
-    world_size: int,
-    align: int,
-    *,
-    shard: int,
-    offsets: dict[int, int],
-    method: str,
-) -> Plan:
-    capacity = world_size * shard
-    full: list[int] = []
-    for i, spec in enumerate(specs):
-        at = offsets.get(i, 0)
-        full.append(min(at, capacity - 1) if spec.numel == 0 else at)
-    order = tuple(sorted(range(len(specs)), key=lambda i: (full[i], specs[i].numel > 0, i)))
-    return Plan(
-        world_size=world_size,
-        shard_size=shard,
-        align=align,
-        numels=tuple(s.numel for s in specs),
-        blocks=tuple(s.block for s in specs),
-        names=tuple(s.name for s in specs),
-        offsets=tuple(full),
-        order=order,
-        method=method,
-    )
-
-
-def _place(
-    numels: Sequence[int], blocks: Sequence[int], order: Sequence[int], shard: int, world_size: int
-) -> dict[int, int] | None:
-    offsets = greedy_offsets(
-        [numels[i] for i in order], [blocks[i] for i in order], shard, world_size * shard
-    )
-    if offsets is None:
-        return None
-    return dict(zip(order, offsets, strict=True))
-
-
-def fill_offsets(
-    numels: Sequence[int],
-    blocks: Sequence[int],
-    order: Sequence[int],
-    shard: int,
-    world_size: int,
-    *,
-    policy: str = "keep",
-) -> dict[int, int] | None:
-    """Dynamic greedy with gap filling for one shard size; ``None`` if it does not fit.
-
-    Tensors of equal (numel, block) are interchangeable "kinds". Block-1 tensors (norms, biases)
-    are *fillers*: they can cross a boundary anywhere, so they are kept back for boundaries.
-    The other kinds are placed in ``order``. When the next one would cross a boundary with a gap
-    (the distance to its earliest aligned start), in turn: a filler long enough to cross the
-    boundary is placed instead (no gap); else, if the gap is only an alignment gap (shorter than
-    the block), the tensor itself; else the kind with the smallest gap. The gap is first filled
-    with the largest whole tensors that fit in it (they stay inside one shard). Leftover fillers
-    go last. That is ``policy="keep"``. With ``"exact"`` a kind crossing with no gap at all is
-    preferred even to a short alignment gap of the next tensor; with ``"min"`` the kind with the
-    smallest gap always is. Which is best depends on whether the kinds taken out of order are
-    needed later, so the planner tries all three.
-    """
-    kinds: dict[tuple[int, int], deque[int]] = {}
-    for i in order:
-        if numels[i] > 0:
-            kinds.setdefault((numels[i], blocks[i]), deque()).append(i)
-    mains = [k for k in kinds if k[1] > 1]
-    fillers = sorted((k for k in kinds if k[1] == 1), key=lambda k: k[0])
-    by_size = sorted(kinds, key=lambda k: -k[0])
-    # The preferred sequence: main tensors in ``order``, then fillers; placed ones are skipped.
-    sequence = [i for i in order if numels[i] > 0 and blocks[i] > 1]
-    sequence += [kinds[k][j] for k in fillers for j in range(len(kinds[k]))]
-    capacity = world_size * shard
-    offsets: dict[int, int] = {}
-    p = 0
-    cursor = 0
-
-    def put(key: tuple[int, int], at: int) -> int:
-        offsets[kinds[key].popleft()] = at
-        return at + key[0]
-
-    while True:
-        while cursor < len(sequence) and sequence[cursor] in offsets:
-            cursor += 1
-        if cursor == len(sequence):
-            break
-        nxt = sequence[cursor]
-        first = (numels[nxt], blocks[nxt])
-        b = (p // shard + 1) * shard
-        at = earliest_start(p, first[0], first[1], shard)
-        if at == p:
-            p = put(first, p)
-        elif cross := next((k for k in fillers if kinds[k] and p + k[0] > b), None):
-            p = put(cross, p)
-        else:
-            best, best_at = first, at
-            # An alignment gap (shorter than a block) is cheap: keep the order (unless the
-            # policy asks for exact fits). A longer one means the tensor would skip to the next
-            # shard: look for a better kind first.
-            look = policy != "keep" or at is None or at - p >= first[1]
-            for key in mains if look else ():
-                if kinds[key] and key != first:
-                    other = earliest_start(p, key[0], key[1], shard)
-                    if other is not None and (best_at is None or other < best_at):
-                        best, best_at = key, other
-                        if other == p:
-                            break
-            if (
-                policy == "exact"
-                and best_at is not None
-                and best_at > p
-                and at is not None
-                and at - p < first[1]
-            ):
-                best, best_at = first, at  # no exact fit found: keep the order after all
-            if best_at is None:
-                return None
-            # Fill [p, best_at) with whole tensors; they cannot cross ``b`` (best_at <= b).
-            while best_at > p:
-                room = best_at - p
-                filler = next(
-                    (
-                        k
-                        for k in by_size
-                        if kinds[k] and k[0] <= room and (k != best or len(kinds[k]) > 1)
-                    ),
-                    None,
-                )
-                if filler is None:
-                    break
-                p = put(filler, p)
-            at = earliest_start(p, best[0], best[1], shard)
-            if at is None:
-                return None
-            p = put(best, at)
-        if p > capacity:
-            return None
-    return offsets
 
 
 def _take(iterator: Iterator[int], count: int, limit: int) -> list[int]:
@@ -381,7 +163,7 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
     m = world_size
     upper = naive_plan(specs, world_size, align)
     if not nonempty or m == 1:
-        return _make_plan(
+        return make_plan(
             specs,
             m,
             align,
@@ -390,7 +172,7 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
             method="auto",
         )
     orders = static_orders(numels, blocks, nonempty)
-    exhaustive = _distinct_order_count(numels, blocks, nonempty) <= _ALL_ORDERS
+    exhaustive = distinct_order_count(numels, blocks, nonempty) <= _ALL_ORDERS
     if exhaustive:
         # Small groups: every distinct order is a lane, so the scan is exact.
         orders += [o for o in distinct_orders(numels, blocks, nonempty) if o not in orders]
@@ -407,7 +189,7 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
             fill_work += len(nonempty) * _LOCAL_COST
             order = local_search(numels, blocks, orders, shard, m)
             if order is not None:
-                return _place(numels, blocks, order, shard, m)
+                return place_in_order(numels, blocks, order, shard, m)
         for order in orders[:_FILL_ORDERS]:
             for policy in _FILL_POLICIES:
                 fill_work += len(nonempty)
@@ -419,7 +201,7 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
     def static(shard: int) -> dict[int, int] | None:
         ends = greedy_ends(e_arr, g_arr, np.array([shard], dtype=np.int64))[:, 0]
         hit = np.flatnonzero(ends <= shard * m)
-        return _place(numels, blocks, orders[int(hit[0])], shard, m) if hit.size else None
+        return place_in_order(numels, blocks, orders[int(hit[0])], shard, m) if hit.size else None
 
     # 1. Structured sizes first: a good plan early bounds the scan.
     lower = lower_bound_shard_size(numels, blocks, m, align)
@@ -444,12 +226,12 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
             filled += 1
             offsets = fill(shard)
             if offsets is not None:
-                return _make_plan(specs, m, align, shard=shard, offsets=offsets, method="auto")
+                return make_plan(specs, m, align, shard=shard, offsets=offsets, method="auto")
     if found is not None:
         shard, order = found
-        placed = _place(numels, blocks, order, shard, m)
+        placed = place_in_order(numels, blocks, order, shard, m)
         assert placed is not None
-        return _make_plan(specs, m, align, shard=shard, offsets=placed, method="auto")
+        return make_plan(specs, m, align, shard=shard, offsets=placed, method="auto")
 
     # 3. Budgets spent with nothing below the limit: jump from the best failing end.
     if scan.tried and not scan.exhausted:
@@ -462,12 +244,12 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
                 break
             offsets = static(shard) or fill_offsets(numels, blocks, orders[0], shard, m)
             if offsets is not None:
-                return _make_plan(specs, m, align, shard=shard, offsets=offsets, method="auto")
+                return make_plan(specs, m, align, shard=shard, offsets=offsets, method="auto")
             ends = greedy_ends(e_arr, g_arr, np.array([shard], dtype=np.int64))[:, 0]
             need = int(ends.min())
     if best is not None:
-        return _make_plan(specs, m, align, shard=best[0], offsets=best[1], method="auto")
-    return _make_plan(
+        return make_plan(specs, m, align, shard=best[0], offsets=best[1], method="auto")
+    return make_plan(
         specs,
         m,
         align,
@@ -503,7 +285,7 @@ def _paper(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
             lo, hi = floor_units, hi_units
             while lo < hi:
                 mid = (lo + hi) // 2
-                if _place(numels, blocks, order, mid * step, m) is None:
+                if place_in_order(numels, blocks, order, mid * step, m) is None:
                     lo = mid + 1
                 else:
                     hi = mid
@@ -511,9 +293,9 @@ def _paper(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
             if best is None or shard < best[0]:
                 best = (shard, order)
     assert best is not None
-    placed = _place(numels, blocks, best[1], best[0], m)
+    placed = place_in_order(numels, blocks, best[1], best[0], m)
     assert placed is not None
-    return _make_plan(specs, m, align, shard=best[0], offsets=placed, method="paper")
+    return make_plan(specs, m, align, shard=best[0], offsets=placed, method="paper")
 
 
 def _model_order(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
@@ -522,9 +304,9 @@ def _model_order(specs: Sequence[TensorSpec], world_size: int, align: int) -> Pl
     blocks = [s.block for s in specs]
     order = [i for i, e in enumerate(numels) if e > 0]
     for shard in admissible_shard_sizes(numels, blocks, world_size, align):
-        placed = _place(numels, blocks, order, shard, world_size)
+        placed = place_in_order(numels, blocks, order, shard, world_size)
         if placed is not None:
-            return _make_plan(
+            return make_plan(
                 specs, world_size, align, shard=shard, offsets=placed, method="model-order"
             )
     raise AssertionError("unreachable: S >= total always fits")  # pragma: no cover
@@ -566,18 +348,3 @@ def plan(
 
         return megatron_plan(specs, world_size, align)
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-
-
-# Used by tests and the exact solver: distinct permutations of a multiset of tensor kinds.
-def distinct_orders(
-    numels: Sequence[int], blocks: Sequence[int], indices: Sequence[int]
-) -> list[tuple[int, ...]]:
-    """All orders of ``indices`` up to swapping tensors of equal (numel, block)."""
-    seen: set[tuple[tuple[int, int], ...]] = set()
-    found: list[tuple[int, ...]] = []
-    for perm in itertools.permutations(indices):
-        key = tuple((numels[i], blocks[i]) for i in perm)
-        if key not in seen:
-            seen.add(key)
-            found.append(perm)
-    return found
