@@ -252,14 +252,18 @@ def fill_offsets(
                 best, best_at = first, at  # no exact fit found: keep the order after all
             if best_at is None:
                 return None
-            # Fill [p, best_at) with whole tensors; they cannot cross ``b`` (best_at <= b).
+            # Fill [p, best_at) with whole tensors that may start at p: the gap can contain a
+            # boundary (when the best start is in the next shard), so each is checked.
             while best_at > p:
                 room = best_at - p
                 filler = next(
                     (
                         k
                         for k in by_size
-                        if kinds[k] and k[0] <= room and (k != best or len(kinds[k]) > 1)
+                        if kinds[k]
+                        and k[0] <= room
+                        and (k != best or len(kinds[k]) > 1)
+                        and earliest_start(p, k[0], k[1], shard) == p
                     ),
                     None,
                 )
