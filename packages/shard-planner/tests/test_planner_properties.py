@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shard_planner as sp
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from planner_testing import FUZZ_EXAMPLES, check_plan_independently, groups
 
 Case = tuple[list[sp.TensorSpec], int, int]
@@ -49,3 +50,32 @@ def test_property_auto_matches_exact_on_tiny_groups(case: Case) -> None:
     assert sp.lower_bound(specs, world, align) <= exact.shard_size
     # With at most 5040 distinct orders the fast planner checks them all: it must be optimal.
     assert sp.plan(specs, world, align).shard_size == exact.shard_size
+
+
+@SETTINGS
+@given(groups(max_tensors=12), st.sampled_from(["keep", "exact", "min"]), st.integers(0, 40))
+def test_property_gap_filling_places_validly(case: Case, policy: str, extra: int) -> None:
+    from shard_planner._private.bounds import lower_bound_shard_size
+    from shard_planner._private.orders import fill_offsets, layout_fits
+
+    specs, world, align = case
+    numels = [s.numel for s in specs]
+    blocks = [s.block for s in specs]
+    shard = lower_bound_shard_size(numels, blocks, world, align) + extra * align
+    offsets = fill_offsets(numels, blocks, range(len(specs)), shard, world, policy=policy)
+    if offsets is None:
+        return
+    assert layout_fits(numels, blocks, offsets, shard, world)
+    full = {i: offsets.get(i, 0) for i in range(len(specs))}
+    order = sorted(range(len(specs)), key=lambda i: (full[i], numels[i] > 0, i))
+    p = sp.Plan(
+        world_size=world,
+        shard_size=shard,
+        align=align,
+        numels=tuple(numels),
+        blocks=tuple(blocks),
+        names=tuple(s.name for s in specs),
+        offsets=tuple(min(full[i], world * shard - 1) for i in range(len(specs))),
+        order=tuple(order),
+    )
+    check_plan_independently(p, specs)

@@ -23,13 +23,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from shard_planner._private.greedy import earliest_start, greedy_ends, greedy_offsets
-from shard_planner._private.plan import Plan
+from shard_planner._private.plan import Plan, first_bad_boundary
 from shard_planner._private.spec import TensorSpec
 
 __all__ = [
     "distinct_order_count",
     "distinct_orders",
     "fill_offsets",
+    "layout_fits",
     "local_search",
     "make_plan",
     "place_in_order",
@@ -277,3 +278,22 @@ def fill_offsets(
         if p > capacity:
             return None
     return offsets
+
+
+def layout_fits(
+    numels: Sequence[int],
+    blocks: Sequence[int],
+    offsets: dict[int, int],
+    shard: int,
+    world_size: int,
+) -> bool:
+    """Whether ``offsets`` place every non-empty tensor validly (a guard on the heuristics)."""
+    placed = sorted((offsets[i], i) for i, e in enumerate(numels) if e > 0 and i in offsets)
+    if len(placed) != sum(1 for e in numels if e > 0):
+        return False
+    stop = 0
+    for start, i in placed:
+        if start < stop or first_bad_boundary(start, numels[i], blocks[i], shard) is not None:
+            return False
+        stop = start + numels[i]
+    return stop <= world_size * shard

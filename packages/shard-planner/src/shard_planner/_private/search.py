@@ -38,6 +38,7 @@ from shard_planner._private.orders import (
     distinct_order_count,
     distinct_orders,
     fill_offsets,
+    layout_fits,
     local_search,
     make_plan,
     place_in_order,
@@ -194,7 +195,9 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
             for policy in _FILL_POLICIES:
                 fill_work += len(nonempty)
                 offsets = fill_offsets(numels, blocks, order, shard, m, policy=policy)
-                if offsets is not None:
+                # The guard never fails in the tests; it keeps a heuristic slip from ever
+                # producing an invalid plan.
+                if offsets is not None and layout_fits(numels, blocks, offsets, shard, m):
                     return offsets
         return None
 
@@ -243,7 +246,7 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
             if shard >= limit:
                 break
             offsets = static(shard) or fill_offsets(numels, blocks, orders[0], shard, m)
-            if offsets is not None:
+            if offsets is not None and layout_fits(numels, blocks, offsets, shard, m):
                 return make_plan(specs, m, align, shard=shard, offsets=offsets, method="auto")
             ends = greedy_ends(e_arr, g_arr, np.array([shard], dtype=np.int64))[:, 0]
             need = int(ends.min())
