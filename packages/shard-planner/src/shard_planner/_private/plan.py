@@ -8,9 +8,10 @@ rank holds a whole number of every tensor's blocks, which is what ``local_units`
 ``RaggedShard((0,), local_units)`` consumes when the block is the unit.
 
 [Note: zero-size tensors]
-A zero-size tensor occupies nothing. Its offset is the position the planner reached when placing
-it, clamped into ``[0, m*S)``; ``local_units`` is one-hot on the rank owning that offset (so a
-RaggedShard gets a non-zero unit sum) and ``rank_slices`` leaves it out (there is no data to view).
+A zero-size tensor occupies nothing. Its offset is some position in ``[0, m*S)`` (the methods
+put it at 0 or where their sequence reached; the value carries no meaning); ``local_units`` is
+one-hot on the rank owning that offset (so a RaggedShard gets a non-zero unit sum) and
+``rank_slices`` leaves it out (there is no data to view).
 
 [Note: fingerprint]
 ``fingerprint`` is the SHA-256 of a canonical JSON text of every field, so it is equal across
