@@ -30,6 +30,7 @@ from dbuffer._private.layout import BufferLayout, TensorSlot, slots_for
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["DBuffer"]
@@ -43,6 +44,28 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     if kind == "cpu":
         return torch.device(kind)
     return torch.device(kind, torch.get_device_module(kind).current_device())
+
+
+def _dtensor_view(
+    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], slot: TensorSlot
+) -> DTensor:
+    """A DTensor over ``local`` (no copy: its local tensor shares ``local``'s storage).
+
+    ``DTensor.from_local`` treats an empty ``shape=`` as "not given" and then cannot infer a
+    ragged global shape, so a 0-d tensor gets its spec built directly (as from_local does).
+    """
+    if slot.shape:
+        return DTensor.from_local(
+            local,
+            mesh,
+            placements,
+            run_check=False,
+            shape=torch.Size(slot.shape),
+            stride=slot.stride,
+        )
+    meta = TensorMeta(torch.Size(()), (), local.dtype)
+    spec = DTensorSpec(mesh, placements, tensor_meta=meta)
+    return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
 
 
 def _free(tensor: torch.Tensor) -> None:
@@ -215,16 +238,7 @@ class DBuffer:
             for slot, local, placements in zip(
                 self.slots, self._local_views, self.placements, strict=True
             ):
-                views.append(
-                    DTensor.from_local(
-                        local,
-                        self.mesh,
-                        placements,
-                        run_check=False,
-                        shape=torch.Size(slot.shape),
-                        stride=slot.stride,
-                    )
-                )
+                views.append(_dtensor_view(local, self.mesh, placements, slot))
             self._sharded_views = tuple(views)
         return self._sharded_views
 

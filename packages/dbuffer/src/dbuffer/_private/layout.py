@@ -109,7 +109,7 @@ def _place(
     total = size * world
     for numel, block in zip(numels, blocks, strict=True):
         start = _round_up(cursor, align)
-        while True:
+        while start + numel <= total:
             first = (start // size + 1) * size  # first boundary strictly after start
             cut = next((b for b in range(first, start + numel, size) if (b - start) % block), None)
             if cut is None:
@@ -249,7 +249,7 @@ def slots_for(
                     f"[{offset}, {offset + numel}) but local_units {units} give "
                     f"{units[k] * unit} (unit {unit})"
                 )
-        lo = max(offset, rank * size)
+        lo = min(max(offset, rank * size), (rank + 1) * size)
         hi = max(lo, min(offset + numel, (rank + 1) * size))
         placement = RaggedShard(_choose_dims(shape, total), units)
         slots.append(

@@ -52,7 +52,7 @@ def _patched_resize(self: torch.UntypedStorage, size: int) -> Any:
 
 
 def _install_resize_hook(tally: LiveBytes) -> None:
-    global _ORIGINAL_RESIZE  # noqa: PLW0603 - one process-wide wrapper, shared by tallies
+    global _ORIGINAL_RESIZE
     with _LOCK:
         if _ORIGINAL_RESIZE is None:
             _ORIGINAL_RESIZE = torch.UntypedStorage.resize_
@@ -61,7 +61,7 @@ def _install_resize_hook(tally: LiveBytes) -> None:
 
 
 def _remove_resize_hook(tally: LiveBytes) -> None:
-    global _ORIGINAL_RESIZE  # noqa: PLW0603
+    global _ORIGINAL_RESIZE
     with _LOCK:
         _ACTIVE.discard(tally)
         if not _ACTIVE and _ORIGINAL_RESIZE is not None:
