@@ -1,17 +1,17 @@
-"""The layout protocol, the naive contiguous layout and the per-tensor geometry (no process group)."""
+"""The layout protocol, the naive contiguous layout and the per-tensor geometry (no PG)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 
 import attrs
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
 from dbuffer import BufferLayout, ContiguousLayout, contiguous_layout
 from dbuffer._private.layout import slots_for
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "150"))
 
@@ -37,7 +37,7 @@ def test_property_contiguous_layout_never_cuts_a_block(
     assert size % align == 0
     assert size * world >= sum(numels)
     spans = sorted(zip(layout.offsets, numels, strict=True))
-    for (start_a, n_a), (start_b, _) in zip(spans, spans[1:], strict=False):
+    for (start_a, n_a), (start_b, _) in itertools.pairwise(spans):
         assert start_a + n_a <= start_b
     for i, (start, numel, block) in enumerate(zip(layout.offsets, numels, blocks, strict=True)):
         assert start % align == 0

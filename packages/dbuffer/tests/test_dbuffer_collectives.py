@@ -1,0 +1,167 @@
+"""All-gather / reduce-scatter against a single-process reference (threaded process group)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+from dbuffer_helpers import (
+    BLOCKS,
+    SHAPES,
+    collective_counts,
+    install_collective_counter,
+    make_tensors,
+    reset_collective_counts,
+)
+from ragged_dtensor.testing import run_threaded
+from torch.distributed.device_mesh import init_device_mesh
+
+from dbuffer import CopiedBytes, DBuffer, contiguous_layout
+
+install_collective_counter()
+
+
+def _layout(world: int) -> object:
+    return contiguous_layout([torch.Size(s).numel() for s in SHAPES], world, blocks=BLOCKS)
+
+
+def _reference(ranks: range, op: str, dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """The single-process result: the (mean of the) gradients every rank contributes, summed in
+    float64 from the values each rank sends (cast to the reduce dtype first, if any)."""
+    total = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
+    for r in ranks:
+        for acc, g in zip(total, make_tensors(SHAPES, 100 + r), strict=True):
+            acc += (g.to(dtype) if dtype is not None else g).double()
+    if op == "avg":
+        total = [t / len(ranks) for t in total]
+    return total
+
+
+def _check_shards(buf: DBuffer, expected: list[torch.Tensor], atol: float) -> None:
+    for dt, slot, ref in zip(buf.sharded_views(), buf.slots, expected, strict=True):
+        rng = slot.placement.flat_range(slot.shape, buf.rank)
+        want = ref.reshape(-1)[rng.start : rng.stop].to(buf.dtype)
+        torch.testing.assert_close(dt.to_local(), want, atol=atol, rtol=atol,
+                                   msg=lambda m, s=slot: f"{s.name}: {m}")  # noqa: B023
+
+
+def _gather_reduce(rank: int, world: int, op: str, reduce_dtype: torch.dtype | None,
+                   accumulate: bool, async_op: bool) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    params = make_tensors(SHAPES, 0)
+    buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    reset_collective_counts()
+    handle = buf.unshard(async_op=async_op)
+    handle.wait()
+    assert handle.done
+    assert collective_counts() == Counter(all_gather_single=1)
+    for view, param in zip(buf.full_views(), params, strict=True):
+        assert torch.equal(view, param)  # a gather moves bits: exact
+    buf.reshard()
+
+    grads = buf.new_like()
+    initial = make_tensors(SHAPES, 7)
+    if accumulate:
+        grads.load_full_(initial)
+    for view, g in zip(grads.alloc_unsharded(zero=True), make_tensors(SHAPES, 100 + rank),
+                       strict=True):
+        view.copy_(g)  # what autograd does through .grad views (see test_dbuffer_autograd)
+    reset_collective_counts()
+    handle = grads.reduce_scatter(op=op, reduce_dtype=reduce_dtype,  # type: ignore[arg-type]
+                                  accumulate=accumulate, async_op=async_op)
+    handle.wait()
+    assert collective_counts() == Counter(reduce_scatter_single=1)
+    assert not grads.is_unsharded()  # the input storage is released when the handle completes
+    expected = _reference(range(world), op, reduce_dtype)
+    if accumulate:
+        expected = [e + i.double() for e, i in zip(expected, initial, strict=True)]
+    _check_shards(grads, expected, atol=1e-5 if reduce_dtype is None else 5e-2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_gather_and_reduce_match_the_reference(world: int, op: str) -> None:
+    run_threaded(_gather_reduce, world, op, None, False, False)
+
+
+@pytest.mark.parametrize(("reduce_dtype", "accumulate", "async_op"), [
+    (None, True, False), (None, False, True), (torch.bfloat16, False, False),
+    (torch.bfloat16, True, True), (torch.float64, False, False)])
+def test_reduce_variants_match_the_reference(reduce_dtype: torch.dtype | None, accumulate: bool,
+                                             async_op: bool) -> None:
+    run_threaded(_gather_reduce, 2, "avg", reduce_dtype, accumulate, async_op)
+
+
+def _hsdp(rank: int, world: int, async_op: bool) -> None:
+    mesh = init_device_mesh("cpu", (2, 2))  # axis 0 replicate, axis 1 shard
+    params = make_tensors(SHAPES, 0)
+    buf = DBuffer(_layout(2), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    assert buf.rank == mesh.get_local_rank(1) and buf.replicate_axes == (0,)
+    reset_collective_counts()
+    buf.unshard(async_op=async_op).wait()
+    assert collective_counts() == Counter(all_gather_single=1)
+    assert all(torch.equal(v, p) for v, p in zip(buf.full_views(), params, strict=True))
+    grads = buf.new_like()
+    for view, g in zip(grads.alloc_unsharded(), make_tensors(SHAPES, 100 + rank), strict=True):
+        view.copy_(g)
+    reset_collective_counts()
+    grads.reduce_scatter(op="avg", async_op=async_op).wait()
+    # One reduce-scatter over the shard axis, one all-reduce over the replicate axis.
+    assert collective_counts() == Counter(reduce_scatter_single=1, all_reduce=1)
+    _check_shards(grads, _reference(range(4), "avg", None), atol=1e-5)
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_hsdp_reduce_scatter_then_all_reduce(async_op: bool) -> None:
+    run_threaded(_hsdp, 4, async_op)
+
+
+def _backend_copies(fn: object) -> int:
+    """Bytes the process group's own implementation copies (the threaded PG copies in Python,
+    gloo copies the reduce-scatter result in C++ code that reaches the dispatcher)."""
+    with CopiedBytes() as copied:
+        fn()  # type: ignore[operator]
+    return copied.total
+
+
+def _mixed_precision(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    group = mesh.get_group()
+    params = make_tensors(SHAPES, 0)
+    buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    size = buf.shard_size
+
+    def bare_gather(dtype: torch.dtype) -> None:
+        out = torch.empty(size * world, dtype=dtype)
+        dist.all_gather_single(out, torch.zeros(size, dtype=dtype), group=group)
+
+    def bare_reduce() -> None:
+        dist.reduce_scatter_single(torch.empty(size), torch.zeros(size * world), group=group)
+
+    reset_collective_counts()
+    with CopiedBytes() as copied:
+        buf.unshard(dtype=torch.bfloat16)
+    assert collective_counts() == Counter(all_gather_single=1)
+    # The shard is cast once (S bf16 elements written); nothing else beyond the backend's own.
+    assert copied.total == size * 2 + _backend_copies(lambda: bare_gather(torch.bfloat16))
+    assert buf.is_unsharded(torch.bfloat16) and not buf.is_unsharded()
+    for view, param in zip(buf.full_views(torch.bfloat16), params, strict=True):
+        assert view.dtype == torch.bfloat16
+        assert torch.equal(view, param.to(torch.bfloat16))
+    buf.reshard()
+    assert not buf.is_unsharded(torch.bfloat16)
+    # The fp32 path adds no copy at all to the collective's own.
+    with CopiedBytes() as copied:
+        buf.unshard()
+    assert copied.total == _backend_copies(lambda: bare_gather(torch.float32)), copied.by_op
+    grads = buf.new_like()
+    grads.alloc_unsharded(zero=True)
+    with CopiedBytes() as copied:
+        grads.reduce_scatter(op="sum")
+    assert copied.total == _backend_copies(bare_reduce), copied.by_op
+
+
+def test_mixed_precision_unshard_casts_the_shard_once() -> None:
+    run_threaded(_mixed_precision, 2)
