@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
+from dbuffer import CopiedBytes, DBuffer, contiguous_layout
 from dbuffer_helpers import (
     BLOCKS,
     SHAPES,
@@ -17,8 +18,6 @@ from dbuffer_helpers import (
 )
 from ragged_dtensor.testing import run_threaded
 from torch.distributed.device_mesh import init_device_mesh
-
-from dbuffer import CopiedBytes, DBuffer, contiguous_layout
 
 install_collective_counter()
 
@@ -43,12 +42,19 @@ def _check_shards(buf: DBuffer, expected: list[torch.Tensor], atol: float) -> No
     for dt, slot, ref in zip(buf.sharded_views(), buf.slots, expected, strict=True):
         rng = slot.placement.flat_range(slot.shape, buf.rank)
         want = ref.reshape(-1)[rng.start : rng.stop].to(buf.dtype)
-        torch.testing.assert_close(dt.to_local(), want, atol=atol, rtol=atol,
-                                   msg=lambda m, s=slot: f"{s.name}: {m}")  # noqa: B023
+        torch.testing.assert_close(
+            dt.to_local(), want, atol=atol, rtol=atol, msg=lambda m, s=slot: f"{s.name}: {m}"
+        )
 
 
-def _gather_reduce(rank: int, world: int, op: str, reduce_dtype: torch.dtype | None,
-                   accumulate: bool, async_op: bool) -> None:
+def _gather_reduce(
+    rank: int,
+    world: int,
+    op: str,
+    reduce_dtype: torch.dtype | None,
+    accumulate: bool,
+    async_op: bool,
+) -> None:
     mesh = init_device_mesh("cpu", (world,))
     params = make_tensors(SHAPES, 0)
     buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
@@ -65,12 +71,17 @@ def _gather_reduce(rank: int, world: int, op: str, reduce_dtype: torch.dtype | N
     initial = make_tensors(SHAPES, 7)
     if accumulate:
         grads.load_full_(initial)
-    for view, g in zip(grads.alloc_unsharded(zero=True), make_tensors(SHAPES, 100 + rank),
-                       strict=True):
+    for view, g in zip(
+        grads.alloc_unsharded(zero=True), make_tensors(SHAPES, 100 + rank), strict=True
+    ):
         view.copy_(g)  # what autograd does through .grad views (see test_dbuffer_autograd)
     reset_collective_counts()
-    handle = grads.reduce_scatter(op=op, reduce_dtype=reduce_dtype,  # type: ignore[arg-type]
-                                  accumulate=accumulate, async_op=async_op)
+    handle = grads.reduce_scatter(
+        op=op,
+        reduce_dtype=reduce_dtype,  # type: ignore[arg-type]
+        accumulate=accumulate,
+        async_op=async_op,
+    )
     handle.wait()
     assert collective_counts() == Counter(reduce_scatter_single=1)
     assert not grads.is_unsharded()  # the input storage is released when the handle completes
@@ -86,11 +97,19 @@ def test_gather_and_reduce_match_the_reference(world: int, op: str) -> None:
     run_threaded(_gather_reduce, world, op, None, False, False)
 
 
-@pytest.mark.parametrize(("reduce_dtype", "accumulate", "async_op"), [
-    (None, True, False), (None, False, True), (torch.bfloat16, False, False),
-    (torch.bfloat16, True, True), (torch.float64, False, False)])
-def test_reduce_variants_match_the_reference(reduce_dtype: torch.dtype | None, accumulate: bool,
-                                             async_op: bool) -> None:
+@pytest.mark.parametrize(
+    ("reduce_dtype", "accumulate", "async_op"),
+    [
+        (None, True, False),
+        (None, False, True),
+        (torch.bfloat16, False, False),
+        (torch.bfloat16, True, True),
+        (torch.float64, False, False),
+    ],
+)
+def test_reduce_variants_match_the_reference(
+    reduce_dtype: torch.dtype | None, accumulate: bool, async_op: bool
+) -> None:
     run_threaded(_gather_reduce, 2, "avg", reduce_dtype, accumulate, async_op)
 
 

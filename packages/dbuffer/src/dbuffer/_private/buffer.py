@@ -19,6 +19,7 @@ tensors' version counters do not move and backward accepts the saved views.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Sequence
 from typing import Literal
 
@@ -174,6 +175,7 @@ class DBuffer:
         self._unsharded: dict[torch.dtype, _Unsharded] = {dtype: _Unsharded(self, dtype)}
         self._local_views = tuple(self.shard[s.local_start : s.local_stop] for s in self.slots)
         self._sharded_views: tuple[DTensor, ...] | None = None
+        self._grad_owners: list[tuple[weakref.ref[torch.Tensor], torch.Tensor]] = []
 
     # -- identity -------------------------------------------------------------------------------
     def _record(self) -> dict[str, str]:
@@ -258,11 +260,23 @@ class DBuffer:
         entry = self._unsharded.get(dtype or self.dtype)
         return entry is not None and entry.allocated
 
-    def full_views(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
+    def full_views(
+        self, dtype: torch.dtype | None = None, *, allow_released: bool = False
+    ) -> tuple[torch.Tensor, ...]:
         """Each tensor's full value (original shape), a view of the unsharded storage of
-        ``dtype`` (default: the buffer's dtype). The same tensor objects every call; their data
-        is valid between ``unshard``/``alloc_unsharded`` and ``reshard``."""
-        return self._unsharded_of(dtype).views
+        ``dtype`` (default: the buffer's dtype). The same tensor objects every call.
+
+        Their data exists only between ``unshard``/``alloc_unsharded`` and ``reshard``: reading
+        a view of released storage is undefined (torch does not check), so this raises while the
+        storage is released unless ``allow_released`` (to set up views or hooks ahead of time).
+        """
+        entry = self._unsharded_of(dtype)
+        if not allow_released and not entry.allocated:
+            raise RuntimeError(
+                f"DBuffer.full_views: the {entry.flat.dtype} unsharded storage is released "
+                f"(call unshard() first, or pass allow_released=True to get the views anyway)"
+            )
+        return entry.views
 
     # -- allocation -----------------------------------------------------------------------------
     def alloc_unsharded(self, *, zero: bool = False) -> tuple[torch.Tensor, ...]:
@@ -282,6 +296,15 @@ class DBuffer:
             _free(entry.flat)
             if entry.cast_shard is not None:
                 _free(entry.cast_shard)
+        self._detach_grads()
+
+    def _detach_grads(self) -> None:
+        # A .grad that is a view of released storage would crash whoever reads it next.
+        for ref, view in self._grad_owners:
+            param = ref()
+            if param is not None and param.grad is view:
+                param.grad = None
+        self._grad_owners = []
 
     # -- collectives ----------------------------------------------------------------------------
     def _group(self, axis: int) -> dist.ProcessGroup:
@@ -339,7 +362,12 @@ class DBuffer:
                 "(call alloc_unsharded() and let autograd write the gradients)"
             )
         flat = self._unsharded[self.dtype].flat
-        finish = (lambda: _free(flat)) if free_unsharded else None
+
+        def release() -> None:
+            _free(flat)
+            self._detach_grads()
+
+        finish = release if free_unsharded else None
         return reduce_scatter_flat(
             target.shard,
             flat,
@@ -423,7 +451,8 @@ class DBuffer:
     def attach_grads(self, params: Sequence[torch.Tensor]) -> None:
         """Make each ``params[i].grad`` the full view ``i`` of this (gradient) buffer, so
         autograd accumulates gradients in place into the unsharded storage. The storage must be
-        allocated (``alloc_unsharded(zero=True)``)."""
+        allocated (``alloc_unsharded(zero=True)``). When the storage is released (``reshard`` or
+        a ``reduce_scatter`` that frees it), those ``.grad`` are reset to None."""
         self.check_tensors(params, full=True, what="parameter")
         if not self.is_unsharded():
             raise RuntimeError("DBuffer.attach_grads: allocate the unsharded storage first")
@@ -434,6 +463,7 @@ class DBuffer:
                     f"layout's {tuple(view.shape)}"
                 )
             param.grad = view
+            self._grad_owners.append((weakref.ref(param), view))
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,100 @@
+"""Autograd through the full views: saved views survive release/re-allocation, gradients land in
+the grad buffer in place, accumulation over two backward passes (threaded process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dbuffer import DBuffer, contiguous_layout
+from dbuffer_helpers import make_tensors
+from ragged_dtensor.testing import run_threaded
+from torch.distributed.device_mesh import init_device_mesh
+
+# A two-layer MLP with row blocks, so shard boundaries fall between rows.
+MLP_SHAPES = [(32, 16), (32,), (8, 32), (8,)]
+MLP_BLOCKS = [16, 1, 32, 1]
+
+
+def _loss(params: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    w1, b1, w2, b2 = params
+    return torch.tanh(x @ w1.T + b1).matmul(w2.T).add(b2).pow(2).mean()
+
+
+def _batch(rank: int, micro: int) -> torch.Tensor:
+    return torch.randn(4, 16, generator=torch.Generator().manual_seed(1000 * rank + micro))
+
+
+def _reference_grads(world: int, micros: int, ranks: range | None = None) -> list[torch.Tensor]:
+    """Single process: the mean over ranks of the gradient summed over micro-batches."""
+    params = [p.clone().requires_grad_() for p in make_tensors(MLP_SHAPES, 0)]
+    for rank in ranks or range(world):
+        for micro in range(micros):
+            _loss(params, _batch(rank, micro)).backward()
+    return [p.grad / len(ranks or range(world)) for p in params]  # type: ignore[operator]
+
+
+def _train_step(rank: int, world: int, mode: str) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    layout = contiguous_layout(
+        [torch.Size(s).numel() for s in MLP_SHAPES], world, blocks=MLP_BLOCKS
+    )
+    params = DBuffer(layout, MLP_SHAPES, mesh).load_full_(make_tensors(MLP_SHAPES, 0))
+    grads = params.new_like()
+    storage = params.unsharded.untyped_storage()
+    # Leaves made once: aliases of the unsharded storage (they never own memory).
+    leaves = [v.detach().requires_grad_() for v in params.full_views(allow_released=True)]
+    for step in range(2):  # the same views serve every step
+        grads.zero_()
+        if mode == "accumulate-unsharded":
+            # no_sync-style: gradients of both micro-batches accumulate into the unsharded
+            # grad storage, one reduce-scatter at the end.
+            grads.alloc_unsharded(zero=True)
+            grads.attach_grads(leaves)
+        for micro in range(2):
+            params.unshard()
+            loss = _loss(leaves, _batch(rank, micro))
+            params.reshard()  # forward done: free; autograd holds views of the freed storage
+            assert storage.nbytes() == 0 and not params.is_unsharded()
+            params.unshard()  # the backward pre-hook's gather refills the same storage
+            if mode == "reduce-each-backward":
+                grads.alloc_unsharded(zero=True)
+                grads.attach_grads(leaves)
+            grad_storage = grads.unsharded.untyped_storage()
+            loss.backward()
+            # Autograd wrote into the views: still the grad buffer's storage, no new tensor.
+            for leaf, view in zip(leaves, grads.full_views(), strict=True):
+                assert leaf.grad is view
+                assert leaf.grad.untyped_storage().data_ptr() == grad_storage.data_ptr()
+            params.reshard()
+            if mode == "reduce-each-backward":
+                grads.reduce_scatter(op="avg", accumulate=True)
+                assert all(leaf.grad is None for leaf in leaves)  # detached on release
+        if mode == "accumulate-unsharded":
+            grads.reduce_scatter(op="avg")
+        expected = _reference_grads(world, micros=2)
+        for dt, slot, ref in zip(grads.sharded_views(), grads.slots, expected, strict=True):
+            rng = slot.placement.flat_range(slot.shape, grads.rank)
+            torch.testing.assert_close(
+                dt.to_local(), ref.reshape(-1)[rng.start : rng.stop], atol=1e-6, rtol=1e-5
+            )
+        del step
+
+
+@pytest.mark.parametrize("mode", ["accumulate-unsharded", "reduce-each-backward"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_gradients_accumulate_over_two_backward_passes(world: int, mode: str) -> None:
+    run_threaded(_train_step, world, mode)
+
+
+def _released_views_are_guarded(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    buf = DBuffer(contiguous_layout([6], world), [(2, 3)], mesh)
+    with pytest.raises(RuntimeError, match="unsharded storage is released"):
+        buf.full_views()
+    with pytest.raises(RuntimeError, match="unsharded storage is released"):
+        buf.full_views(torch.bfloat16)
+    assert buf.full_views(allow_released=True)[0].shape == (2, 3)
+
+
+def test_released_views_are_guarded() -> None:
+    run_threaded(_released_views_are_guarded, 2)
