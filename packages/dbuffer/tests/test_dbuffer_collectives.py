@@ -32,7 +32,7 @@ def _reference(ranks: range, op: str, dtype: torch.dtype | None) -> list[torch.T
     total = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
     for r in ranks:
         for acc, g in zip(total, make_tensors(SHAPES, 100 + r), strict=True):
-            acc += (g.to(dtype) if dtype is not None else g).double()
+            acc.add_((g.to(dtype) if dtype is not None else g).double())
     if op == "avg":
         total = [t / len(ranks) for t in total]
     return total

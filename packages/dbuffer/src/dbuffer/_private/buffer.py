@@ -66,7 +66,7 @@ def _dtensor_view(
         )
     meta = TensorMeta(torch.Size(()), (), local.dtype)
     spec = DTensorSpec(mesh, placements, tensor_meta=meta)
-    return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
+    return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)  # type: ignore[no-untyped-call]
 
 
 def _free(tensor: torch.Tensor) -> None:
