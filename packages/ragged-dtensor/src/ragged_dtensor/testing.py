@@ -18,6 +18,7 @@ by ``torch.randn`` in each thread interleaves and gives every rank *different* d
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -76,7 +77,9 @@ def _process_entry(
             timeout=timedelta(seconds=timeout),
         )
         value = fn(rank, world_size, *args)
-        results.put((rank, "ok", value))
+        # Plain pickle bytes: torch's queue pickler would share tensor storage through file
+        # descriptors that die with this process before the parent reads them.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -141,12 +144,18 @@ def run_processes(
         lines = []
         if missing:
             codes = {r: procs[r].exitcode for r in missing}
-            lines.append(
-                f"ranks {missing} did not finish within {timeout:.0f} s "
-                f"(exit codes {codes}; a negative code is the signal that killed it)"
-            )
+            if all(code is not None for code in codes.values()):
+                lines.append(
+                    f"ranks {missing} exited without reporting (exit codes {codes}; a "
+                    f"negative code is the signal that killed it; see their stderr)"
+                )
+            else:
+                lines.append(
+                    f"ranks {missing} did not finish within {timeout:.0f} s "
+                    f"(exit codes {codes}; None: still running when killed)"
+                )
         raise DistributedFailure("\n".join(lines + errors))
-    return [outcomes[r][1] for r in range(world_size)]
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
 
 
 def run_threaded(

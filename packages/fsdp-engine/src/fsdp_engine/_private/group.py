@@ -21,6 +21,7 @@ import torch.distributed as dist
 from dbuffer import DBuffer, Handle
 from shard_planner import Plan, TensorSpec, plan
 from torch import nn
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
@@ -100,6 +101,7 @@ class ParamGroup:
         self._unsharded: dict[torch.dtype, list[nn.Parameter]] = {}
         self.state = ShardState.SHARDED
         self.unshard_handle: Handle | None = None
+        self._version_guard: _unsafe_preserve_version_counter | None = None
         self.reduce_handle: Handle | None = None
         self.grads_pending = False  # unsharded gradients accumulated, not yet reduced
         self.grad_seen = [False] * len(self.refs)  # in the current backward pass
@@ -111,7 +113,7 @@ class ParamGroup:
     def unsharded_params(self) -> list[nn.Parameter]:
         params = self._unsharded.get(self.compute_dtype)
         if params is None:
-            views = self.params.full_views(self.compute_dtype)
+            views = self.params.full_views(self.compute_dtype, allow_released=True)
             params = [nn.Parameter(v, requires_grad=rg)
                       for v, rg in zip(views, self.requires_grad, strict=True)]
             self._unsharded[self.compute_dtype] = params
@@ -148,6 +150,11 @@ class ParamGroup:
             if not async_op:
                 self.wait_for_unshard()
             return
+        # An async gloo all-gather bumps its output's version counter when it completes, in the
+        # background. The refilled values are the same parameters autograd saved (DBuffer's
+        # [Note: version counters]), so the counter is put back when the all-gather is waited.
+        self._version_guard = _unsafe_preserve_version_counter(
+            self.params.full_views(self.compute_dtype, allow_released=True)[0])
         self.unshard_handle = self.params.unshard(dtype=self.compute_dtype, async_op=async_op)
         if not async_op:
             self.wait_for_unshard()
@@ -155,6 +162,9 @@ class ParamGroup:
     def wait_for_unshard(self) -> None:
         if self.unshard_handle is not None:
             self.unshard_handle.wait()
+            if self._version_guard is not None:
+                self._version_guard.__exit__(None, None, None)
+                self._version_guard = None
             self.unshard_handle = None
             self.state = ShardState.UNSHARDED
 
