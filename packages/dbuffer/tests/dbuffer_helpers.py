@@ -104,6 +104,16 @@ def make_tensors(
     return [torch.randn(tuple(s), generator=gen).to(dtype) for s in shapes]
 
 
-# A small LLaMA-ish group: norms, projections with odd sizes, a bias, a scalar.
-SHAPES: list[tuple[int, ...]] = [(16,), (24, 16), (8, 16), (37, 16), (16, 37), (5,), (3, 2, 4), ()]
-BLOCKS: list[int] = [1, 16, 16, 16, 37, 1, 8, 1]
+# A small LLaMA-ish group: norms, projections with odd sizes, an empty one, a bias, a scalar.
+SHAPES: list[tuple[int, ...]] = [
+    (16,),
+    (24, 16),
+    (8, 16),
+    (0, 16),
+    (37, 16),
+    (16, 37),
+    (5,),
+    (3, 2, 4),
+    (),
+]
+BLOCKS: list[int] = [1, 16, 16, 16, 16, 37, 1, 8, 1]

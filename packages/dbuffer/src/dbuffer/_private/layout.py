@@ -87,11 +87,18 @@ class ContiguousLayout:
 
     def local_units(self, i: int) -> tuple[int, ...]:
         start, numel, block, size = self.offsets[i], self.numels[i], self.blocks[i], self.shard_size
+        if numel == 0:  # one (empty) unit on the rank where it starts, as the planner does
+            return _empty_units(start, size, self.world_size)
         units = []
         for k in range(self.world_size):
             inside = max(0, min(start + numel, (k + 1) * size) - max(start, k * size))
             units.append(inside // block)
         return tuple(units)
+
+
+def _empty_units(offset: int, size: int, world: int) -> tuple[int, ...]:
+    owner = min(offset // size, world - 1)
+    return tuple(int(k == owner) for k in range(world))
 
 
 def _place(
@@ -142,8 +149,8 @@ def contiguous_layout(
     if len(blocks) != len(numels):
         raise ValueError(f"blocks has {len(blocks)} entries for {len(numels)} tensors")
     for i, (numel, block) in enumerate(zip(numels, blocks, strict=True)):
-        if numel <= 0:
-            raise ValueError(f"tensor {i}: numel must be > 0, got {numel}")
+        if numel < 0:
+            raise ValueError(f"tensor {i}: numel must be >= 0, got {numel}")
         if block <= 0 or numel % block:
             raise ValueError(f"tensor {i}: block {block} must be > 0 and divide numel {numel}")
     size = _round_up(max(1, -(-sum(numels) // world_size)), align)
@@ -223,14 +230,15 @@ def slots_for(
                 f"{where}: shape {shape} has {math.prod(shape)} elements but the "
                 f"layout gives it {numel}"
             )
-        if numel <= 0:
-            raise ValueError(f"{where}: empty tensors cannot be placed in a DBuffer")
         if offset < 0 or offset + numel > size * world:
             raise ValueError(
                 f"{where}: range [{offset}, {offset + numel}) lies outside the flat "
                 f"buffer of {world} x {size} elements"
             )
         units = tuple(int(u) for u in layout.local_units(i))
+        if numel == 0:
+            # Nothing to hold: one empty unit (dims=()) on one rank; any layout's units will do.
+            units = _empty_units(offset, size, world)
         if len(units) != world:
             raise ValueError(
                 f"{where}: local_units {units} has {len(units)} entries for world_size {world}"
