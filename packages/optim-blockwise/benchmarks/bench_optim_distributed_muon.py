@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", nargs="?", default="results")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args(argv)
     out = Path(args.out)
