@@ -52,7 +52,7 @@ __all__ = ["METHODS", "lower_bound", "plan"]
 METHODS = ("auto", "paper", "exact", "naive", "megatron", "model-order")
 
 # Work budgets (lanes x tensors) of the scan; fixed numbers, so plans are deterministic.
-_SCAN_WORK = 40_000_000
+_SCAN_WORK = 10_000_000
 _FIRST_BATCH = 16
 _MAX_BATCH = 4096
 _FILL_WORK = 40_000  # tensors placed by gap filling, all tries together
