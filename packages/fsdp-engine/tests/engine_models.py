@@ -42,8 +42,9 @@ class Block(nn.Module):
 
 
 class TinyLlama(nn.Module):
-    def __init__(self, vocab: int = 97, dim: int = 32, layers: int = 2, heads: int = 4,
-                 ffn: int = 48) -> None:
+    def __init__(
+        self, vocab: int = 97, dim: int = 32, layers: int = 2, heads: int = 4, ffn: int = 48
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(Block(dim, heads, ffn) for _ in range(layers))
@@ -60,8 +61,9 @@ class TinyLlama(nn.Module):
         return self.head(self.norm(x))
 
 
-def batches(steps: int, world: int, batch: int = 2, seq: int = 8, vocab: int = 97,
-            seed: int = 0) -> list[torch.Tensor]:
+def batches(
+    steps: int, world: int, batch: int = 2, seq: int = 8, vocab: int = 97, seed: int = 0
+) -> list[torch.Tensor]:
     """``steps`` global batches of ``world * batch`` sequences (each rank takes its slice)."""
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (world * batch, seq + 1), generator=gen) for _ in range(steps)]

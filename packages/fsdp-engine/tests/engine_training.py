@@ -1,4 +1,4 @@
-"""Training loops shared by the parity tests: ours, torch FSDP2, and the single-process reference."""
+"""Training loops shared by the parity tests: ours, torch FSDP2, the single-process reference."""
 
 from __future__ import annotations
 
@@ -6,12 +6,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import fsdp_engine
 import torch
 import torch.distributed as dist
 from engine_models import TinyLlama, batches, loss_fn
 from torch.distributed.tensor import DTensor, init_device_mesh
-
-import fsdp_engine
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
@@ -34,8 +33,13 @@ def initial_state(seed: int = 0) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in _INIT_CACHE[seed].items()}
 
 
-def reference(steps: int, world: int, optimizer: str = "adamw", micro: int = 1,
-              dtype: torch.dtype | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(
+    steps: int,
+    world: int,
+    optimizer: str = "adamw",
+    micro: int = 1,
+    dtype: torch.dtype | None = None,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single process, the whole global batch per step."""
     model = TinyLlama()
     model.load_state_dict(initial_state())
@@ -54,11 +58,19 @@ def reference(steps: int, world: int, optimizer: str = "adamw", micro: int = 1,
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train_sharded(rank: int, world: int, *, engine: str = "ours", steps: int = 10,
-                  optimizer: str = "adamw", mesh_shape: tuple[int, ...] | None = None,
-                  micro: int = 1, reshard_after_forward: bool | int = True,
-                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                  ) -> dict[str, Any]:
+def train_sharded(
+    rank: int,
+    world: int,
+    *,
+    engine: str = "ours",
+    steps: int = 10,
+    optimizer: str = "adamw",
+    mesh_shape: tuple[int, ...] | None = None,
+    micro: int = 1,
+    reshard_after_forward: bool | int = True,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> dict[str, Any]:
     """Each rank trains on its slice of the same global batches; returns losses and full params.
 
     ``engine``: "ours" (fsdp_engine.fully_shard) or "fsdp2" (torch's), with identical calls.
@@ -74,8 +86,7 @@ def train_sharded(rank: int, world: int, *, engine: str = "ours", steps: int = 1
     model.load_state_dict(initial_state())
     mp = api.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in model.layers:
-        api.fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                        mp_policy=mp)
+        api.fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     api.fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     opt = OPTIMIZERS[optimizer](model.parameters())
     data = batches(steps * micro, world)
@@ -93,15 +104,16 @@ def train_sharded(rank: int, world: int, *, engine: str = "ours", steps: int = 1
         opt.zero_grad()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    final = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-             for k, v in model.state_dict().items()}
+    final = {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in model.state_dict().items()
+    }
     return {"losses": losses, "params": final}
 
 
 def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     worst = 0.0
-    for key in b:
-        scale = b[key].float().abs().max().clamp_min(1e-12)
-        worst = max(worst, ((a[key].float() - b[key].float()).abs().max() / scale).item())
+    for key, want in b.items():
+        scale = want.float().abs().max().clamp_min(1e-12)
+        worst = max(worst, ((a[key].float() - want.float()).abs().max() / scale).item())
     return worst
-

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_training import max_relative_difference, reference, train_sharded
-
 from ragged_dtensor.testing import run_processes, run_threaded
 
 STEPS = 10
@@ -13,8 +12,12 @@ STEPS = 10
 TOLERANCE = 1e-5
 
 
-def _check(results: list[dict[str, object]], ref_losses: list[float],
-           ref_params: dict[str, torch.Tensor], tol: float = TOLERANCE) -> None:
+def _check(
+    results: list[dict[str, object]],
+    ref_losses: list[float],
+    ref_params: dict[str, torch.Tensor],
+    tol: float = TOLERANCE,
+) -> None:
     for result in results:
         losses = result["losses"]
         assert isinstance(losses, list)
@@ -29,8 +32,9 @@ def _check(results: list[dict[str, object]], ref_losses: list[float],
 @pytest.mark.parametrize("world", [2, 4])
 def test_matches_single_process_threaded(world: int, optimizer: str) -> None:
     ref_losses, ref_params = reference(STEPS, world, optimizer)
-    results = run_threaded(lambda r, w: train_sharded(r, w, steps=STEPS, optimizer=optimizer),
-                           world, timeout=300)
+    results = run_threaded(
+        lambda r, w: train_sharded(r, w, steps=STEPS, optimizer=optimizer), world, timeout=300
+    )
     _check(results, ref_losses, ref_params)
 
 
@@ -38,8 +42,8 @@ def test_matches_single_process_threaded(world: int, optimizer: str) -> None:
 def test_reshard_after_forward_variants(reshard: bool | int) -> None:
     ref_losses, ref_params = reference(STEPS, 2)
     results = run_threaded(
-        lambda r, w: train_sharded(r, w, steps=STEPS, reshard_after_forward=reshard), 2,
-        timeout=300)
+        lambda r, w: train_sharded(r, w, steps=STEPS, reshard_after_forward=reshard), 2, timeout=300
+    )
     _check(results, ref_losses, ref_params)
 
 
@@ -51,8 +55,9 @@ def test_gradient_accumulation_without_sync() -> None:
 
 def test_hsdp_2x2_matches_single_process() -> None:
     ref_losses, ref_params = reference(STEPS, 4)
-    results = run_threaded(lambda r, w: train_sharded(r, w, steps=STEPS, mesh_shape=(2, 2)), 4,
-                           timeout=300)
+    results = run_threaded(
+        lambda r, w: train_sharded(r, w, steps=STEPS, mesh_shape=(2, 2)), 4, timeout=300
+    )
     _check(results, ref_losses, ref_params)
 
 
@@ -69,10 +74,12 @@ def test_matches_torch_fsdp2_on_the_same_script(case: str) -> None:
     elif case == "hsdp":
         kwargs["mesh_shape"] = (2, 2)
         world = 4
-    ours = run_threaded(lambda r, w: train_sharded(r, w, engine="ours", **kwargs), world,
-                        timeout=300)
-    theirs = run_threaded(lambda r, w: train_sharded(r, w, engine="fsdp2", **kwargs), world,
-                          timeout=300)
+    ours = run_threaded(
+        lambda r, w: train_sharded(r, w, engine="ours", **kwargs), world, timeout=300
+    )
+    theirs = run_threaded(
+        lambda r, w: train_sharded(r, w, engine="fsdp2", **kwargs), world, timeout=300
+    )
     for a, b in zip(ours, theirs, strict=True):
         for x, y in zip(a["losses"], b["losses"], strict=True):
             assert abs(x - y) <= TOLERANCE * max(1.0, abs(y))
@@ -81,10 +88,10 @@ def test_matches_torch_fsdp2_on_the_same_script(case: str) -> None:
 
 def test_bf16_mixed_precision_matches_torch_fsdp2() -> None:
     kwargs = {"steps": 6, "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}
-    ours = run_threaded(lambda r, w: train_sharded(r, w, engine="ours", **kwargs), 2,
-                        timeout=300)
-    theirs = run_threaded(lambda r, w: train_sharded(r, w, engine="fsdp2", **kwargs), 2,
-                          timeout=300)
+    ours = run_threaded(lambda r, w: train_sharded(r, w, engine="ours", **kwargs), 2, timeout=300)
+    theirs = run_threaded(
+        lambda r, w: train_sharded(r, w, engine="fsdp2", **kwargs), 2, timeout=300
+    )
     # bf16 compute: the same ops in the same dtype; a reduction-order ulp in bf16 can grow over
     # steps, so compare with a bf16-scale tolerance.
     for a, b in zip(ours, theirs, strict=True):

@@ -7,9 +7,6 @@ from typing import Any, overload
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
 from fsdp_engine._private.group import ParamGroup, ParamRef
 from fsdp_engine._private.policy import (
     BlockPolicy,
@@ -18,6 +15,8 @@ from fsdp_engine._private.policy import (
     OffloadPolicy,
 )
 from fsdp_engine._private.state import STATE_ATTR, FSDPState, get_state
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
 
@@ -69,21 +68,24 @@ class FSDPModule:
         if state.group is not None:
             state.group.reshard()
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
-                                   recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """``False``: accumulate unsharded gradients locally (no reduce-scatter) until set back."""
         states = self._subtree_states() if recurse else [self._engine_state()]
         for state in states:
             state.requires_gradient_sync = requires_gradient_sync
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
-                                   recurse: bool = True) -> None:
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
         states = self._subtree_states() if recurse else [self._engine_state()]
         for state in states:
             state.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *,
-                                  recurse: bool = True) -> None:
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool, *, recurse: bool = True
+    ) -> None:
         states = self._subtree_states() if recurse else [self._engine_state()]
         for state in states:
             if state.is_root:
@@ -93,14 +95,14 @@ class FSDPModule:
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters asynchronously when this module's forward
         starts."""
-        self._engine_state().forward_prefetch = [_state_of(m, "forward prefetch")
-                                                 for m in modules]
+        self._engine_state().forward_prefetch = [_state_of(m, "forward prefetch") for m in modules]
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules' parameters asynchronously when this module's backward starts
         (default: the module that ran forward just before this one)."""
-        self._engine_state().backward_prefetch = [_state_of(m, "backward prefetch")
-                                                  for m in modules]
+        self._engine_state().backward_prefetch = [
+            _state_of(m, "backward prefetch") for m in modules
+        ]
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """``False``: the next backward does not wait for its gradient reductions (they are
@@ -135,8 +137,7 @@ def _state_of(module: object, what: str) -> FSDPState:
 
 def _default_mesh() -> DeviceMesh:
     if not dist.is_initialized():
-        raise RuntimeError("fully_shard needs torch.distributed to be initialized "
-                           "(or pass mesh=)")
+        raise RuntimeError("fully_shard needs torch.distributed to be initialized (or pass mesh=)")
     backend = dist.get_backend()
     device = "cpu" if backend == "gloo" else torch.accelerator.current_accelerator() or "cpu"
     return init_device_mesh(str(getattr(device, "type", device)), (dist.get_world_size(),))
@@ -164,21 +165,31 @@ def _managed_params(module: nn.Module, ignored: set[nn.Parameter]) -> list[Param
 
 
 @overload
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = ...,
-                reshard_after_forward: bool | int = ...,
-                shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
-                mp_policy: MixedPrecisionPolicy = ..., offload_policy: OffloadPolicy = ...,
-                ignored_params: set[nn.Parameter] | None = ...,
-                block_policy: BlockPolicy | None = ...) -> FSDPModule: ...
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    block_policy: BlockPolicy | None = ...,
+) -> FSDPModule: ...
 
 
 @overload
-def fully_shard(module: list[nn.Module], *, mesh: DeviceMesh | None = ...,
-                reshard_after_forward: bool | int = ...,
-                shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
-                mp_policy: MixedPrecisionPolicy = ..., offload_policy: OffloadPolicy = ...,
-                ignored_params: set[nn.Parameter] | None = ...,
-                block_policy: BlockPolicy | None = ...) -> list[FSDPModule]: ...
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    block_policy: BlockPolicy | None = ...,
+) -> list[FSDPModule]: ...
 
 
 def fully_shard(
@@ -205,20 +216,25 @@ def fully_shard(
     if not modules:
         raise ValueError("fully_shard got an empty list of modules")
     if len(modules) > 1:
-        raise NotImplementedError("fully_shard of a list of modules as one group is not "
-                                  "supported yet: call it on a common parent module")
+        raise NotImplementedError(
+            "fully_shard of a list of modules as one group is not "
+            "supported yet: call it on a common parent module"
+        )
     target = modules[0]
     if not isinstance(target, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(target).__name__}")
     if get_state(target) is not None:
         raise ValueError(f"fully_shard was already applied to this {type(target).__name__}")
     if shard_placement_fn is not None:
-        raise NotImplementedError("shard_placement_fn: this engine always shards the planned flat "
-                                  "buffer with RaggedShard; use block_policy for granularity")
+        raise NotImplementedError(
+            "shard_placement_fn: this engine always shards the planned flat "
+            "buffer with RaggedShard; use block_policy for granularity"
+        )
     mesh = mesh or _default_mesh()
     if mesh.ndim not in (1, 2):
-        raise ValueError(f"fully_shard supports a 1-D (FSDP) or 2-D (HSDP) mesh, got "
-                         f"{mesh.ndim}-D {mesh}")
+        raise ValueError(
+            f"fully_shard supports a 1-D (FSDP) or 2-D (HSDP) mesh, got {mesh.ndim}-D {mesh}"
+        )
     shard_axis = mesh.ndim - 1
     world = mesh.size(shard_axis)
     if isinstance(offload_policy, CPUOffloadPolicy) and mesh.device_type != "cpu":
@@ -229,15 +245,22 @@ def fully_shard(
         if reshard_after_forward not in (1, world):
             raise NotImplementedError(
                 f"reshard_after_forward={reshard_after_forward}: only 1 (keep unsharded) or the "
-                f"shard-axis size {world} (reshard fully) are supported yet")
+                f"shard-axis size {world} (reshard fully) are supported yet"
+            )
         reshard = reshard_after_forward != 1
     else:
-        raise TypeError(f"reshard_after_forward must be bool or int, got "
-                        f"{type(reshard_after_forward).__name__}")
+        raise TypeError(
+            f"reshard_after_forward must be bool or int, got {type(reshard_after_forward).__name__}"
+        )
     refs = _managed_params(target, set(ignored_params or ()))
     _check_devices(refs, mesh)
-    group = (ParamGroup(refs, mesh, mp_policy=mp_policy, block_policy=block_policy,
-                        shard_axis=shard_axis) if refs else None)
+    group = (
+        ParamGroup(
+            refs, mesh, mp_policy=mp_policy, block_policy=block_policy, shard_axis=shard_axis
+        )
+        if refs
+        else None
+    )
     state = FSDPState(target, group, reshard_after_forward=reshard, mp_policy=mp_policy)
     target.__dict__[STATE_ATTR] = state
     cls = type(target)
@@ -252,16 +275,20 @@ def fully_shard(
 
 
 def _check_devices(refs: Iterable[ParamRef], mesh: DeviceMesh) -> None:
-    devices = {}
+    devices: dict[str, str] = {}
     for ref in refs:
         param = getattr(ref.owner, ref.attr)
         if param.is_meta:
             continue
         devices.setdefault(param.device.type, ref.fqn)
     if len(devices) > 1:
-        raise ValueError(f"fully_shard: parameters on different devices: "
-                         f"{ {k: f'e.g. {v}' for k, v in devices.items()} }")
+        raise ValueError(
+            f"fully_shard: parameters on different devices: "
+            f"{ {k: f'e.g. {v}' for k, v in devices.items()} }"
+        )
     for kind, fqn in devices.items():
         if kind != mesh.device_type:
-            raise ValueError(f"fully_shard: parameter {fqn!r} is on {kind} but the mesh is "
-                             f"{mesh.device_type}; move the module first (or init on meta)")
+            raise ValueError(
+                f"fully_shard: parameter {fqn!r} is on {kind} but the mesh is "
+                f"{mesh.device_type}; move the module first (or init on meta)"
+            )

@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import Literal
 
 import attrs
 import torch
 import torch.distributed as dist
 from dbuffer import DBuffer, Handle
+from fsdp_engine._private.policy import BlockPolicy, MixedPrecisionPolicy
 from shard_planner import Plan, TensorSpec, plan
 from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-
-from fsdp_engine._private.policy import BlockPolicy, MixedPrecisionPolicy
 
 __all__ = ["ParamGroup", "ParamRef", "ShardState"]
 
@@ -49,15 +49,22 @@ def _align_elements(dtype: torch.dtype) -> int:
     return max(1, 16 // torch.empty((), dtype=dtype).element_size())
 
 
-def build_plan(refs: Sequence[ParamRef], params: Sequence[torch.Tensor], world: int,
-               block_policy: BlockPolicy | None, dtype: torch.dtype) -> Plan:
+def build_plan(
+    refs: Sequence[ParamRef],
+    params: Sequence[torch.Tensor],
+    world: int,
+    block_policy: BlockPolicy | None,
+    dtype: torch.dtype,
+) -> Plan:
     specs = []
     for ref, param in zip(refs, params, strict=True):
         block = 1 if block_policy is None else int(block_policy(ref.fqn, param))
         if block < 1 or param.numel() % block:
-            raise ValueError(f"block policy gave parameter {ref.fqn!r} (shape "
-                             f"{tuple(param.shape)}, {param.numel()} elements) a block of {block} "
-                             f"elements: it must be >= 1 and divide the parameter's numel")
+            raise ValueError(
+                f"block policy gave parameter {ref.fqn!r} (shape "
+                f"{tuple(param.shape)}, {param.numel()} elements) a block of {block} "
+                f"elements: it must be >= 1 and divide the parameter's numel"
+            )
         specs.append(TensorSpec(numel=param.numel(), block=block, name=ref.fqn))
     return plan(specs, world, _align_elements(dtype))
 
@@ -65,9 +72,15 @@ def build_plan(refs: Sequence[ParamRef], params: Sequence[torch.Tensor], world: 
 class ParamGroup:
     """The parameters of one ``fully_shard`` call over one mesh (1-D, or 2-D HSDP)."""
 
-    def __init__(self, refs: Sequence[ParamRef], mesh: DeviceMesh, *,
-                 mp_policy: MixedPrecisionPolicy, block_policy: BlockPolicy | None,
-                 shard_axis: int) -> None:
+    def __init__(
+        self,
+        refs: Sequence[ParamRef],
+        mesh: DeviceMesh,
+        *,
+        mp_policy: MixedPrecisionPolicy,
+        block_policy: BlockPolicy | None,
+        shard_axis: int,
+    ) -> None:
         self.refs = tuple(refs)
         self.mesh = mesh
         self.mp_policy = mp_policy
@@ -84,8 +97,15 @@ class ParamGroup:
         self.plan = build_plan(refs, originals, self.world, block_policy, self.dtype)
         shapes = [tuple(p.shape) for p in originals]
         names = [r.fqn for r in refs]
-        self.params = DBuffer(self.plan, shapes, mesh, dtype=self.dtype, names=names,
-                              shard_axis=shard_axis, check=True)
+        self.params = DBuffer(
+            self.plan,
+            shapes,
+            mesh,
+            dtype=self.dtype,
+            names=names,
+            shard_axis=shard_axis,
+            check=True,
+        )
         self.grads = self.params.new_like(self.dtype)
         if self.compute_dtype == self.dtype:
             self.unsharded_grads = self.grads
@@ -94,10 +114,11 @@ class ParamGroup:
             self.unsharded_grads.shard.untyped_storage().resize_(0)
         with torch.no_grad():
             if not any(p.is_meta for p in originals):
-                self.params.load_full_(
-                    [p.detach().to(self.params.device) for p in originals])
-        self.sharded = [nn.Parameter(view, requires_grad=rg) for view, rg in
-                        zip(self.params.sharded_views(), self.requires_grad, strict=True)]
+                self.params.load_full_([p.detach().to(self.params.device) for p in originals])
+        self.sharded = [
+            nn.Parameter(view, requires_grad=rg)
+            for view, rg in zip(self.params.sharded_views(), self.requires_grad, strict=True)
+        ]
         self._unsharded: dict[torch.dtype, list[nn.Parameter]] = {}
         self.state = ShardState.SHARDED
         self.unshard_handle: Handle | None = None
@@ -114,8 +135,10 @@ class ParamGroup:
         params = self._unsharded.get(self.compute_dtype)
         if params is None:
             views = self.params.full_views(self.compute_dtype, allow_released=True)
-            params = [nn.Parameter(v, requires_grad=rg)
-                      for v, rg in zip(views, self.requires_grad, strict=True)]
+            params = [
+                nn.Parameter(v, requires_grad=rg)
+                for v, rg in zip(views, self.requires_grad, strict=True)
+            ]
             self._unsharded[self.compute_dtype] = params
         return params
 
@@ -138,11 +161,13 @@ class ParamGroup:
                     raise TypeError(f"parameter {ref.fqn!r} is no longer a DTensor after _apply")
                 local = current._local_tensor
                 if local.untyped_storage().data_ptr() != ours.untyped_storage().data_ptr() or (
-                        local.storage_offset() != ours.storage_offset()):
+                    local.storage_offset() != ours.storage_offset()
+                ):
                     if not local.is_meta:
                         ours.copy_(local.reshape(-1))
                     current._local_tensor = ours
-                self.sharded[i] = current  # type: ignore[call-overload]
+                assert isinstance(current, nn.Parameter)
+                self.sharded[i] = current
 
     # -- unshard / reshard -------------------------------------------------------------------
     def unshard(self, *, async_op: bool = False) -> None:
@@ -154,7 +179,8 @@ class ParamGroup:
         # background. The refilled values are the same parameters autograd saved (DBuffer's
         # [Note: version counters]), so the counter is put back when the all-gather is waited.
         self._version_guard = _unsafe_preserve_version_counter(
-            self.params.full_views(self.compute_dtype, allow_released=True)[0])
+            self.params.full_views(self.compute_dtype, allow_released=True)[0]
+        )
         self.unshard_handle = self.params.unshard(dtype=self.compute_dtype, async_op=async_op)
         if not async_op:
             self.wait_for_unshard()
@@ -183,8 +209,7 @@ class ParamGroup:
             return
         self.unsharded_grads.alloc_unsharded(zero=True)
         views = self.unsharded_grads.full_views()
-        for param, view, rg in zip(self.unsharded_params(), views, self.requires_grad,
-                                   strict=True):
+        for param, view, rg in zip(self.unsharded_params(), views, self.requires_grad, strict=True):
             if rg:
                 param.grad = view
         self.grad_received = [False] * len(self.refs)
@@ -194,8 +219,9 @@ class ParamGroup:
         """Record that parameter ``index`` received its gradient; True when all have."""
         self.grad_seen[index] = True
         self.grad_received[index] = True
-        return all(seen or not rg for seen, rg in zip(self.grad_seen, self.requires_grad,
-                                                      strict=True))
+        return all(
+            seen or not rg for seen, rg in zip(self.grad_seen, self.requires_grad, strict=True)
+        )
 
     def reduce_gradients(self, *, async_op: bool) -> None:
         """One reduce-scatter (plus one all-reduce per replicate axis for HSDP) of the group."""
@@ -208,20 +234,26 @@ class ParamGroup:
                 if grad is None:
                     self.grads.local_views()[i].zero_()
                 elif not _is_view_of(grad, self.grads.local_views()[i]):
-                    raise RuntimeError(f"parameter {self.refs[i].fqn!r}: .grad was replaced by a "
-                                       f"tensor that is not the engine's gradient storage; use "
-                                       f"zero_grad() or accumulate into it in place")
+                    raise RuntimeError(
+                        f"parameter {self.refs[i].fqn!r}: .grad was replaced by a "
+                        f"tensor that is not the engine's gradient storage; use "
+                        f"zero_grad() or accumulate into it in place"
+                    )
+        op: Literal["sum", "avg"] = "avg"
         if self.divide_factor is not None:
             self.unsharded_grads.scale_(1.0 / self.divide_factor, part="unsharded")
             op = "sum"
-        else:
-            op = "avg"
         # detach autograd's references before the storage is released
         for param in self.unsharded_params():
             param.grad = None
         self.reduce_handle = self.unsharded_grads.reduce_scatter(
-            op=op, reduce_dtype=self.reduce_dtype, accumulate=accumulate, into=self.grads,
-            free_unsharded=True, async_op=async_op)
+            op=op,
+            reduce_dtype=self.reduce_dtype,
+            accumulate=accumulate,
+            into=self.grads,
+            free_unsharded=True,
+            async_op=async_op,
+        )
         views = self.grads.sharded_views()
         for i, param in enumerate(self.sharded):
             seen = self.grad_received[i] or existing[i] is not None
@@ -242,8 +274,10 @@ class ParamGroup:
 
 def _is_view_of(tensor: torch.Tensor, local: torch.Tensor) -> bool:
     inner = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-    return bool(inner.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
-                and inner.storage_offset() == local.storage_offset())
+    return bool(
+        inner.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+        and inner.storage_offset() == local.storage_offset()
+    )
 
 
 def barrier_check(mesh: DeviceMesh) -> None:

@@ -21,12 +21,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from fsdp_engine._private.group import ParamGroup, ShardState
+from fsdp_engine._private.policy import MixedPrecisionPolicy
 from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
-
-from fsdp_engine._private.group import ParamGroup, ShardState
-from fsdp_engine._private.policy import MixedPrecisionPolicy
 
 __all__ = ["FSDPState", "TrainingState"]
 
@@ -41,8 +40,14 @@ class TrainingState(enum.Enum):
 class FSDPState:
     """What ``fully_shard`` attaches to a module (``module._fsdp_engine_state``)."""
 
-    def __init__(self, module: nn.Module, group: ParamGroup | None, *,
-                 reshard_after_forward: bool, mp_policy: MixedPrecisionPolicy) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        group: ParamGroup | None,
+        *,
+        reshard_after_forward: bool,
+        mp_policy: MixedPrecisionPolicy,
+    ) -> None:
         self.module = module
         self.group = group
         self.reshard_after_forward = reshard_after_forward
@@ -63,10 +68,12 @@ class FSDPState:
         if group is not None:
             for index, param in enumerate(group.unsharded_params()):
                 if param.requires_grad:
-                    self._hooks.append(param.register_post_accumulate_grad_hook(
-                        _make_accumulate_hook(self, index)))
-        self._hooks.append(module.register_forward_pre_hook(self._pre_forward, prepend=True,
-                                                            with_kwargs=True))
+                    hook = _make_accumulate_hook(self, index)
+                    handle = param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+                    self._hooks.append(handle)
+        self._hooks.append(
+            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        )
         self._hooks.append(module.register_forward_hook(self._post_forward, prepend=False))
 
     # -- lazy init ---------------------------------------------------------------------------
@@ -81,8 +88,10 @@ class FSDPState:
                 continue
             if state is not self:
                 if state.is_root:
-                    raise RuntimeError("fully_shard: a module initialised as a root is nested in "
-                                       "another root; call the outermost module first")
+                    raise RuntimeError(
+                        "fully_shard: a module initialised as a root is nested in "
+                        "another root; call the outermost module first"
+                    )
                 state.is_root = False
                 state.root = self
             self.all_states.append(state)
@@ -91,8 +100,12 @@ class FSDPState:
         self.reshard_after_forward = False
 
     # -- forward -----------------------------------------------------------------------------
-    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _pre_forward(
+        self,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         self._lazy_init()
         root = self.root
         assert root is not None
@@ -134,10 +147,11 @@ class FSDPState:
         return output
 
     def _register_pre_backward(self, output: Any) -> None:
-        tensors = [t for t in tree_flatten(output)[0]
-                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        tensors = [
+            t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
         for tensor in tensors:
-            tensor.register_hook(self._pre_backward)
+            tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
 
     # -- backward ----------------------------------------------------------------------------
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
