@@ -52,10 +52,10 @@ __all__ = ["METHODS", "lower_bound", "plan"]
 METHODS = ("auto", "paper", "exact", "naive", "megatron", "model-order")
 
 # Work budgets (lanes x tensors) of the scan; fixed numbers, so plans are deterministic.
-_SCAN_WORK = 10_000_000
+_SCAN_WORK = 4_000_000
 _FIRST_BATCH = 16
 _MAX_BATCH = 4096
-_FILL_WORK = 40_000  # tensors placed by gap filling, all tries together
+_FILL_WORK = 20_000  # tensors placed by gap filling, all tries together
 _FILL_PER_BATCH = 4
 _LADDER_STEPS = 64
 _LOCAL_COST = 50  # a local search round costs about this many gap-filling placements
@@ -106,7 +106,10 @@ class _Scanner:
 
     def step(self) -> tuple[int, tuple[int, ...]] | None:
         """Check the next batch; the smallest fitting (S, order) in it, if any."""
-        chunk = _take(self.candidates, self.batch, self.limit)
+        # Never overshoot the work budget by more than one candidate's worth of lanes.
+        per_size = self.e.shape[0] * self.e.shape[1]
+        room = max(1, (_SCAN_WORK - self.work) // max(per_size, 1))
+        chunk = _take(self.candidates, min(self.batch, room), self.limit)
         if not chunk:
             self.exhausted = True
             return None
