@@ -123,7 +123,7 @@ def test_package_layout(folder: Path) -> None:
     init = ast.parse((src / "__init__.py").read_text())
     assigned = {
         t.id
-        for n in init.body
+        for n in ast.walk(init)
         if isinstance(n, ast.Assign)
         for t in n.targets
         if isinstance(t, ast.Name)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import attrs
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+
 from dbuffer import BufferLayout, ContiguousLayout, DBuffer, contiguous_layout
 from ragged_dtensor.testing import run_threaded
 from shard_planner import Plan, TensorSpec, plan
-from torch.distributed.device_mesh import init_device_mesh
 
 SHAPES = [(16,), (24, 16), (0, 16), (37, 16), (5,), ()]
 BLOCKS = [1, 16, 16, 16, 1, 1]

@@ -6,11 +6,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import fsdp_engine
 import torch
 import torch.distributed as dist
 from engine_models import TinyLlama, batches, loss_fn
 from torch.distributed.tensor import DTensor, init_device_mesh
+
+import fsdp_engine
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),

@@ -10,9 +10,6 @@ import torch
 import torch.distributed.checkpoint as dcp
 from engine_models import TinyLlama, batches, loss_fn
 from engine_training import initial_state
-from fsdp_engine import FSDPModule, fully_shard
-from ragged_dtensor import RaggedShard
-from ragged_dtensor.testing import count_collectives, run_processes, run_threaded
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -20,6 +17,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.tensor import DTensor, init_device_mesh
+
+from fsdp_engine import FSDPModule, fully_shard
+from ragged_dtensor import RaggedShard
+from ragged_dtensor.testing import count_collectives, run_processes, run_threaded
 
 
 def _sharded_model(world: int, **kwargs: Any) -> tuple[TinyLlama, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_training import max_relative_difference, reference, train_sharded
+
 from ragged_dtensor.testing import run_processes, run_threaded
 
 STEPS = 10

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from ragged_dtensor import RaggedShard
-from ragged_dtensor.testing import run_processes
 from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from ragged_dtensor import RaggedShard
+from ragged_dtensor.testing import run_processes
 
 # (rows, cols): a LLaMA-like block's weights at CPU scale, one with an odd row count
 SHAPES = [(1024, 1024), (2752, 1024), (1001, 512)]

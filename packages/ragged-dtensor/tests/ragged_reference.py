@@ -6,8 +6,9 @@ import math
 from collections.abc import Sequence
 
 import torch
-from ragged_dtensor import RaggedShard
 from torch.distributed.tensor.placement_types import Placement, Shard
+
+from ragged_dtensor import RaggedShard
 
 
 def mesh_coordinate(rank: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:

@@ -7,10 +7,11 @@ from typing import Any
 
 import pytest
 import torch
-from ragged_dtensor import RaggedShard, from_local
-from ragged_dtensor.testing import run_threaded
 from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+from ragged_dtensor import RaggedShard, from_local
+from ragged_dtensor.testing import run_threaded
 
 CASES: dict[str, tuple[Callable[[Any, int], object], str]] = {
     "units length != mesh axis size": (

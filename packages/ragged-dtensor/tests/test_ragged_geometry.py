@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from ragged_dtensor import FlatRange, RaggedShard, flat_range_to_boxes
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "200"))

@@ -6,11 +6,12 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from ragged_dtensor import RaggedOpError, RaggedShard, hooks_installed
-from ragged_dtensor.testing import count_collectives, run_threaded
 from ragged_reference import reference_local
 from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+from ragged_dtensor import RaggedOpError, RaggedShard, hooks_installed
+from ragged_dtensor.testing import count_collectives, run_threaded
 
 
 def test_every_hook_is_installed() -> None:

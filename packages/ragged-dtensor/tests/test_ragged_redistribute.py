@@ -13,11 +13,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ragged_dtensor import RaggedShard, StepKind, plan_redistribute
-from ragged_dtensor.testing import count_collectives, run_threaded
 from ragged_reference import reference_local, valid_units_total
 from torch.distributed.tensor import DTensor, init_device_mesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from ragged_dtensor import RaggedShard, StepKind, plan_redistribute
+from ragged_dtensor.testing import count_collectives, run_threaded
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "120"))
 

@@ -7,6 +7,9 @@ from typing import Any, overload
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
 from fsdp_engine._private.group import ParamGroup, ParamRef
 from fsdp_engine._private.policy import (
     BlockPolicy,
@@ -15,8 +18,6 @@ from fsdp_engine._private.policy import (
     OffloadPolicy,
 )
 from fsdp_engine._private.state import STATE_ATTR, FSDPState, get_state
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
 

@@ -19,13 +19,14 @@ from typing import Literal
 import attrs
 import torch
 import torch.distributed as dist
-from dbuffer import DBuffer, Handle
-from fsdp_engine._private.policy import BlockPolicy, MixedPrecisionPolicy
-from shard_planner import Plan, TensorSpec, plan
 from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+
+from dbuffer import DBuffer, Handle
+from fsdp_engine._private.policy import BlockPolicy, MixedPrecisionPolicy
+from shard_planner import Plan, TensorSpec, plan
 
 __all__ = ["ParamGroup", "ParamRef", "ShardState"]
 

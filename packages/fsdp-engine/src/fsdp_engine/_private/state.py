@@ -21,11 +21,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from fsdp_engine._private.group import ParamGroup, ShardState
-from fsdp_engine._private.policy import MixedPrecisionPolicy
 from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map
+
+from fsdp_engine._private.group import ParamGroup, ShardState
+from fsdp_engine._private.policy import MixedPrecisionPolicy
 
 __all__ = ["FSDPState", "TrainingState"]
 

@@ -11,13 +11,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from ragged_dtensor._private.geometry import FlatRange
-from ragged_dtensor._private.placement import RaggedShard
-from ragged_dtensor._private.redistribute import ragged_axis, x_shape
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, Replicate
+
+from ragged_dtensor._private.geometry import FlatRange
+from ragged_dtensor._private.placement import RaggedShard
+from ragged_dtensor._private.redistribute import ragged_axis, x_shape
 
 __all__ = [
     "check_ragged_local",

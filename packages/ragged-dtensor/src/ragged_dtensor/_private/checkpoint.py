@@ -13,9 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from ragged_dtensor._private.geometry import flat_range_to_boxes
-from ragged_dtensor._private.placement import RaggedShard
-from ragged_dtensor._private.redistribute import ragged_axis
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -24,6 +21,10 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Replicate
+
+from ragged_dtensor._private.geometry import flat_range_to_boxes
+from ragged_dtensor._private.placement import RaggedShard
+from ragged_dtensor._private.redistribute import ragged_axis
 
 __all__ = ["install", "ragged_chunks"]
 

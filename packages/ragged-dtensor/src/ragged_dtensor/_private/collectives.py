@@ -16,8 +16,9 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from ragged_dtensor._private.geometry import FlatRange
 from torch.distributed import ProcessGroup
+
+from ragged_dtensor._private.geometry import FlatRange
 
 __all__ = ["all_gather_flat", "all_to_all_flat", "reduce_scatter_flat", "reduce_op"]
 

@@ -27,9 +27,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from ragged_dtensor._private import checkpoint, ops
-from ragged_dtensor._private.placement import RaggedShard
-from ragged_dtensor._private.redistribute import execute, plan_redistribute, ragged_axis, x_shape
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import _api as dtensor_api
@@ -39,6 +36,10 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor._sharding_prop import LocalLRUCache
 from torch.distributed.tensor.placement_types import Placement, Replicate
+
+from ragged_dtensor._private import checkpoint, ops
+from ragged_dtensor._private.placement import RaggedShard
+from ragged_dtensor._private.redistribute import execute, plan_redistribute, ragged_axis, x_shape
 
 __all__ = ["hooks_installed", "install", "ragged_redistribute_local"]
 

@@ -20,10 +20,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from ragged_dtensor._private.placement import RaggedShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
+
+from ragged_dtensor._private.placement import RaggedShard
 
 __all__ = ["RaggedOpError", "has_ragged", "propagate_ragged"]
 

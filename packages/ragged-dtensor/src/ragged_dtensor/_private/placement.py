@@ -6,8 +6,9 @@ from collections.abc import Sequence
 
 import attrs
 import torch
-from ragged_dtensor._private import geometry
 from torch.distributed.tensor.placement_types import Placement
+
+from ragged_dtensor._private import geometry
 
 __all__ = ["RaggedShard"]
 

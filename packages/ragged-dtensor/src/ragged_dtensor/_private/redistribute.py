@@ -22,11 +22,12 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
 from ragged_dtensor._private import collectives
 from ragged_dtensor._private.geometry import FlatRange
 from ragged_dtensor._private.placement import RaggedShard
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 __all__ = [
     "RedistributeStep",
