@@ -30,10 +30,11 @@ from typing import Any
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # torchao eager on CPU (compile takes ~46 s)
 
-import optim_blockwise as ob
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import optim_blockwise as ob
 
 # -- data ------------------------------------------------------------------------------------
 

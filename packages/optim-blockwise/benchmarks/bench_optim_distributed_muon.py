@@ -29,14 +29,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import optim_blockwise as ob
 import torch
 import torch.distributed as dist
-from ragged_dtensor import RaggedShard
-from ragged_dtensor.testing import run_processes
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import optim_blockwise as ob
+from ragged_dtensor import RaggedShard
+from ragged_dtensor.testing import run_processes
 
 
 def shapes_for(dim: int, layers: int) -> list[tuple[int, int]]:

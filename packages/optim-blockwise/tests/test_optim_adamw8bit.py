@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import math
 
-import optim_blockwise as ob
 import pytest
 import torch
-from ragged_dtensor.testing import run_threaded
 from test_optim_support import (
     check_against_single,
     dist_run_steps,
     ragged_spec,
     run_steps,
 )
+
+import optim_blockwise as ob
+from ragged_dtensor.testing import run_threaded
 
 SHAPES = [(64, 96), (40, 50), (7,), (128, 33), (1, 4096)]
 PLAIN = [("plain",)] * len(SHAPES)

@@ -5,10 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import optim_blockwise as ob
 import pytest
 import torch
-from ragged_dtensor.testing import run_processes, run_threaded
 from test_optim_support import (
     check_against_single,
     dist_run_steps,
@@ -17,6 +15,9 @@ from test_optim_support import (
     run_steps,
     to_bytes,
 )
+
+import optim_blockwise as ob
+from ragged_dtensor.testing import run_processes, run_threaded
 
 SHAPES = [(64, 96), (40, 50), (7,), (128, 33), (256, 32)]
 PLAIN = [("plain",)] * len(SHAPES)

@@ -5,10 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import optim_blockwise as ob
 import pytest
 import torch
-from ragged_dtensor.testing import DistributedFailure, run_threaded
 from test_optim_support import (
     check_against_single,
     dist_run_steps,
@@ -17,6 +15,9 @@ from test_optim_support import (
     shard,
 )
 from torch.distributed.device_mesh import init_device_mesh
+
+import optim_blockwise as ob
+from ragged_dtensor.testing import DistributedFailure, run_threaded
 
 SHAPES = [(64, 96), (40, 50), (7,), (128, 33), (16, 8), (1, 30)]
 PLAIN = [("plain",)] * len(SHAPES)
@@ -222,8 +223,9 @@ def test_ranks_disagreeing_on_grads_raise_instead_of_hanging() -> None:
 
 def _hsdp(rank: int, world: int, kind: str) -> list[torch.Tensor]:
     """2-D mesh (replicate x shard): RaggedShard on axis 1, Replicate on axis 0."""
-    from ragged_dtensor import RaggedShard
     from torch.distributed.tensor import DTensor, Replicate
+
+    from ragged_dtensor import RaggedShard
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     coord = mesh.get_local_rank(1)

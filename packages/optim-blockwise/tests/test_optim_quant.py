@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 import os
 
-import optim_blockwise as ob
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import optim_blockwise as ob
 
 
 def _max_gap(signed: bool) -> float:

@@ -9,11 +9,12 @@ import math
 import random
 from typing import Any
 
-import optim_blockwise as ob
 import torch
-from ragged_dtensor import RaggedShard
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+import optim_blockwise as ob
+from ragged_dtensor import RaggedShard
 
 DEVICE_TYPE = "cpu"  # tests run on the CPU process groups (gloo / threaded)
 

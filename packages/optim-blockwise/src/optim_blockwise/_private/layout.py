@@ -24,8 +24,9 @@ from collections.abc import Sequence
 import attrs
 import torch
 import torch.distributed as dist
-from ragged_dtensor import RaggedShard
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ragged_dtensor import RaggedShard
 
 __all__ = ["ParamLayout", "describe", "local_flat", "chunk_ranges"]
 
