@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dbuffer import DBuffer, contiguous_layout
 from dbuffer_helpers import make_tensors
-from ragged_dtensor.testing import run_threaded
 from torch.distributed.device_mesh import init_device_mesh
+
+from dbuffer import DBuffer, contiguous_layout
+from ragged_dtensor.testing import run_threaded
 
 # A two-layer MLP with row blocks, so shard boundaries fall between rows.
 MLP_SHAPES = [(32, 16), (32,), (8, 32), (8,)]

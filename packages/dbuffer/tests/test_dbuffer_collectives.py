@@ -7,7 +7,6 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-from dbuffer import CopiedBytes, DBuffer, contiguous_layout
 from dbuffer_helpers import (
     BLOCKS,
     SHAPES,
@@ -16,8 +15,10 @@ from dbuffer_helpers import (
     make_tensors,
     reset_collective_counts,
 )
-from ragged_dtensor.testing import run_threaded
 from torch.distributed.device_mesh import init_device_mesh
+
+from dbuffer import CopiedBytes, DBuffer, contiguous_layout
+from ragged_dtensor.testing import run_threaded
 
 install_collective_counter()
 

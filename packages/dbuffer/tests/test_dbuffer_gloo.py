@@ -10,12 +10,13 @@ from collections import Counter
 import pytest
 import torch
 import torch.distributed as dist
-from dbuffer import CopiedBytes, DBuffer, LayoutMismatchError, contiguous_layout
 from dbuffer_helpers import BLOCKS, SHAPES, DispatchedOps, make_tensors
-from ragged_dtensor.testing import run_processes
 from test_dbuffer_autograd import _train_step
 from test_dbuffer_collectives import _check_shards, _reference
 from torch.distributed.device_mesh import init_device_mesh
+
+from dbuffer import CopiedBytes, DBuffer, LayoutMismatchError, contiguous_layout
+from ragged_dtensor.testing import run_processes
 
 pytestmark = pytest.mark.multiprocess
 

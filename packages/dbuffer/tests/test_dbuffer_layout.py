@@ -8,10 +8,11 @@ import os
 
 import attrs
 import pytest
-from dbuffer import BufferLayout, ContiguousLayout, contiguous_layout
-from dbuffer._private.layout import slots_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from dbuffer import BufferLayout, ContiguousLayout, contiguous_layout
+from dbuffer._private.layout import slots_for
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "150"))
 

@@ -6,10 +6,11 @@ import gc
 
 import pytest
 import torch
-from dbuffer import CopiedBytes, DBuffer, LiveBytes, contiguous_layout
 from dbuffer_helpers import BLOCKS, SHAPES, make_tensors
-from ragged_dtensor.testing import run_threaded
 from torch.distributed.device_mesh import init_device_mesh
+
+from dbuffer import CopiedBytes, DBuffer, LiveBytes, contiguous_layout
+from ragged_dtensor.testing import run_threaded
 
 
 def test_live_bytes_follows_allocation_free_and_resize() -> None:

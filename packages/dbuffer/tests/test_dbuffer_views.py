@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dbuffer import DBuffer, LayoutMismatchError, contiguous_layout
 from dbuffer_helpers import BLOCKS, SHAPES, DispatchedOps, make_tensors
-from ragged_dtensor import RaggedShard
-from ragged_dtensor.testing import DistributedFailure, run_threaded
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
+
+from dbuffer import DBuffer, LayoutMismatchError, contiguous_layout
+from ragged_dtensor import RaggedShard
+from ragged_dtensor.testing import DistributedFailure, run_threaded
 
 
 def _layout(world: int, align: int = 1) -> object:

@@ -25,14 +25,15 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from dbuffer._private.agreement import check_agreement
-from dbuffer._private.collectives import Handle, ReduceOp, all_gather_flat, reduce_scatter_flat
-from dbuffer._private.layout import BufferLayout, TensorSlot, slots_for
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
+
+from dbuffer._private.agreement import check_agreement
+from dbuffer._private.collectives import Handle, ReduceOp, all_gather_flat, reduce_scatter_flat
+from dbuffer._private.layout import BufferLayout, TensorSlot, slots_for
 
 __all__ = ["DBuffer"]
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
+
 from ragged_dtensor import RaggedShard
 
 __all__ = [
