@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_optim_support import (
     check_against_single,
     dist_run_steps,
@@ -314,3 +317,66 @@ def _sharded_state_dict_round_trip(rank: int, world: int, kind: str) -> bool:
 @pytest.mark.parametrize("kind", ["muon", "adamw8bit"])
 def test_sharded_state_dict_round_trip(kind: str) -> None:
     assert run_threaded(_sharded_state_dict_round_trip, 3, kind) == [True] * 3
+
+
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "40")), deadline=None)
+@given(
+    world=st.integers(1, 6),
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=6),
+    seed=st.integers(0, 2**16),
+)
+def test_property_exchange_plan_round_trip(world: int, sizes: list[int], seed: int) -> None:
+    """Simulated all-to-alls (no process group): every root assembles exactly its matrices,
+    and scattering them back gives every rank exactly its pieces."""
+    import itertools
+    import random
+
+    from optim_blockwise._private import exchange
+
+    rng = random.Random(seed)
+    ranges = []
+    for n in sizes:
+        cuts = sorted(rng.randint(0, n) for _ in range(world - 1))
+        bounds = [0, *cuts, n]
+        ranges.append(tuple(itertools.pairwise(bounds)))
+    roots = ob.assign_roots(sizes, [[hi - lo for lo, hi in r] for r in ranges])
+    mats = [torch.arange(n, dtype=torch.float32) + 1000 * i for i, n in enumerate(sizes)]
+    plans = [exchange.plan_exchange(k, ranges, roots) for k in range(world)]
+    # gather: rank k's send buffer, split by destination; rank d's receive buffer by source
+    sends = []
+    for k in range(world):
+        order = sorted(range(len(sizes)), key=lambda i: (roots[i], i))
+        sends.append(torch.cat([mats[i][slice(*ranges[i][k])] for i in order]))
+    offsets = [[sum(p.send_counts[:d]) for d in range(world)] for p in plans]
+    for d in range(world):
+        recv = torch.cat(
+            [
+                sends[k][offsets[k][d] : offsets[k][d] + plans[k].send_counts[d]]
+                for k in range(world)
+            ]
+        )
+        assert recv.numel() == sum(plans[d].recv_counts)
+        full = exchange.assemble(plans[d], recv)
+        assert sorted(full) == [i for i in range(len(sizes)) if roots[i] == d]
+        for i, m in full.items():
+            assert torch.equal(m, mats[i])
+    # scatter back: root d's buffer split by destination k, concatenated on k by source
+    outs = []
+    for d in range(world):
+        results = {i: mats[i] * 2 for i in plans[d].mine}
+        buf = []
+        for k in range(world):
+            for i in plans[d].mine:
+                buf.append(results[i][slice(*ranges[i][k])])
+        outs.append(torch.cat(buf) if buf else torch.zeros(0))
+    back_offsets = [[sum(p.recv_counts[:k]) for k in range(world)] for p in plans]
+    for k in range(world):
+        recv = torch.cat(
+            [
+                outs[d][back_offsets[d][k] : back_offsets[d][k] + plans[d].recv_counts[k]]
+                for d in range(world)
+            ]
+        )
+        pieces = exchange.split_scattered(plans[k], recv)
+        for i in range(len(sizes)):
+            assert torch.equal(pieces[i], mats[i][slice(*ranges[i][k])] * 2)
