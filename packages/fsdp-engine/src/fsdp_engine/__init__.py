@@ -11,6 +11,15 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from fsdp_engine._private.api import FSDPModule, UnshardHandle, fully_shard
+from fsdp_engine._private.checkpoint import (
+    CheckpointError,
+    IncompleteCheckpointError,
+    checkpoint_info,
+    is_complete_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from fsdp_engine._private.policy import (
     BlockPolicy,
     CPUOffloadPolicy,
@@ -31,5 +40,12 @@ __all__ = [
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "BlockPolicy",
+    "save_checkpoint",
+    "load_checkpoint",
+    "latest_checkpoint",
+    "is_complete_checkpoint",
+    "checkpoint_info",
+    "CheckpointError",
+    "IncompleteCheckpointError",
     "__version__",
 ]

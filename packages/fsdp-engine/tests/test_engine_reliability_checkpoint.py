@@ -1,0 +1,263 @@
+"""Checkpoints: atomic commit, resharding across world sizes, FSDP2 interop, resume in new
+processes, a crash during the save."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_reliability_common import assert_bitwise_equal, build, full_snapshot, train
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+import fsdp_engine
+from fsdp_engine import (
+    CheckpointError,
+    IncompleteCheckpointError,
+    is_complete_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from ragged_dtensor.testing import DistributedFailure, run_processes, run_threaded
+
+# -- the commit protocol, one process (no process group) -----------------------------------------
+
+
+def test_commit_marker_pointer_and_refusals(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    assert latest_checkpoint(root) is None
+    first = save_checkpoint({"w": torch.arange(6.0)}, root / "step_00000001", metadata={"s": 1})
+    assert is_complete_checkpoint(first)
+    assert (root / "latest").read_text() == "step_00000001"
+    assert fsdp_engine.checkpoint_info(first)["metadata"] == {"s": 1}
+    second = save_checkpoint({"w": torch.arange(6.0) * 2}, root / "step_00000002")
+    assert latest_checkpoint(root) == second
+    target = {"w": torch.zeros(6)}
+    info = load_checkpoint(target, first)
+    assert torch.equal(target["w"], torch.arange(6.0)) and info["world_size"] == 1
+
+    # never overwritten in place
+    with pytest.raises(FileExistsError, match="step_00000002"):
+        save_checkpoint({"w": torch.ones(6)}, second)
+    # a directory without the marker (a save that never finished) is refused, by name
+    torn = root / "step_00000003"
+    torn.mkdir()
+    with pytest.raises(IncompleteCheckpointError, match=r"step_00000003.*no COMMITTED marker"):
+        load_checkpoint({"w": torch.zeros(6)}, torn)
+    with pytest.raises(IncompleteCheckpointError, match="does not exist"):
+        load_checkpoint({"w": torch.zeros(6)}, root / "step_00000009")
+    assert latest_checkpoint(root) == second  # the torn directory is never picked
+
+    # a stale pointer (its directory deleted) falls back to the newest complete directory
+    (root / "latest").write_text("step_00000042")
+    assert latest_checkpoint(root) == second
+    # a crash between the rename and the pointer update: the scan finds the newer one
+    (root / "latest").write_text("step_00000001")
+    assert latest_checkpoint(root) == second
+
+    # a key of another shape or a missing key raises DCP's error naming the key
+    with pytest.raises(CheckpointError, match=r"Size mismatch.*for w"):
+        load_checkpoint({"w": torch.zeros(7)}, first)
+    with pytest.raises(CheckpointError, match="missing_key"):
+        load_checkpoint({"missing_key": torch.zeros(6)}, first)
+
+
+# -- resharding across world sizes, bit-exact (threads: real collectives, one process) -------------
+
+
+def _reshard_phase(
+    rank: int, world: int, root: str, load_from: str | None, save_to: str
+) -> dict[str, torch.Tensor]:
+    model, opt = build(world)
+    if load_from is None:
+        train(model, opt, rank, world, start=0, steps=2)
+    else:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        load_checkpoint(state, Path(root) / load_from)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    snapshot = full_snapshot(model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    save_checkpoint({"model": model_sd, "optim": optim_sd}, Path(root) / save_to)
+    return snapshot
+
+
+def test_save_at_2_load_at_4_then_1_then_2_is_bit_exact(tmp_path: Path) -> None:
+    """Parameters and AdamW state (exp_avg, exp_avg_sq, step) survive 2 -> 4 -> 1 -> 2."""
+    root = str(tmp_path)
+    want = run_threaded(_reshard_phase, 2, root, None, "w2", timeout=120)[0]
+    assert any(k.endswith("exp_avg_sq") for k in want) and any(k.endswith(".step") for k in want)
+    for world, src, dst in ((4, "w2", "w4"), (1, "w4", "w1"), (2, "w1", "w2b")):
+        for got in run_threaded(_reshard_phase, world, root, src, dst, timeout=120):
+            assert_bitwise_equal(got, want)
+
+
+def _interop_phase(
+    rank: int, world: int, root: str, engine: str, load_from: str | None, save_to: str | None
+) -> dict[str, torch.Tensor]:
+    model, opt = build(world, engine=engine)
+    if load_from is None:
+        train(model, opt, rank, world, start=0, steps=2)
+    else:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        load_checkpoint(state, Path(root) / load_from)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    snapshot = full_snapshot(model, opt)
+    if save_to is not None:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        save_checkpoint({"model": model_sd, "optim": optim_sd}, Path(root) / save_to)
+    return snapshot
+
+
+def test_fsdp2_checkpoint_loads_into_ours_and_ours_into_fsdp2(tmp_path: Path) -> None:
+    """torch FSDP2 (Shard(0)) at 2 -> ours (RaggedShard) at 4 -> FSDP2 at 2: bit-exact, with
+    the AdamW state."""
+    root = str(tmp_path)
+    want = run_threaded(_interop_phase, 2, root, "fsdp2", None, "fsdp2", timeout=120)[0]
+    for got in run_threaded(_interop_phase, 4, root, "ours", "fsdp2", "ours", timeout=120):
+        assert_bitwise_equal(got, want)
+    for got in run_threaded(_interop_phase, 2, root, "fsdp2", "ours", None, timeout=120):
+        assert_bitwise_equal(got, want)
+
+
+# -- resume in new processes ----------------------------------------------------------------------
+
+
+def _resume_run(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
+    model, opt = build(world)
+    if phase == "straight":
+        losses = train(model, opt, rank, world, start=0, steps=10)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        save_checkpoint({"model": model_sd, "optim": optim_sd}, Path(root) / "step_00000010")
+        losses += train(model, opt, rank, world, start=10, steps=10)
+    else:
+        path = latest_checkpoint(root)
+        assert path is not None and path.name == "step_00000010", path
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        load_checkpoint(state, path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        losses = train(model, opt, rank, world, start=10, steps=10)
+    return {"losses": losses, "state": full_snapshot(model, opt)}
+
+
+@pytest.mark.multiprocess
+def test_resume_in_new_processes_matches_an_uninterrupted_run(tmp_path: Path) -> None:
+    """20 steps straight (checkpoint at 10, which does not perturb training) vs 10 steps +
+    checkpoint + new processes + 10 steps: identical losses, parameters and optimizer state."""
+    root = str(tmp_path)
+    straight = run_processes(_resume_run, 2, root, "straight", timeout=150)
+    resumed = run_processes(_resume_run, 2, root, "resume", timeout=150)
+    assert len(straight[0]["losses"]) == 20 and len(resumed[0]["losses"]) == 10
+    assert resumed[0]["losses"] == straight[0]["losses"][10:]
+    for got, want in zip(resumed, straight, strict=True):
+        assert_bitwise_equal(got["state"], want["state"])
+
+
+# -- a crash during the save ----------------------------------------------------------------------
+
+
+class _DieAfterWritingWriter(FileSystemWriter):
+    """Writes this rank's files, then the process dies (SIGKILL-like: no cleanup, no report)."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        future = super().write_data(plan, planner)
+        future.wait()
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            os._exit(9)
+        return future
+
+
+def _crash_during_save(rank: int, world: int, root: str) -> None:
+    model, opt = build(world)
+    train(model, opt, rank, world, start=0, steps=1)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    save_checkpoint({"model": model_sd, "optim": optim_sd}, Path(root) / "step_00000001")
+    snapshot = full_snapshot(model, opt)
+    if rank == 0:
+        torch.save(snapshot, Path(root) / "expected.pt")
+    train(model, opt, rank, world, start=1, steps=1)
+    import fsdp_engine._private.checkpoint as ckpt
+
+    ckpt.FileSystemWriter = _DieAfterWritingWriter  # type: ignore[misc]
+    model_sd, optim_sd = get_state_dict(model, opt)
+    save_checkpoint({"model": model_sd, "optim": optim_sd}, Path(root) / "step_00000002")
+    raise AssertionError("unreachable: rank 1 dies inside the save")
+
+
+def _load_latest(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
+    model, opt = build(world)
+    path = latest_checkpoint(root)
+    assert path is not None and path.name == "step_00000001", path
+    model_sd, optim_sd = get_state_dict(model, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    load_checkpoint(state, path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return full_snapshot(model, opt)
+
+
+@pytest.mark.multiprocess
+def test_a_rank_killed_during_the_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    root = tmp_path
+    start = time.monotonic()
+    with pytest.raises(DistributedFailure):
+        run_processes(_crash_during_save, 2, str(root), timeout=90)
+    assert time.monotonic() - start < 90
+    partial = root / ".step_00000002.partial"
+    assert partial.is_dir() and any(partial.iterdir()), "the dead save wrote part of its files"
+    assert not (root / "step_00000002").exists()
+    with pytest.raises(IncompleteCheckpointError, match=r"\.step_00000002\.partial"):
+        load_checkpoint({}, partial)
+    # the previous checkpoint is still the latest and loads bit-exactly
+    want = torch.load(root / "expected.pt")
+    for got in run_threaded(_load_latest, 2, str(root), timeout=120):
+        assert_bitwise_equal(got, want)
+
+
+def _commit_fails_on_rank0(rank: int, world: int, root: str) -> str:
+    model, opt = build(world)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    save_checkpoint({"model": model_sd, "optim": optim_sd}, Path(root) / "step_00000001")
+    model_sd, optim_sd = get_state_dict(model, opt)
+    try:
+        save_checkpoint({"model": model_sd, "optim": optim_sd}, Path(root) / "step_00000002")
+    except CheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_failed_commit_raises_on_every_rank_and_commits_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank's data and DCP's ``.metadata`` are written, then the commit fails on rank 0
+    (disk full writing the marker): all ranks raise, and the directory (which DCP alone would
+    happily load) is never taken for a checkpoint."""
+    import fsdp_engine._private.checkpoint as ckpt
+
+    real = ckpt._write_durably
+
+    def flaky(path: Path, text: str) -> None:
+        if path.name == ckpt.COMMIT_MARKER and "step_00000002" in str(path):
+            raise OSError(28, "No space left on device")
+        real(path, text)
+
+    monkeypatch.setattr(ckpt, "_write_durably", flaky)
+    messages = run_threaded(_commit_fails_on_rank0, 2, str(tmp_path), timeout=120)
+    for message in messages:
+        assert "committing" in message and "step_00000002" in message, message
+        assert "No space left on device" in message, message
+    partial = tmp_path / ".step_00000002.partial"
+    assert (partial / ".metadata").is_file()  # complete as far as DCP is concerned
+    dcp_load({}, storage_reader=FileSystemReader(partial), no_dist=True)  # DCP accepts it
+    with pytest.raises(IncompleteCheckpointError, match="no COMMITTED marker"):
+        load_checkpoint({}, partial)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
