@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 
 from hypothesis import strategies as st
+
 from shard_planner import Plan, TensorSpec
 
 FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "300"))

@@ -6,8 +6,9 @@ import subprocess
 import sys
 
 import pytest
-import shard_planner as sp
 from planner_testing import check_plan_independently
+
+import shard_planner as sp
 from shard_planner import Slice, TensorSpec
 
 

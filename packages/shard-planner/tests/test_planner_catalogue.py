@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
-import shard_planner as sp
 from planner_testing import check_plan_independently
+
+import shard_planner as sp
 from shard_planner._private.catalogue import MODELS, catalogue_model
 from shard_planner._private.report import parse_granularity, report_rows
 

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 import shard_planner as sp
 from shard_planner._private.cli import main
 

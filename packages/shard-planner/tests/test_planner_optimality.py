@@ -5,10 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
-import shard_planner as sp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planner_testing import FUZZ_EXAMPLES, check_plan_independently
+
+import shard_planner as sp
 
 
 def _random_group(rng: random.Random, tensors: int) -> list[sp.TensorSpec]:

@@ -5,10 +5,11 @@ Example counts come from FUZZ_EXAMPLES (default 300; ``nox -s fuzz`` runs 10,000
 
 from __future__ import annotations
 
-import shard_planner as sp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planner_testing import FUZZ_EXAMPLES, check_plan_independently, groups
+
+import shard_planner as sp
 
 Case = tuple[list[sp.TensorSpec], int, int]
 SETTINGS = settings(

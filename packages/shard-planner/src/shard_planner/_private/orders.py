@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from shard_planner._private.greedy import earliest_start, greedy_ends, greedy_offsets
 from shard_planner._private.plan import Plan, first_bad_boundary
@@ -87,6 +88,20 @@ def distinct_orders(
     return found
 
 
+def _neighbourhood(n: int) -> npt.NDArray[np.int64]:
+    """Position maps of every swap and every forward move of two positions ``a < b``.
+
+    Row ``r`` maps new positions to old ones: the swap exchanges ``a`` and ``b``; the move takes
+    the tensor at ``a`` out and reinserts it at ``b`` (the ones between shift down by one).
+    """
+    a, b = np.triu_indices(n, 1)
+    j = np.arange(n, dtype=np.int64)[None, :]
+    swap = np.where(j == a[:, None], b[:, None], np.where(j == b[:, None], a[:, None], j))
+    between = (j >= a[:, None]) & (j < b[:, None])
+    move = np.where(j == b[:, None], a[:, None], np.where(between, j + 1, j))
+    return np.concatenate([swap, move]).astype(np.int64)
+
+
 def local_search(
     numels: Sequence[int],
     blocks: Sequence[int],
@@ -97,42 +112,32 @@ def local_search(
     """Steepest descent on the greedy's end over swap and move neighbourhoods at one S.
 
     Starts from the given order whose greedy ends first; each round evaluates every swap of two
-    tensors and every move of one tensor to another position (one vectorised lane each) and keeps
+    tensors and every move of one tensor to a later position (one vectorised lane each) and keeps
     the best. Returns an order that fits in ``world_size * shard``, or ``None``.
     """
     capacity = world_size * shard
     sizes = np.array([shard], dtype=np.int64)
-    e_arr = np.array([[numels[i] for i in o] for o in orders], dtype=np.int64)
-    g_arr = np.array([[blocks[i] for i in o] for o in orders], dtype=np.int64)
-    ends = greedy_ends(e_arr, g_arr, sizes)[:, 0]
-    current, end = orders[int(np.argmin(ends))], int(ends.min())
-    n = len(current)
+    e_all = np.asarray(numels, dtype=np.int64)
+    g_all = np.asarray(blocks, dtype=np.int64)
+    start = np.array(orders, dtype=np.int64)
+    ends = greedy_ends(e_all[start], g_all[start], sizes)[:, 0]
+    current, end = start[int(np.argmin(ends))], int(ends.min())
+    maps = _neighbourhood(len(current))
     for _ in range(LOCAL_ROUNDS):
-        neighbours: list[tuple[int, ...]] = []
-        for a in range(n):
-            for b in range(a + 1, n):
-                if (numels[current[a]], blocks[current[a]]) == (
-                    numels[current[b]],
-                    blocks[current[b]],
-                ):
-                    continue
-                swapped = list(current)
-                swapped[a], swapped[b] = swapped[b], swapped[a]
-                neighbours.append(tuple(swapped))
-                moved = list(current)
-                moved.insert(b, moved.pop(a))
-                neighbours.append(tuple(moved))
-        if not neighbours:
+        candidates = current[maps]
+        # Rows that only exchange interchangeable tensors change nothing.
+        e, g = e_all[candidates], g_all[candidates]
+        useful = ((e != e_all[current]) | (g != g_all[current])).any(axis=1)
+        if not bool(useful.any()):
             return None
-        e_arr = np.array([[numels[i] for i in o] for o in neighbours], dtype=np.int64)
-        g_arr = np.array([[blocks[i] for i in o] for o in neighbours], dtype=np.int64)
-        ends = greedy_ends(e_arr, g_arr, sizes)[:, 0]
+        candidates, e, g = candidates[useful], e[useful], g[useful]
+        ends = greedy_ends(e, g, sizes)[:, 0]
         best = int(np.argmin(ends))
         if int(ends[best]) <= capacity:
-            return neighbours[best]
+            return tuple(int(x) for x in candidates[best])
         if int(ends[best]) >= end:
             return None
-        current, end = neighbours[best], int(ends[best])
+        current, end = candidates[best], int(ends[best])
     return None
 
 
