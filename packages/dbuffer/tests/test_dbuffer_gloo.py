@@ -59,6 +59,38 @@ def _gather_reduce(mesh_shape: tuple[int, ...]) -> dict[str, int]:
     return {"reduce_copies": reduce_copies.total, "backend": backend.total}
 
 
+def _async_and_mixed_precision(mesh_shape: tuple[int, ...]) -> None:
+    mesh = init_device_mesh("cpu", mesh_shape)
+    world = mesh_shape[-1]
+    params = make_tensors(SHAPES, 0)
+    buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    # Mixed precision: one cast of the shard (S bf16 elements), one bf16 all-gather, async.
+    with DispatchedOps() as ops, CopiedBytes() as copied:
+        handle = buf.unshard(dtype=torch.bfloat16, async_op=True)
+        handle.wait()
+    assert ops.collectives() == ["c10d._allgather_base_.default"]
+    assert copied.total == buf.shard_size * 2, copied.by_op
+    for view, param in zip(buf.full_views(torch.bfloat16), params, strict=True):
+        assert torch.equal(view, param.to(torch.bfloat16))
+    buf.reshard()
+    # Async reduce-scatter with a bf16 reduce dtype, accumulated into an fp32 sharded gradient.
+    grads = buf.new_like()
+    initial = make_tensors(SHAPES, 7)
+    grads.load_full_(initial)
+    for view, g in zip(
+        grads.alloc_unsharded(), make_tensors(SHAPES, 100 + dist.get_rank()), strict=True
+    ):
+        view.copy_(g)
+    handle = grads.reduce_scatter(
+        op="avg", reduce_dtype=torch.bfloat16, accumulate=True, async_op=True
+    )
+    handle.wait()
+    expected = _reference(range(dist.get_world_size()), "avg", torch.bfloat16)
+    expected = [e + i.double() for e, i in zip(expected, initial, strict=True)]
+    _check_shards(grads, expected, atol=5e-2)
+    assert not grads.is_unsharded()
+
+
 def _world_2(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     # A layout mismatch raises on every rank instead of aborting gloo in a later collective.
@@ -66,6 +98,7 @@ def _world_2(rank: int, world: int) -> None:
     with pytest.raises(LayoutMismatchError, match="layout fingerprint: ranks \\[0\\] have"):
         DBuffer(layout, [(10,), (6,)], mesh)
     _gather_reduce((world,))
+    _async_and_mixed_precision((world,))
     for mode in ("accumulate-unsharded", "reduce-each-backward"):
         _train_step(rank, world, mode)
     dist.barrier()
@@ -78,6 +111,7 @@ def test_gloo_world_2() -> None:
 def _world_4(rank: int, world: int) -> None:
     _gather_reduce((world,))
     _gather_reduce((2, 2))  # HSDP: axis 0 replicate, axis 1 shard
+    _async_and_mixed_precision((2, 2))
     _train_step(rank, world, "accumulate-unsharded")
     dist.barrier()
 
