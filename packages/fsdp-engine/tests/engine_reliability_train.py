@@ -1,0 +1,90 @@
+"""A training script for torchrun that checkpoints, resumes, and can kill one of its ranks.
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 1 \\
+        engine_reliability_train.py --steps 8 --every 3 --ckpt DIR --out FILE \\
+        [--kill-rank 1 --kill-at 7 --kill-marker FILE]
+
+Every ``--every`` steps all ranks save a committed checkpoint (``save_checkpoint``); at start the
+script resumes from ``latest_checkpoint(DIR)`` when there is one. With ``--kill-at J`` rank
+``--kill-rank`` SIGKILLs itself in the middle of step J (after its backward, before the optimizer
+step) on the first attempt only: the marker file and ``TORCHELASTIC_RESTART_COUNT`` keep the
+restarted job from killing again. Rank 0 writes the final parameters and optimizer state to
+``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from engine_models import batches, loss_fn
+from engine_reliability_common import GLOBAL_BATCHES, build, full_snapshot
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from fsdp_engine import latest_checkpoint, load_checkpoint, save_checkpoint
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--every", type=int, required=True)
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--kill-rank", type=int, default=1)
+    parser.add_argument("--kill-at", type=int, default=0)
+    parser.add_argument("--kill-marker", default="")
+    parser.add_argument("--pg-timeout", type=float, default=60.0)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    model, opt = build(world)
+    start = 0
+    resumed_from = None
+    path = latest_checkpoint(args.ckpt)
+    if path is not None:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        info = load_checkpoint(state, path)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        start = int(info["metadata"]["step"])
+        resumed_from = path.name
+    data = batches(args.steps, 1, batch=GLOBAL_BATCHES)
+    for step in range(start, args.steps):
+        loss_fn(model, data[step].chunk(world)[rank]).backward()
+        marker = Path(args.kill_marker) if args.kill_marker else None
+        if (
+            step + 1 == args.kill_at
+            and rank == args.kill_rank
+            and attempt == 0
+            and marker is not None
+            and not marker.exists()
+        ):
+            marker.write_text(f"rank {rank} killed itself in step {step + 1}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+        opt.step()
+        opt.zero_grad()
+        if (step + 1) % args.every == 0:
+            model_sd, optim_sd = get_state_dict(model, opt)
+            save_checkpoint(
+                {"model": model_sd, "optim": optim_sd},
+                Path(args.ckpt) / f"step_{step + 1:08d}",
+                metadata={"step": step + 1},
+            )
+    snapshot = full_snapshot(model, opt)
+    if rank == 0:
+        result = {"state": snapshot, "attempt": attempt, "resumed_from": resumed_from}
+        torch.save(result, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

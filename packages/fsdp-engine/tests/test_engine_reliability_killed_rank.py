@@ -1,0 +1,87 @@
+"""A rank SIGKILLed mid-training under ``torchrun --max-restarts=1``: the job restarts from the
+last committed checkpoint and ends with the same parameters and optimizer state as an
+uninterrupted run (bit for bit)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from engine_reliability_common import assert_bitwise_equal
+
+SCRIPT = Path(__file__).with_name("engine_reliability_train.py")
+LIMIT_S = 240  # hard limit for each torchrun job (both run at once)
+
+
+def _torchrun(workdir: Path, name: str, *extra: str) -> tuple[subprocess.Popen[str], Path]:
+    out = workdir / f"{name}.pt"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.5",
+        str(SCRIPT),
+        "--steps",
+        "8",
+        "--every",
+        "3",
+        "--ckpt",
+        str(workdir / f"{name}-ckpt"),
+        "--out",
+        str(out),
+        *extra,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    log = (workdir / f"{name}.log").open("w")
+    proc = subprocess.Popen(
+        cmd, cwd=SCRIPT.parent, env=env, stdout=log, stderr=subprocess.STDOUT, text=True
+    )
+    return proc, out
+
+
+def _finish(proc: subprocess.Popen[str], deadline: float, log: Path) -> None:
+    try:
+        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        pytest.fail(f"torchrun did not finish within {LIMIT_S} s:\n{log.read_text()[-4000:]}")
+    assert code == 0, f"torchrun exited {code}:\n{log.read_text()[-4000:]}"
+
+
+@pytest.mark.multiprocess
+def test_killed_rank_restarts_from_the_last_checkpoint_and_matches(tmp_path: Path) -> None:
+    marker = tmp_path / "killed.marker"
+    start = time.monotonic()
+    deadline = start + LIMIT_S
+    straight, straight_out = _torchrun(tmp_path, "straight")
+    killed, killed_out = _torchrun(
+        tmp_path, "killed", "--kill-rank", "1", "--kill-at", "7", "--kill-marker", str(marker)
+    )
+    _finish(straight, deadline, tmp_path / "straight.log")
+    _finish(killed, deadline, tmp_path / "killed.log")
+
+    assert marker.is_file(), "rank 1 never killed itself"
+    want = torch.load(straight_out)
+    got = torch.load(killed_out)
+    assert want["attempt"] == 0 and want["resumed_from"] is None
+    # the restarted attempt resumed from the checkpoint taken at step 6 (the kill was in step 7)
+    assert got["attempt"] == 1, got["attempt"]
+    assert got["resumed_from"] == "step_00000006", got["resumed_from"]
+    assert_bitwise_equal(got["state"], want["state"])
+    assert sorted(p.name for p in (tmp_path / "killed-ckpt").iterdir()) == [
+        "latest",
+        "step_00000003",
+        "step_00000006",
+    ]
