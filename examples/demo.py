@@ -1,0 +1,439 @@
+"""The main job: train a small LLaMA-like model with ``fsdp_engine.fully_shard`` on N ranks.
+
+Character-level text from ``pydoc_data.topics`` (ships with CPython; nothing is downloaded).
+One ``fully_shard`` per decoder layer plus one for the root, gloo on CPU (NCCL on GPUs), each rank
+its own batches. Rank 0 shows a progress bar (step, loss, tokens/s) and at the end a summary:
+final train and validation loss, throughput, peak live memory per rank, collectives per step,
+padding of the planned buffers; it writes ``demo_loss.png`` (if matplotlib is installed) and
+``demo_summary.json`` into ``--out``.
+
+Run on this machine (spawns the ranks itself)::
+
+    python examples/demo.py                          # 2 ranks, AdamW, ~1 minute on 2 cores
+    python examples/demo.py --optimizer muon --steps 300 --model small
+    python examples/demo.py --engine fsdp2           # the same run with torch's FSDP2
+
+Across processes or machines it is plain torchrun (the script never assumes one host)::
+
+    torchrun --nproc-per-node 2 examples/demo.py
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        examples/demo.py --model medium
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, cast
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch
+import torch.distributed as dist
+from llama import (
+    PRESETS,
+    Corpus,
+    Llama,
+    ModelConfig,
+    get_batch,
+    load_corpus,
+    loss_fn,
+    muon_param_groups,
+)
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+OPTIMIZERS = ("adamw", "muon", "adamw8bit")
+ENGINES = ("ours", "fsdp2")
+
+
+# -- measurement -----------------------------------------------------------------------------
+
+
+class CollectiveTally(TorchDispatchMode):
+    """Counts collectives at the dispatcher (``c10d`` / ``_c10d_functional`` ops), whoever issues
+    them, and the bytes of their input tensors. Barriers and waits are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor lower to plain-tensor collectives first
+        if isinstance(func, torch._ops.OpOverload) and func.namespace in (
+            "c10d",
+            "_c10d_functional",
+        ):
+            name = func.__name__.split(".")[0]
+            if "barrier" not in name and "wait" not in name and "monitored" not in name:
+                self.calls[name] = self.calls.get(name, 0) + 1
+                self.bytes[name] = self.bytes.get(name, 0) + _input_bytes(name, args)
+        return func(*args, **kwargs)
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+def _input_bytes(name: str, args: Any) -> int:
+    """Bytes this rank contributes: the input tensor(s) of the collective."""
+
+    # c10d ops take (outputs, inputs, ...) for gathers/scatters, (tensors, ...) for the rest
+    def size(value: Any) -> int:
+        if isinstance(value, torch.Tensor):
+            return value.numel() * value.element_size()
+        if isinstance(value, list | tuple):
+            return sum(size(v) for v in value)
+        return 0
+
+    if not args:
+        return 0
+    gather_like = ("allgather", "all_gather", "reduce_scatter", "alltoall")
+    if len(args) > 1 and any(k in name for k in gather_like):
+        return size(args[1])  # (outputs, inputs, ...): what this rank puts in
+    return size(args[0])
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+def build(
+    args: argparse.Namespace, corpus: Corpus, mesh: DeviceMesh, device: torch.device
+) -> tuple[nn.Module, Any]:
+    cfg = PRESETS[args.model].with_vocab(corpus.vocab)
+    if args.seq_len:
+        cfg = type(cfg)(**{**cfg.as_dict(), "seq": args.seq_len})
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = Llama(cfg).to(device)
+    import torch.distributed.fsdp as torch_fsdp
+
+    import fsdp_engine
+    import optim_blockwise as ob
+
+    api: Any = fsdp_engine if args.engine == "ours" else torch_fsdp  # same signatures
+    fully_shard = api.fully_shard
+    mp = (
+        api.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if args.mixed_precision == "bf16"
+        else api.MixedPrecisionPolicy()
+    )
+    extra: dict[str, Any] = {}
+    if args.engine == "ours":
+        if args.optimizer == "adamw8bit":
+            extra["block_policy"] = ob.AdamW8bit.block_policy(block_size=256)
+        elif args.optimizer == "muon":
+            extra["block_policy"] = ob.Muon.block_policy()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp, **extra)
+    fully_shard(model, mesh=mesh, mp_policy=mp, **extra)
+
+    betas = (0.9, 0.95)
+    opt: Any
+    if args.optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=betas, weight_decay=0.1)
+    elif args.optimizer == "adamw8bit":
+        opt = ob.AdamW8bit(model.parameters(), lr=args.lr, betas=betas, weight_decay=0.1)
+    else:
+        hidden, other = muon_param_groups(model)
+        opt = ob.Muon(
+            [{"params": hidden}, {"params": other, "use_muon": False}],
+            lr=args.lr,
+            weight_decay=0.1,
+            adjust_lr_fn="match_rms_adamw",  # Moonlight scaling: Muon reuses AdamW's lr
+            adamw_betas=betas,
+        )
+    return model, opt
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _persistent_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = []
+    for p in model.parameters():
+        out.append(_local(p))
+        if p.grad is not None:
+            out.append(_local(p.grad))
+    for state in opt.state.values():
+        out.extend(_local(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def _padding(model: nn.Module, engine: str, world: int) -> tuple[int, int]:
+    """(padding elements, buffer elements) over all groups, per the engine's layout."""
+    pad = total = 0
+    if engine == "ours":
+        for m in model.modules():
+            state = m.__dict__.get("_fsdp_engine_state")  # private: see the report
+            if state is not None and state.group is not None:
+                plan = state.group.plan
+                pad += int(plan.padding)
+                total += int(plan.shard_size) * world
+    else:  # FSDP2 pads each parameter's dim 0 to a multiple of the world size
+        for p in model.parameters():
+            rows = p.shape[0] if p.dim() else 1
+            row = p.numel() // max(rows, 1)
+            padded = math.ceil(rows / world) * world * row
+            pad += padded - p.numel()
+            total += padded
+    return pad, total
+
+
+def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    use_cuda = torch.cuda.is_available() and args.device != "cpu"
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        if use_cuda
+        else (torch.device("cpu"))
+    )
+    if use_cuda:
+        torch.cuda.set_device(device)
+    mesh = init_device_mesh(device.type, (world,))
+    corpus = load_corpus()
+    model, opt = build(args, corpus, mesh, device)
+    cfg = cast(ModelConfig, model.cfg)
+    seq = cfg.seq
+    gen = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+    val_gen = torch.Generator().manual_seed(7)
+    val_batches = [get_batch(corpus.val, val_gen, args.batch_size, seq) for _ in range(4)]
+
+    losses: list[float] = []
+    val_curve: list[tuple[int, float]] = []
+    times: list[float] = []
+    tally = CollectiveTally()
+    peak = 0
+    from dbuffer import CopiedBytes, LiveBytes
+
+    copied = 0
+    measure_step = min(2, args.steps - 1)
+    tokens_per_step = args.batch_size * seq * world
+    start_all = time.perf_counter()
+    for step in range(args.steps):
+        tokens = get_batch(corpus.train, gen, args.batch_size, seq).to(device)
+        t0 = time.perf_counter()
+        if step == measure_step:  # one measured step: live memory, collectives, copies
+            with (
+                LiveBytes(seed=_persistent_tensors(model, opt)) as live,
+                CopiedBytes() as copies,
+                tally,
+            ):
+                loss = _step(model, opt, tokens)
+            peak, copied = live.peak, copies.total
+        else:
+            loss = _step(model, opt, tokens)
+        if use_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        value = loss.detach().clone()
+        dist.all_reduce(value)  # the global mean loss (one tiny all-reduce; not in the tally)
+        losses.append(value.item() / world)
+        if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
+            val_curve.append((step + 1, _validate(model, val_batches, device, world)))
+        if rank == 0:
+            _progress(step + 1, args.steps, losses[-1], tokens_per_step, times)
+    wall = time.perf_counter() - start_all
+    if rank == 0:
+        print(file=sys.stderr)
+    pad, buffer = _padding(model, args.engine, world)
+    record = {
+        "rank": rank,
+        "losses": losses,
+        "val": val_curve,
+        "times": times,
+        "wall_s": wall,
+        "peak_live_bytes": peak,
+        "copied_bytes": copied,
+        "collectives": dict(tally.calls),
+        "collective_bytes": dict(tally.bytes),
+        "padding": pad,
+        "buffer": buffer,
+        "tokens_per_step": tokens_per_step,
+    }
+    records: list[Any] = [None] * world
+    dist.all_gather_object(records, record)
+    if rank == 0:
+        report(args, records, corpus, cfg.as_dict())
+    return record
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor) -> torch.Tensor:
+    loss = loss_fn(model, tokens)
+    loss.backward()  # type: ignore[no-untyped-call]
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+@torch.no_grad()
+def _validate(
+    model: nn.Module, batches: list[torch.Tensor], device: torch.device, world: int
+) -> float:
+    total = torch.zeros((), device=device)
+    for tokens in batches:
+        total += loss_fn(model, tokens.to(device))
+    dist.all_reduce(total)
+    return total.item() / (len(batches) * world)
+
+
+def _progress(step: int, steps: int, loss: float, tokens: int, times: list[float]) -> None:
+    width = 30
+    done = int(width * step / steps)
+    recent = times[-10:]
+    tps = tokens / statistics.median(recent) if recent else 0.0
+    bar = "#" * done + "." * (width - done)
+    print(
+        f"\r[{bar}] step {step:>4}/{steps}  loss {loss:6.3f}  {tps:9,.0f} tok/s",
+        end="",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def report(
+    args: argparse.Namespace, records: list[dict[str, Any]], corpus: Corpus, cfg: dict[str, Any]
+) -> None:
+    r0 = records[0]
+    steady = r0["times"][min(3, len(r0["times"]) - 1) :]
+    step_s = statistics.median(steady)
+    tps = r0["tokens_per_step"] / step_s
+    train_final = statistics.mean(r0["losses"][-10:])
+    val_final = r0["val"][-1][1]
+    calls = sum(r0["collectives"].values())
+    kinds = ", ".join(f"{v} {k}" for k, v in sorted(r0["collectives"].items()))
+    lines = [
+        f"engine {args.engine}, optimizer {args.optimizer}, world size {args.world}, model "
+        f"{args.model} (dim {cfg['dim']}, {cfg['layers']} layers, experts {cfg['experts']}, "
+        f"seq {cfg['seq']}, vocab {cfg['vocab']}), batch {args.batch_size}/rank, "
+        f"precision {args.mixed_precision}",
+        f"final loss        train {train_final:.4f} (mean of last 10 steps), "
+        f"val {val_final:.4f} (first step {r0['losses'][0]:.4f})",
+        f"throughput        {tps:,.0f} tokens/s ({step_s * 1e3:.0f} ms/step median, "
+        f"{r0['wall_s']:.1f} s for {len(r0['losses'])} steps)",
+        "peak live memory  "
+        + ", ".join(f"rank {r['rank']}: {_mib(r['peak_live_bytes'])}" for r in records),
+        f"collectives/step  {calls} ({kinds}); {_mib(sum(r0['collective_bytes'].values()))} "
+        "sent by rank 0",
+        f"bytes copied      {_mib(r0['copied_bytes'])} per step (rank 0; copy-like ops)",
+        f"padding           {r0['padding']:,} of {r0['buffer']:,} buffer elements "
+        f"({100 * r0['padding'] / max(r0['buffer'], 1):.3f}%)",
+    ]
+    print("\n".join(lines))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {
+        "args": vars(args),
+        "model": cfg,
+        "final_train_loss": train_final,
+        "final_val_loss": val_final,
+        "tokens_per_s": tps,
+        "step_ms_median": step_s * 1e3,
+        "peak_live_bytes": [r["peak_live_bytes"] for r in records],
+        "collectives_per_step": r0["collectives"],
+        "collective_bytes_per_step": r0["collective_bytes"],
+        "copied_bytes_per_step": r0["copied_bytes"],
+        "padding_elements": r0["padding"],
+        "buffer_elements": r0["buffer"],
+        "losses": r0["losses"],
+        "val": r0["val"],
+    }
+    (out / "demo_summary.json").write_text(json.dumps(summary, indent=1))
+    _plot(args, r0, out / "demo_loss.png")
+
+
+def _plot(args: argparse.Namespace, record: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(matplotlib is not installed: no {path.name}; `pip install matplotlib`)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    ax.plot(range(1, len(record["losses"]) + 1), record["losses"], lw=1, label="train")
+    if record["val"]:
+        steps, vals = zip(*record["val"], strict=True)
+        ax.plot(steps, vals, "o-", ms=3, label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/char)")
+    ax.set_title(
+        f"{args.engine} fully_shard, {args.optimizer}, {args.world} ranks, {args.model} model"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"wrote {path} and {path.with_name('demo_summary.json')}")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (not under torchrun)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
+    p.add_argument("--mixed-precision", choices=("none", "bf16"), default="none")
+    p.add_argument("--engine", choices=ENGINES, default="ours", help="ours or torch FSDP2")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
+    p.add_argument("--seq-len", type=int, default=0, help="context length (0: the preset's)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--device", choices=("auto", "cpu"), default="auto")
+    p.add_argument("--timeout", type=float, default=1800.0, help="seconds (spawned ranks)")
+    p.add_argument("--out", default="results", help="folder for demo_loss.png and the JSON")
+    args = p.parse_args(argv)
+    if args.steps < 2:
+        p.error("--steps must be at least 2")
+    return args
+
+
+def _torchrun_main(args: argparse.Namespace) -> None:
+    backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    try:
+        args.world = dist.get_world_size()
+        train(dist.get_rank(), args.world, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
+        _torchrun_main(args)
+        return
+    from ragged_dtensor.testing import run_processes
+
+    args.world = args.world_size
+    args.device = "cpu"  # self-spawned ranks use gloo on this host; use torchrun for GPUs
+    fn: Callable[..., Any] = train
+    run_processes(fn, args.world, args, timeout=args.timeout)
+
+
+if __name__ == "__main__":
+    main()
