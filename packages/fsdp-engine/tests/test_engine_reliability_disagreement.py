@@ -1,0 +1,115 @@
+"""Ranks that disagree (different models, plans, dtypes, placements) raise on every rank within a
+bounded time: never a hang, never a gloo abort."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+from engine_models import TinyLlama
+from torch.distributed.tensor import DTensor, init_device_mesh
+
+from fsdp_engine import fully_shard
+from ragged_dtensor import RaggedShard
+from ragged_dtensor.testing import run_processes, run_threaded
+
+DEADLINE_S = 30.0  # process-group timeout and the bound on every case
+
+
+def _model_for(rank: int, case: str) -> TinyLlama:
+    gen = torch.Generator().manual_seed(0)
+    kwargs: dict[str, Any] = {}
+    if rank == 1 and case == "hidden_size":
+        kwargs = {"dim": 48}
+    if rank == 1 and case == "extra_layer":
+        kwargs = {"layers": 3}
+    if rank == 1 and case == "vocab":
+        kwargs = {"vocab": 98}
+    model = TinyLlama(**kwargs)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    if rank == 1 and case == "dtype":
+        model = model.to(torch.bfloat16)
+    return model
+
+
+def _shard_disagreeing(rank: int, world: int, case: str) -> str:
+    """Every rank shards a TinyLlama per layer and at the root; rank 1 differs by ``case``.
+    Returns the error this rank raised (as text), so every rank's outcome is reported."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = _model_for(rank, case)
+
+    def policy(name: str, param: torch.Tensor) -> int:
+        if case == "block_policy" and rank == 1 and param.dim() == 2:
+            return int(param.shape[-1])  # whole rows on rank 1 only
+        return 1
+
+    try:
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, block_policy=policy)
+        fully_shard(model, mesh=mesh, block_policy=policy)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+CASES = {
+    "hidden_size": "shapes",
+    "extra_layer": "",
+    "vocab": "shapes",
+    "block_policy": "",
+    "dtype": "dtype",
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_ranks_that_build_different_models_all_raise(case: str) -> None:
+    start = time.monotonic()
+    outcomes = run_threaded(_shard_disagreeing, 2, case, timeout=DEADLINE_S)
+    assert time.monotonic() - start < DEADLINE_S
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.startswith("LayoutMismatchError"), (rank, outcome)
+        assert "ranks [0]" in outcome and "ranks [1]" in outcome, outcome
+        assert CASES[case] in outcome, outcome
+
+
+@pytest.mark.multiprocess
+def test_extra_layer_on_one_process_raises_everywhere_in_bounded_time() -> None:
+    """Real gloo processes (a mismatch reaching a sized collective would abort them): rank 1
+    has one more decoder layer, so its third ``fully_shard`` meets rank 0's root call."""
+    start = time.monotonic()
+    outcomes = run_processes(_shard_disagreeing, 2, "extra_layer", timeout=DEADLINE_S)
+    assert time.monotonic() - start < DEADLINE_S
+    for outcome in outcomes:
+        assert outcome.startswith("LayoutMismatchError"), outcome
+
+
+def _ragged_placements_disagree(rank: int, world: int) -> str:
+    """Ranks build the same DTensor with different RaggedShard units (each self-consistent)."""
+    mesh = init_device_mesh("cpu", (world,))
+    units = (1, 3) if rank == 0 else (3, 1)
+    placement = RaggedShard((0,), units)
+    full = torch.arange(32.0).reshape(8, 4)
+    r = placement.flat_range(full.shape, rank)
+    local = full.reshape(-1)[r.start : r.stop].clone()
+    try:
+        dt = DTensor.from_local(
+            local, mesh, [placement], shape=full.shape, stride=full.stride(), run_check=True
+        )
+        got = dt.full_tensor()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return f"no error: {'right' if torch.equal(got, full) else 'WRONG'} data"
+
+
+def test_ranks_with_different_ragged_placements_raise() -> None:
+    """FAILS today (ragged-dtensor bug): ``DTensor.from_local(..., run_check=True)`` checks only
+    this rank's local size against its own units, never that the ranks agree on the units; both
+    ranks' shares have 8 elements here, so the padded all-gather of ``full_tensor()`` has equal
+    sizes everywhere and silently returns WRONG data on every rank."""
+    outcomes = run_threaded(_ragged_placements_disagree, 2, timeout=DEADLINE_S)
+    for outcome in outcomes:
+        assert not outcome.startswith("no error"), outcomes
