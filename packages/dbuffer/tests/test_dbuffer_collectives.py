@@ -185,3 +185,23 @@ def _mixed_precision(rank: int, world: int) -> None:
 
 def test_mixed_precision_unshard_casts_the_shard_once() -> None:
     run_threaded(_mixed_precision, 2)
+
+
+def _inflight(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    params = make_tensors(SHAPES, 0)
+    buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    handle = buf.unshard(async_op=True)
+    buf.reshard()  # waits for the gather first: memory is never freed under a collective
+    assert handle.done and not buf.is_unsharded()
+    grads = buf.new_like()
+    for view, g in zip(grads.alloc_unsharded(), make_tensors(SHAPES, 100 + rank), strict=True):
+        view.copy_(g)
+    handle = grads.reduce_scatter(op="sum", async_op=True)
+    grads.scale_(1.0 / world)  # a fused op waits for the reduce-scatter writing the shard
+    assert handle.done
+    _check_shards(grads, _reference(range(world), "avg", None), atol=1e-5)
+
+
+def test_ops_wait_for_collectives_in_flight() -> None:
+    run_threaded(_inflight, 2)

@@ -177,6 +177,7 @@ class DBuffer:
         self._local_views = tuple(self.shard[s.local_start : s.local_stop] for s in self.slots)
         self._sharded_views: tuple[DTensor, ...] | None = None
         self._grad_owners: list[tuple[weakref.ref[torch.Tensor], torch.Tensor]] = []
+        self._inflight: list[Handle] = []
 
     # -- identity -------------------------------------------------------------------------------
     def _record(self) -> dict[str, str]:
@@ -292,7 +293,9 @@ class DBuffer:
 
     def reshard(self) -> None:
         """Free every unsharded storage (all dtypes). Views stay valid objects; their memory is
-        released now and re-allocated by the next ``unshard``/``alloc_unsharded``."""
+        released now and re-allocated by the next ``unshard``/``alloc_unsharded``. A collective
+        still in flight on this buffer is waited for first (never free memory under it)."""
+        self.wait()
         for entry in self._unsharded.values():
             _free(entry.flat)
             if entry.cast_shard is not None:
@@ -331,10 +334,23 @@ class DBuffer:
             def finish() -> None:
                 _free(cast)
 
+        self.wait()
         with _unsafe_preserve_version_counter(entry.flat):
-            return all_gather_flat(
+            handle = all_gather_flat(
                 entry.flat, source, self._group(self.shard_axis), async_op=async_op, finish=finish
             )
+        return self._track(handle)
+
+    def _track(self, handle: Handle) -> Handle:
+        if not handle.done:
+            self._inflight.append(handle)
+        return handle
+
+    def wait(self) -> None:
+        """Wait for every collective of this buffer still in flight (a no-op when none is)."""
+        pending, self._inflight = self._inflight, []
+        for handle in pending:
+            handle.wait()
 
     def reduce_scatter(
         self,
@@ -369,20 +385,26 @@ class DBuffer:
             self._detach_grads()
 
         finish = release if free_unsharded else None
-        return reduce_scatter_flat(
-            target.shard,
-            flat,
-            self._group(self.shard_axis),
-            [self._group(a) for a in self.replicate_axes],
-            op=op,
-            reduce_dtype=reduce_dtype,
-            accumulate=accumulate,
-            async_op=async_op,
-            finish=finish,
+        self.wait()
+        if target is not self:
+            target.wait()
+        return self._track(
+            reduce_scatter_flat(
+                target.shard,
+                flat,
+                self._group(self.shard_axis),
+                [self._group(a) for a in self.replicate_axes],
+                op=op,
+                reduce_dtype=reduce_dtype,
+                accumulate=accumulate,
+                async_op=async_op,
+                finish=finish,
+            )
         )
 
     # -- fused group ops (one kernel over the whole group) --------------------------------------
     def _flat(self, part: Part) -> torch.Tensor:
+        self.wait()  # a collective in flight may be writing the storage
         if part == "shard":
             return self.shard
         if part == "unsharded":
@@ -444,6 +466,7 @@ class DBuffer:
     def load_full_(self, tensors: Sequence[torch.Tensor]) -> DBuffer:
         """Copy this rank's share of each full tensor into the shard (initialisation)."""
         self.check_tensors(tensors, full=True)
+        self.wait()
         for slot, local, tensor in zip(self.slots, self._local_views, tensors, strict=True):
             flat = tensor.reshape(-1)
             local.copy_(flat[slot.tensor_start : slot.tensor_start + slot.local_numel])
