@@ -1,0 +1,136 @@
+"""Bad-input catalogue (RaggedShard placements and ops): the stated error type, a message naming
+the offending placement, op or argument, never wrong data."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
+
+from ragged_dtensor import RaggedOpError, RaggedShard
+from ragged_dtensor.testing import run_threaded
+
+FULL = torch.arange(32.0).reshape(8, 4)
+
+
+def _ragged(mesh: Any, units: tuple[int, ...] = (1, 3)) -> DTensor:
+    return distribute_tensor(FULL, mesh, [RaggedShard((0,), units)])
+
+
+Case = tuple[Callable[[Any], object], type[Exception], tuple[str, ...]]
+CASES: dict[str, Case] = {
+    "negative units": (
+        lambda mesh: RaggedShard((0,), (-1, 3)),
+        ValueError,
+        ("local_units (-1, 3)", ">= 0"),
+    ),
+    "dims not a prefix": (
+        lambda mesh: RaggedShard((1,), (1, 1)),
+        ValueError,
+        ("dims (1,)", "prefix"),
+    ),
+    "units summing to zero": (
+        lambda mesh: distribute_tensor(FULL, mesh, [RaggedShard((0,), (0, 0))]),
+        ValueError,
+        ("local_units (0, 0)", "sum to 0"),
+    ),
+    "whole-tensor unit not one-hot": (
+        lambda mesh: distribute_tensor(FULL, mesh, [RaggedShard((), (1, 1))]),
+        ValueError,
+        ("dims=()", "(1, 1)", "one-hot"),
+    ),
+    "transpose": (lambda mesh: _ragged(mesh).t(), RaggedOpError, ("aten.t", "RaggedShard")),
+    "slicing": (lambda mesh: _ragged(mesh)[1:3], RaggedOpError, ("aten.slice", "RaggedShard")),
+    "sum over a dim": (
+        lambda mesh: _ragged(mesh).sum(dim=1),
+        RaggedOpError,
+        ("aten.sum.dim_IntList", "dims [1]"),
+    ),
+    "view to another shape": (
+        lambda mesh: _ragged(mesh).view(4, 8),
+        RaggedOpError,
+        ("aten.view", "[4, 8]", "global shape"),
+    ),
+    "mean of uneven shares": (
+        lambda mesh: _ragged(mesh).mean(),
+        RaggedOpError,
+        ("aten.mean", "RaggedShard"),
+    ),
+    "redistribute: units for another world size": (
+        lambda mesh: _ragged(mesh).redistribute(mesh, [RaggedShard((0,), (1, 1, 2))]),
+        ValueError,
+        ("(1, 1, 2)", "3 local_units for 2 ranks"),
+    ),
+    "redistribute: units not dividing the rows": (
+        lambda mesh: _ragged(mesh).redistribute(mesh, [RaggedShard((0,), (2, 1))]),
+        ValueError,
+        ("(2, 1)", "sum to 3", "8 prefix rows"),
+    ),
+    "elementwise op on different layouts": (
+        lambda mesh: _ragged(mesh) + _ragged(mesh, (3, 1)),
+        RaggedOpError,
+        ("aten.add", "different layouts", "(3, 1)"),
+    ),
+}
+
+
+def _run(rank: int, world: int, name: str) -> str:
+    mesh = init_device_mesh("cpu", (world,))
+    fn, kind, _ = CASES[name]
+    try:
+        fn(mesh)
+    except kind as exc:
+        return f"ok: {exc}"
+    except Exception as exc:
+        return f"wrong type {type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input_names_the_offender(name: str) -> None:
+    _, _, fragments = CASES[name]
+    for rank, message in enumerate(run_threaded(_run, 2, name, timeout=60)):
+        assert message.startswith("ok: "), (rank, message)
+        for fragment in fragments:
+            assert fragment in message, (rank, message)
+
+
+def test_non_integer_units_are_rejected() -> None:
+    """FAILS today: ``RaggedShard((0,), (1.5, 1))`` is accepted (placement.py validates signs,
+    not types), so a float from a units computation flows into flat ranges and slicing. Check
+    every unit with ``operator.index`` and raise TypeError naming ``local_units``."""
+    with pytest.raises(TypeError, match="local_units"):
+        RaggedShard((0,), (1.5, 1))  # type: ignore[arg-type]
+
+
+def _placements_disagree(rank: int, world: int) -> str:
+    """Ranks build the same DTensor with different units, each self-consistent locally."""
+    mesh = init_device_mesh("cpu", (world,))
+    placement = RaggedShard((0,), (1, 3) if rank == 0 else (3, 1))
+    r = placement.flat_range(FULL.shape, rank)
+    local = FULL.reshape(-1)[r.start : r.stop].clone()
+    try:
+        dt = DTensor.from_local(
+            local, mesh, [placement], shape=FULL.shape, stride=FULL.stride(), run_check=True
+        )
+        got = dt.full_tensor()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return f"no error: {'right' if torch.equal(got, FULL) else 'WRONG'} data"
+
+
+def test_ranks_disagreeing_on_units_are_detected_by_run_check() -> None:
+    """FAILS today (silent wrong data): with ``run_check=True`` ``DTensor.from_local`` checks
+    each rank's local size against its *own* units only. Here rank 0 says (1, 3), rank 1 says
+    (3, 1): both shares have 8 elements, the padded all-gather of ``full_tensor()`` has equal
+    sizes on both ranks, and both return WRONG data without an error. Fix (compat.py
+    ``_from_local_hook`` / api.py ``check_ragged_local``): when ``run_check`` is true, compare
+    ``(dims, local_units, shape)`` of the ragged placement across the ragged mesh axis with one
+    object all-gather and raise ValueError on every rank naming the ranks and both placements
+    (``distribute_tensor`` could do the same cheaply)."""
+    outcomes = run_threaded(_placements_disagree, 2, timeout=60)
+    for outcome in outcomes:
+        assert outcome.startswith("ValueError") and "local_units" in outcome, outcomes
