@@ -89,15 +89,20 @@ def greedy_ends(numels: IntArray, blocks: IntArray, shard_sizes: IntArray) -> In
         e = numels[:, i : i + 1]
         g = blocks[:, i : i + 1]
         b = (p // s + 1) * s
-        fits = p + e <= b
+        end = p + e
+        fits = end <= b
         if bool(fits.all()):
-            p = p + e
+            p = end
             continue
-        l1 = p + (b - p) % g
+        # Aligned on the first crossed boundary (case 2); most lanes end here.
+        end1 = end + (b - p) % g
         s_mod_g = s % g
-        ok1 = (s_mod_g == 0) | (l1 + e <= b + s)
-        l3 = b + s_mod_g
-        ok3 = l3 + e <= b + 2 * s
-        start = np.where(fits, p, np.where(ok1, l1, np.where(ok3, l3, INFEASIBLE)))
-        p = np.minimum(start + e, INFEASIBLE)
+        ok1 = (s_mod_g == 0) | (end1 <= b + s)
+        if bool(ok1.all()):
+            p = np.where(fits, end, end1)
+            continue
+        end3 = b + s_mod_g + e
+        ok3 = end3 <= b + 2 * s
+        p = np.where(fits, end, np.where(ok1, end1, np.where(ok3, end3, INFEASIBLE)))
+        p = np.minimum(p, INFEASIBLE)
     return p
