@@ -183,7 +183,10 @@ class TensorSlot:
 
     @property
     def stride(self) -> tuple[int, ...]:
-        return tuple(math.prod(self.shape[d + 1 :]) for d in range(len(self.shape)))
+        """Row-major strides as torch computes them (a size-0 dim counts as 1)."""
+        return tuple(
+            math.prod(max(1, s) for s in self.shape[d + 1 :]) for d in range(len(self.shape))
+        )
 
 
 def _choose_dims(shape: tuple[int, ...], total_units: int) -> tuple[int, ...]:
