@@ -38,7 +38,7 @@ import torch.distributed as dist
 from optim_blockwise._private import quant
 from optim_blockwise._private.layout import ParamLayout, describe, local_flat
 from optim_blockwise._private.policy import AdamW8bitBlockPolicy
-from optim_blockwise._private.state import restore_state_dtypes
+from optim_blockwise._private.state import restore_state_dtypes, sharded_state_dict
 
 __all__ = ["AdamW8bit", "adamw8bit_block_policy"]
 
@@ -119,6 +119,10 @@ class AdamW8bit(torch.optim.Optimizer):
     def block_policy(block_size: int = 256, min_8bit_size: int = 4096) -> AdamW8bitBlockPolicy:
         """The block policy (engine protocol ``(name, param) -> int``) for these settings."""
         return AdamW8bitBlockPolicy(block_size, min_8bit_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format; state of DTensor params as DTensors (see the state module note)."""
+        return sharded_state_dict(self, super().state_dict(), self.block_size)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         restore_state_dtypes(self, state_dict, super().load_state_dict)

@@ -43,7 +43,7 @@ from optim_blockwise._private.newton_schulz import (
     ns_flops,
 )
 from optim_blockwise._private.policy import MuonBlockPolicy
-from optim_blockwise._private.state import restore_state_dtypes
+from optim_blockwise._private.state import restore_state_dtypes, sharded_state_dict
 
 __all__ = ["Muon", "muon_block_policy"]
 
@@ -148,6 +148,10 @@ class Muon(torch.optim.Optimizer):
     def block_policy(row_aligned: bool = False) -> MuonBlockPolicy:
         """The block policy (engine protocol ``(name, param) -> int``); see muon_block_policy."""
         return MuonBlockPolicy(row_aligned)
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format; state of DTensor params as DTensors (see the state module note)."""
+        return sharded_state_dict(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         restore_state_dtypes(self, state_dict, super().load_state_dict)
