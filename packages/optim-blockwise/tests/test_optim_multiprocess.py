@@ -123,6 +123,7 @@ def _fsdp2_run(
     return losses, full
 
 
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
 @pytest.mark.parametrize("kind", ["adamw8bit", "muon"])
 def test_torch_fsdp2_fully_shard_matches_single_device(kind: str) -> None:
     """Our optimizers on torch FSDP2 ``Shard(0)`` params (every rank sees the same batch, so the
