@@ -74,7 +74,7 @@ def _lcm_of_blocks(specs: Sequence[TensorSpec], align: int) -> int:
 
 def naive_plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> Plan:
     """Model-order concatenation, starts rounded to each block, S a multiple of all blocks."""
-    check_inputs(specs, world_size, align)
+    world_size, align = check_inputs(specs, world_size, align)
     step = _lcm_of_blocks(specs, align) if world_size > 1 else align
     offsets, end = _aligned_concat(specs, [s.block if world_size > 1 else 1 for s in specs])
     return _finish(specs, world_size, align, step=step, offsets=offsets, end=end, method="naive")
@@ -82,7 +82,7 @@ def naive_plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> 
 
 def megatron_plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> Plan:
     """Every tensor and the shard size on multiples of the chunk ``lcm(align, all blocks)``."""
-    check_inputs(specs, world_size, align)
+    world_size, align = check_inputs(specs, world_size, align)
     chunk = _lcm_of_blocks(specs, align)
     offsets, end = _aligned_concat(specs, [chunk] * len(specs))
     return _finish(

@@ -30,7 +30,7 @@ MAX_EXACT_TENSORS = 8
 def exact_plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> Plan:
     """The optimal plan (smallest shard size) of a group of at most 8 non-empty tensors."""
     specs = list(specs)
-    check_inputs(specs, world_size, align)
+    world_size, align = check_inputs(specs, world_size, align)
     numels = [s.numel for s in specs]
     blocks = [s.block for s in specs]
     nonempty = [i for i, e in enumerate(numels) if e > 0]

@@ -320,7 +320,7 @@ def _model_order(specs: Sequence[TensorSpec], world_size: int, align: int) -> Pl
 
 def lower_bound(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> int:
     """A shard size no plan of this group can beat (see ``bounds``): compare plans against it."""
-    check_inputs(specs, world_size, align)
+    world_size, align = check_inputs(specs, world_size, align)
     numels = [s.numel for s in specs]
     return lower_bound_shard_size(numels, [s.block for s in specs], world_size, align)
 
@@ -336,7 +336,7 @@ def plan(
     ``"megatron"``. The result is deterministic: equal inputs give equal plans on every rank.
     """
     specs = list(specs)
-    check_inputs(specs, world_size, align)
+    world_size, align = check_inputs(specs, world_size, align)
     if method == "auto":
         return _auto(specs, world_size, align)
     if method == "paper":

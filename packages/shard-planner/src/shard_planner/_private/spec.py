@@ -10,6 +10,7 @@ with ``dims=(0,)`` and the block as its unit then describes each rank's part exa
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import attrs
@@ -17,9 +18,34 @@ import attrs
 __all__ = ["TensorSpec", "check_inputs"]
 
 
-def _non_negative_int(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"TensorSpec.{attribute.name} must be an int, got {type(value).__name__}")
+def _integer(value: object, field: str) -> int:
+    """Any integer (Python or numpy) as ``int``; bool and float rejected with a TypeError."""
+    if isinstance(value, bool):
+        raise TypeError(f"TensorSpec.{field} must be an int, got bool")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"TensorSpec.{field} must be an int, got {type(value).__name__}") from None
+
+
+def _numel(value: object) -> int:
+    return _integer(value, "numel")
+
+
+def _block(value: object) -> int:
+    return _integer(value, "block")
+
+
+def as_count(value: object, argument: str, minimum: int = 1) -> int:
+    """``value`` as an ``int >= minimum`` (numpy integers welcome), else ``ValueError``."""
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            number = None
+        if number is not None and number >= minimum:
+            return number
+    raise ValueError(f"{argument} must be an int >= {minimum}, got {value!r}")
 
 
 @attrs.frozen
@@ -31,8 +57,8 @@ class TensorSpec:
     so an error can also name the tensor's position in it.
     """
 
-    numel: int = attrs.field(validator=_non_negative_int)
-    block: int = attrs.field(default=1, validator=_non_negative_int)
+    numel: int = attrs.field(converter=_numel)
+    block: int = attrs.field(default=1, converter=_block)
     name: str = ""
 
     def __attrs_post_init__(self) -> None:
@@ -52,14 +78,13 @@ def _label(index: int, spec: TensorSpec) -> str:
     return f"tensor {index} ({spec.name!r})" if spec.name else f"tensor {index}"
 
 
-def check_inputs(specs: Sequence[TensorSpec], world_size: int, align: int) -> None:
-    """Raise ``ValueError`` naming the offending argument or tensor if the input is malformed."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
-        raise ValueError(
-            f"align must be an int >= 1 (elements per shard-size quantum), got {align!r}"
-        )
+def check_inputs(specs: Sequence[TensorSpec], world_size: object, align: object) -> tuple[int, int]:
+    """Raise ``ValueError`` naming the offending argument or tensor if the input is malformed.
+
+    Returns ``(world_size, align)`` as Python ints (numpy integers are accepted).
+    """
+    world = as_count(world_size, "world_size")
+    quantum = as_count(align, "align")
     if len(specs) == 0:
         raise ValueError("specs is empty: a group needs at least one TensorSpec")
     for index, spec in enumerate(specs):
@@ -74,3 +99,4 @@ def check_inputs(specs: Sequence[TensorSpec], world_size: int, align: int) -> No
                 f"{_label(index, spec)}: block {spec.block} must divide numel "
                 f"{spec.numel} (blocks tile the tensor from its first element)"
             )
+    return world, quantum
