@@ -380,3 +380,13 @@ def test_property_exchange_plan_round_trip(world: int, sizes: list[int], seed: i
         pieces = exchange.split_scattered(plans[k], recv)
         for i in range(len(sizes)):
             assert torch.equal(pieces[i], mats[i][slice(*ranges[i][k])] * 2)
+
+
+def test_bf16_params_distributed_equals_single_device() -> None:
+    specs = [ragged_spec(s, 3, 1, seed=i) for i, s in enumerate(SHAPES)]
+    kwargs = {"lr": 2e-2}
+    results = run_threaded(dist_run_steps, 3, "muon", SHAPES, specs, 5, kwargs, torch.bfloat16)
+    single = run_steps(None, "muon", SHAPES, PLAIN, 5, kwargs, torch.bfloat16)
+    assert single[0]["param"].dtype == torch.bfloat16
+    assert single[0]["momentum_buffer"].dtype == torch.float32
+    check_against_single(results, single, SHAPES, specs, 1)
