@@ -99,3 +99,46 @@ def _released_views_are_guarded(rank: int, world: int) -> None:
 
 def test_released_views_are_guarded() -> None:
     run_threaded(_released_views_are_guarded, 2)
+
+
+def _mixed_precision_step(rank: int, world: int) -> None:
+    """FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) with DBuffers: bf16
+    compute on a gathered cast, bf16 gradients in place, fp32 reduction into fp32 shards."""
+    mesh = init_device_mesh("cpu", (world,))
+    layout = contiguous_layout(
+        [torch.Size(s).numel() for s in MLP_SHAPES], world, blocks=MLP_BLOCKS
+    )
+    params = DBuffer(layout, MLP_SHAPES, mesh).load_full_(make_tensors(MLP_SHAPES, 0))
+    low_grads = params.new_like(torch.bfloat16)
+    grads = params.new_like()
+    leaves = [
+        v.detach().requires_grad_() for v in params.full_views(torch.bfloat16, allow_released=True)
+    ]
+    params.unshard(dtype=torch.bfloat16)
+    loss = _loss(leaves, _batch(rank, 0).to(torch.bfloat16))
+    params.reshard()  # the bf16 storage autograd saved is released...
+    assert not params.is_unsharded(torch.bfloat16)
+    params.unshard(dtype=torch.bfloat16)  # ...and refilled before backward
+    low_grads.alloc_unsharded(zero=True)
+    low_grads.attach_grads(leaves)
+    loss.backward()
+    params.reshard()
+    low_grads.reduce_scatter(op="avg", reduce_dtype=torch.float32, into=grads)
+    assert not low_grads.is_unsharded()
+    # Reference: the same bf16 arithmetic in one process, averaged in fp32.
+    expected = [torch.zeros(s) for s in MLP_SHAPES]
+    for r in range(world):
+        ref = [p.to(torch.bfloat16).requires_grad_() for p in make_tensors(MLP_SHAPES, 0)]
+        _loss(ref, _batch(r, 0).to(torch.bfloat16)).backward()
+        for acc, p in zip(expected, ref, strict=True):
+            acc.add_(p.grad.float() / world)  # type: ignore[union-attr]
+    for dt, slot, ref_grad in zip(grads.sharded_views(), grads.slots, expected, strict=True):
+        assert dt.dtype == torch.float32
+        rng = slot.placement.flat_range(slot.shape, grads.rank)
+        torch.testing.assert_close(
+            dt.to_local(), ref_grad.reshape(-1)[rng.start : rng.stop], atol=1e-6, rtol=1e-5
+        )
+
+
+def test_mixed_precision_step_matches_the_reference() -> None:
+    run_threaded(_mixed_precision_step, 2)
