@@ -5,14 +5,15 @@ A checkpoint is loadable only once it is complete, so a crash at any point of a 
 rank, a full disk, a preempted job) must leave either the previous state or the new one, never a
 directory that loads half-written or mixed data. The save runs in four phases:
 
-1. rank 0 removes a stale partial directory left by an earlier crashed save of the same path;
-   barrier.
+1. rank 0 removes a stale partial directory left by an earlier crashed save of the same path and
+   broadcasts its outcome (the broadcast is the barrier of the phase).
 2. every rank writes its shards with DCP into the sibling ``.<name>.partial`` (DCP's own finish
    step makes rank 0 write ``.metadata`` after gathering every rank's write results).
 3. barrier (every rank's files are on disk); rank 0 writes the ``COMMITTED`` marker inside the
-   partial directory, fsyncs it and the directory, then ``os.rename``\\s the directory to its final
-   name (atomic on POSIX filesystems) and atomically replaces the parent's ``latest`` pointer.
-4. barrier: no rank returns before the checkpoint is visible to all.
+   partial directory, fsyncs it and the directory, then renames the directory to its final name
+   (atomic on POSIX filesystems) and atomically replaces the parent's ``latest`` pointer.
+4. rank 0 broadcasts the commit's outcome: no rank returns before the checkpoint is visible,
+   and if the commit failed every rank raises ``CheckpointError`` (none waits in a barrier).
 
 A crash before the rename leaves only ``.<name>.partial`` (never picked up: its name is hidden and
 it has no marker); a crash between the rename and the pointer update leaves a complete directory
