@@ -23,9 +23,11 @@ from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from dbuffer import DBuffer, Handle
 from fsdp_engine._private.policy import BlockPolicy, MixedPrecisionPolicy
+from ragged_dtensor import RaggedShard
 from shard_planner import Plan, TensorSpec, plan
 
 __all__ = ["ParamGroup", "ParamRef", "ShardState"]
@@ -85,7 +87,11 @@ class ParamGroup:
         self.refs = tuple(refs)
         self.mesh = mesh
         self.mp_policy = mp_policy
-        originals = [getattr(r.owner, r.attr) for r in refs]
+        params = [getattr(r.owner, r.attr) for r in refs]
+        # Parameters already distributed by tensor/expert parallelism: the group holds their
+        # local shards, and RaggedShard on the data-parallel axis cuts those (innermost).
+        self.tp_specs = [_tp_spec(r, p, mesh) for r, p in zip(refs, params, strict=True)]
+        originals = [p.to_local() if isinstance(p, DTensor) else p for p in params]
         dtypes = {p.dtype for p in originals}
         if len(dtypes) != 1:
             named = ", ".join(f"{r.fqn}: {p.dtype}" for r, p in zip(refs, originals, strict=True))
@@ -117,14 +123,17 @@ class ParamGroup:
             if not any(p.is_meta for p in originals):
                 self.params.load_full_([p.detach().to(self.params.device) for p in originals])
         self.sharded = [
-            nn.Parameter(view, requires_grad=rg)
-            for view, rg in zip(self.params.sharded_views(), self.requires_grad, strict=True)
+            nn.Parameter(self._sharded_view(i, view, self.params), requires_grad=rg)
+            for i, (view, rg) in enumerate(
+                zip(self.params.sharded_views(), self.requires_grad, strict=True)
+            )
         ]
         self._unsharded: dict[torch.dtype, list[nn.Parameter]] = {}
         self.state = ShardState.SHARDED
         self.unshard_handle: Handle | None = None
         self._version_guard: _unsafe_preserve_version_counter | None = None
         self.reduce_handle: Handle | None = None
+        self._grad_views: list[DTensor] | None = None
         self.grads_pending = False  # unsharded gradients accumulated, not yet reduced
         self.grad_seen = [False] * len(self.refs)  # in the current backward pass
         self.grad_received = [False] * len(self.refs)  # since the last reduction
@@ -132,13 +141,32 @@ class ParamGroup:
         self.register_sharded()
 
     # -- parameter registration ---------------------------------------------------------------
+    def _sharded_view(self, i: int, view: DTensor, buffer: DBuffer) -> DTensor:
+        """Tensor ``i``'s shard as a DTensor; for a TP parameter, over the dp x tp mesh."""
+        tp = self.tp_specs[i]
+        if tp is None:
+            return view
+        local = buffer.local_views()[i]
+        placements = (*buffer.placements[i], *tp.placements)
+        return DTensor.from_local(
+            local, tp.spmd_mesh, placements, run_check=False, shape=tp.shape, stride=tp.stride
+        )
+
+    def _unsharded_view(self, i: int, full: torch.Tensor) -> torch.Tensor:
+        tp = self.tp_specs[i]
+        if tp is None:
+            return full
+        return DTensor.from_local(
+            full, tp.mesh, tp.placements, run_check=False, shape=tp.shape, stride=tp.stride
+        )
+
     def unsharded_params(self) -> list[nn.Parameter]:
         params = self._unsharded.get(self.compute_dtype)
         if params is None:
             views = self.params.full_views(self.compute_dtype, allow_released=True)
             params = [
-                nn.Parameter(v, requires_grad=rg)
-                for v, rg in zip(views, self.requires_grad, strict=True)
+                nn.Parameter(self._unsharded_view(i, v), requires_grad=rg)
+                for i, (v, rg) in enumerate(zip(views, self.requires_grad, strict=True))
             ]
             self._unsharded[self.compute_dtype] = params
         return params
@@ -210,9 +238,11 @@ class ParamGroup:
             return
         self.unsharded_grads.alloc_unsharded(zero=True)
         views = self.unsharded_grads.full_views()
-        for param, view, rg in zip(self.unsharded_params(), views, self.requires_grad, strict=True):
+        for i, (param, view, rg) in enumerate(
+            zip(self.unsharded_params(), views, self.requires_grad, strict=True)
+        ):
             if rg:
-                param.grad = view
+                param.grad = self._unsharded_view(i, view)
         self.grad_received = [False] * len(self.refs)
         self.grads_pending = True
 
@@ -255,11 +285,19 @@ class ParamGroup:
             free_unsharded=True,
             async_op=async_op,
         )
-        views = self.grads.sharded_views()
+        views = self._sharded_grad_views()
         for i, param in enumerate(self.sharded):
             seen = self.grad_received[i] or existing[i] is not None
             param.grad = views[i] if (seen and self.requires_grad[i]) else None
         self.grads_pending = False
+
+    def _sharded_grad_views(self) -> list[DTensor]:
+        if self._grad_views is None:
+            self._grad_views = [
+                self._sharded_view(i, view, self.grads)
+                for i, view in enumerate(self.grads.sharded_views())
+            ]
+        return self._grad_views
 
     def wait_for_reduce(self) -> None:
         if self.reduce_handle is not None:
@@ -271,6 +309,47 @@ class ParamGroup:
             param.grad = None
         self.unsharded_grads.reshard()
         self.grads_pending = False
+
+
+@attrs.frozen
+class TPSpec:
+    """A parameter that is already a DTensor (tensor/expert parallel) on another mesh."""
+
+    mesh: DeviceMesh  # the parameter's own mesh (e.g. "tp")
+    placements: tuple[Placement, ...]
+    shape: torch.Size  # global shape
+    stride: tuple[int, ...]
+    spmd_mesh: DeviceMesh  # data-parallel mesh x the parameter's mesh
+
+
+def _tp_spec(ref: ParamRef, param: torch.Tensor, dp_mesh: DeviceMesh) -> TPSpec | None:
+    if not isinstance(param, DTensor):
+        return None
+    if any(isinstance(p, RaggedShard) for p in param.placements):
+        raise ValueError(
+            f"parameter {ref.fqn!r} is already RaggedShard-sharded "
+            f"({param.placements}); fully_shard it once"
+        )
+    if dp_mesh.ndim != 1:
+        raise NotImplementedError(
+            f"parameter {ref.fqn!r} is a DTensor on {param.device_mesh}: "
+            "combining tensor parallelism with HSDP is not supported yet"
+        )
+    if any(p.is_partial() for p in param.placements):
+        raise ValueError(f"parameter {ref.fqn!r} has a Partial placement {param.placements}")
+    if not param.to_local().is_contiguous():
+        raise ValueError(f"parameter {ref.fqn!r}: its local shard is not contiguous")
+    try:
+        spmd = DeviceMesh._concatenate([dp_mesh, param.device_mesh])
+    except Exception as exc:  # torch raises several types here
+        raise ValueError(
+            f"parameter {ref.fqn!r} lives on {param.device_mesh}, which does not "
+            f"combine with the data-parallel mesh {dp_mesh} (both must be slices of "
+            f"one parent mesh, e.g. mesh['dp'] and mesh['tp']): {exc}"
+        ) from exc
+    return TPSpec(
+        param.device_mesh, tuple(param.placements), param.shape, tuple(param.stride()), spmd
+    )
 
 
 def _is_view_of(tensor: torch.Tensor, local: torch.Tensor) -> bool:
