@@ -258,3 +258,34 @@ def _shard1(rank: int, world: int) -> str:
 def test_unsupported_placement_is_rejected_by_name() -> None:
     messages = run_threaded(_shard1, 2)
     assert all("'layer.weight'" in m and "Shard(dim=1)" in m for m in messages), messages[0]
+
+
+@pytest.mark.parametrize("units", [(0, 3, 5), (3, 0, 5), (3, 5, 0)])
+def test_empty_shards_with_unaligned_blocks(units: tuple[int, ...]) -> None:
+    shapes = [(50, 96)]  # 4800 elements, units of 600: every boundary cuts a 256-block
+    specs = [("ragged", (0, 1), units)]
+    kwargs = {"lr": 1e-2, "block_size": 256}
+    results = run_threaded(dist_run_steps, 3, "adamw8bit", shapes, specs, 3, kwargs)
+    single = run_steps(None, "adamw8bit", shapes, [("plain",)], 3, kwargs)
+    check_against_single(results, single, shapes, specs, 256)
+
+
+def _disagree(rank: int, world: int) -> None:
+    from test_optim_support import shard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    spec = ("ragged", (0, 1), (3, 5))
+    params = [torch.nn.Parameter(shard(torch.randn(50, 96), mesh, spec)) for _ in range(2)]
+    opt = ob.AdamW8bit(params)
+    params[0].grad = torch.zeros_like(params[0])
+    if rank == 0:
+        params[1].grad = torch.zeros_like(params[1])
+    opt.step()
+
+
+def test_ranks_disagreeing_on_grads_raise_instead_of_aborting() -> None:
+    from ragged_dtensor.testing import DistributedFailure
+
+    with pytest.raises(DistributedFailure, match="AdamW8bit: ranks of a process group disagree"):
+        run_threaded(_disagree, 2, timeout=30)

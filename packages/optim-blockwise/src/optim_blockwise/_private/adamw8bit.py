@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from optim_blockwise._private import quant
+from optim_blockwise._private.agree import check_agreement, fingerprint
 from optim_blockwise._private.layout import ParamLayout, describe, local_flat
 from optim_blockwise._private.policy import AdamW8bitBlockPolicy
 from optim_blockwise._private.state import restore_state_dtypes, sharded_state_dict
@@ -204,12 +205,25 @@ class AdamW8bit(torch.optim.Optimizer):
         block = self.block_size
         for group, indices in by_group.items():
             mine = torch.cat([self._boundary_partials(items[i], states[i]) for i in indices])
+            digest = fingerprint(
+                [(items[i].layout.global_shape, items[i].layout.ranges) for i in indices]
+            )
+            check_agreement(
+                group,
+                digest,
+                len(indices),
+                mine.device,
+                "AdamW8bit",
+                [items[i].name for i in indices],
+            )
             world = dist.get_world_size(group)
             gathered = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(gathered, mine, group=group)
             table = torch.stack(gathered).view(world, len(indices), 4)
             for j, i in enumerate(indices):
                 layout = items[i].layout
+                if layout.local_numel == 0:
+                    continue  # nothing to quantize here
                 head_block = layout.start // block
                 tail_block = (layout.stop - 1) // block
                 # Global absmax of a block = max of every rank's partial max over that block.

@@ -25,7 +25,6 @@ Traffic: each matrix is moved at most once each way, except the root's own piece
 from __future__ import annotations
 
 import math
-import zlib
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from optim_blockwise._private import exchange
+from optim_blockwise._private.agree import check_agreement, fingerprint
 from optim_blockwise._private.layout import ParamLayout, describe, local_flat
 from optim_blockwise._private.newton_schulz import (
     DEFAULT_NS_COEFFICIENTS,
@@ -200,31 +200,12 @@ class Muon(torch.optim.Optimizer):
         roots = assign_roots(costs, shares)
         ranges = [item.layout.ranges for item in items]
         plan = exchange.plan_exchange(coord, ranges, roots)
-        text = repr(
-            [
-                (item.layout.global_shape, item.layout.ranges, str(item.group["ns_dtype"]))
-                for item in items
-            ]
+        digest = fingerprint(
+            [(i.layout.global_shape, i.layout.ranges, str(i.group["ns_dtype"])) for i in items]
         )
-        fingerprint = zlib.crc32(text.encode()) & 0x7FFFFFFF
-        cached = _GroupPlan(plan, fingerprint)
+        cached = _GroupPlan(plan, digest)
         self._plans[key] = cached
         return cached
-
-    def _check(
-        self, pg: dist.ProcessGroup, fingerprint: int, items: list[_Item], device: torch.device
-    ) -> None:
-        world = dist.get_world_size(pg)
-        mine = torch.tensor([fingerprint, len(items)], dtype=torch.int64, device=device)
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine, group=pg)
-        values = [tuple(int(v) for v in t.tolist()) for t in gathered]
-        if any(v != values[0] for v in values):
-            raise RuntimeError(
-                f"Muon: ranks of a process group disagree on the matrices to exchange this step "
-                f"((fingerprint, count) per rank: {values}); every rank must step the same "
-                f"parameters with gradients (this rank: {[i.name for i in items]})"
-            )
 
     # -- the step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -275,7 +256,14 @@ class Muon(torch.optim.Optimizer):
                 items = [muon_items[i] for i in sel]
                 gp = self._group_plan(items, pg)
                 if self.check_consistency:
-                    self._check(pg, gp.fingerprint, items, updates[sel[0]].device)
+                    check_agreement(
+                        pg,
+                        gp.fingerprint,
+                        len(items),
+                        updates[sel[0]].device,
+                        "Muon",
+                        [item.name for item in items],
+                    )
                     stats["collectives"] += 1
                 work, recv = exchange.gather_to_roots(gp.plan, [updates[i] for i in sel], pg)
                 stats["collectives"] += 1
