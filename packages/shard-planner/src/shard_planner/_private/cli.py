@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -135,6 +136,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"  {group.name} x{group.count}: {len(group.weights)} tensors, "
                         f"{group.numel / 1e6:.1f}M elements"
                     )
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly, and keep the interpreter's final
+        # flush from raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, TypeError, argparse.ArgumentTypeError, OSError) as exc:
         print(f"shard-planner: error: {exc}", file=sys.stderr)
         return 2
