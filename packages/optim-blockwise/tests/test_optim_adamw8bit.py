@@ -235,9 +235,9 @@ def test_aligned_shards_issue_no_collective(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(dist, "all_gather", counting)
     run_threaded(_three_steps, 2, True)
     assert calls == []
-    # Unaligned: one batched all-gather per step on each rank.
+    # Unaligned: per step and rank, one fingerprint all-gather and one batched edge all-gather.
     run_threaded(_three_steps, 2, False)
-    assert len(calls) == 2 * 3
+    assert len(calls) == 2 * 3 * 2
 
 
 def _shard1(rank: int, world: int) -> str:

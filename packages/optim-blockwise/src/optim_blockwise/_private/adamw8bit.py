@@ -14,8 +14,10 @@ cuts a block and the step issues no collective. Otherwise (e.g. FSDP2's ``Shard(
 length that is not a multiple of the block) at most the first and last local blocks of a rank
 are shared with neighbours; their absmax is the max of the neighbours' partial maxima. Those are
 computed first from just those elements, exchanged in one ``all_gather`` of 4 floats per
-parameter per step (batched over all parameters of a process group), and every rank stores the
-whole block's absmax. Results stay bit-identical to single device; nothing else moves.
+parameter per step (batched over all parameters of a process group, after a 16-byte
+fingerprint all-gather that turns a disagreement between ranks into an error instead of a gloo
+abort), and every rank stores the whole block's absmax. Results stay bit-identical to single
+device; nothing else moves.
 
 [Note: non-finite gradients]
 As in ``torch.optim.AdamW`` nothing is checked: a NaN/Inf gradient element makes that element's
@@ -40,6 +42,7 @@ from optim_blockwise._private.agree import check_agreement, fingerprint
 from optim_blockwise._private.layout import ParamLayout, describe, local_flat
 from optim_blockwise._private.policy import AdamW8bitBlockPolicy
 from optim_blockwise._private.state import restore_state_dtypes, sharded_state_dict
+from optim_blockwise._private.validate import check_betas, check_nonnegative
 
 __all__ = ["AdamW8bit", "adamw8bit_block_policy"]
 
@@ -100,14 +103,10 @@ class AdamW8bit(torch.optim.Optimizer):
         block_size: int = 256,
         min_8bit_size: int = 4096,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas must be in [0, 1), got {betas}")
-        if eps < 0.0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if weight_decay < 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        check_nonnegative("lr", lr)
+        check_betas("betas", betas)
+        check_nonnegative("eps", eps)
+        check_nonnegative("weight_decay", weight_decay)
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}

@@ -44,6 +44,7 @@ from optim_blockwise._private.newton_schulz import (
 )
 from optim_blockwise._private.policy import MuonBlockPolicy
 from optim_blockwise._private.state import restore_state_dtypes, sharded_state_dict
+from optim_blockwise._private.validate import check_betas, check_nonnegative
 
 __all__ = ["Muon", "muon_block_policy"]
 
@@ -105,14 +106,19 @@ class Muon(torch.optim.Optimizer):
         use_muon: bool | None = None,
         check_consistency: bool = True,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not 0.0 <= momentum < 1.0:
+        check_nonnegative("lr", lr)
+        if not (math.isfinite(momentum) and 0.0 <= momentum < 1.0):
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if weight_decay < 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        check_nonnegative("weight_decay", weight_decay)
+        check_nonnegative("eps", eps)
+        check_betas("adamw_betas", adamw_betas)
+        check_nonnegative("adamw_eps", adamw_eps)
         if not 0 < ns_steps < 100:
             raise ValueError(f"ns_steps must be in [1, 99], got {ns_steps}")
+        if len(ns_coefficients) != 3 or not all(math.isfinite(c) for c in ns_coefficients):
+            raise ValueError(
+                f"ns_coefficients must be three finite numbers (a, b, c), got {ns_coefficients}"
+            )
         adjust_lr(1.0, adjust_lr_fn, (1, 1))  # validates the convention
         defaults = {
             "lr": lr,
