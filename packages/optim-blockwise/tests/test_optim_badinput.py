@@ -77,8 +77,8 @@ def test_bad_input_names_the_offender(name: str) -> None:
         assert fragment in str(info.value), (name, str(info.value))
 
 
-# FAILS today: arguments accepted without validation (adamw8bit.py / muon.py ``__init__``).
-# torch.optim.AdamW rejects all of these at construction ("Invalid learning rate: nan", ...).
+# Arguments that used to be accepted without validation (adamw8bit.py / muon.py ``__init__``),
+# now rejected at construction as torch.optim.AdamW does ("Invalid learning rate: nan", ...).
 UNCHECKED: dict[str, Callable[[], object]] = {
     # ``lr < 0.0`` is False for NaN: the first step makes every parameter NaN
     "AdamW8bit lr NaN": lambda: ob.AdamW8bit([_w()], lr=float("nan")),
