@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
@@ -140,8 +141,32 @@ def check_ragged_local(
             f"{local_tensor.numel()} elements but {placement!r} on shape {xs} gives "
             f"it {placement.local_units[coordinate]} units = {expected} elements"
         )
+    if kwargs.get("run_check", False):
+        _check_ranks_agree(device_mesh, axis, placements, tuple(shape))
+        # torch's own run_check compares local metadata, which legitimately differs here
+        kwargs["run_check"] = False
     kwargs.update(shape=torch.Size(shape), stride=contiguous)
     return local_tensor.reshape(-1), kwargs
+
+
+def _check_ranks_agree(
+    mesh: DeviceMesh, axis: int, placements: Sequence[Placement], shape: tuple[int, ...]
+) -> None:
+    """Every rank of the mesh must describe the same global tensor: compare and raise on all."""
+    mine = (tuple(repr(p) for p in placements), shape)
+    group = mesh.get_group(axis)
+    gathered: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    differing = [k for k, other in enumerate(gathered) if other != mine]
+    if differing:
+        listing = "; ".join(
+            f"axis coordinate {k}: placements {g[0]} shape {g[1]}"  # type: ignore[index]
+            for k, g in enumerate(gathered)
+        )
+        raise ValueError(
+            f"DTensor.from_local(run_check=True): ranks disagree on the ragged "
+            f"layout (local_units/dims/shape) on mesh axis {axis}: {listing}"
+        )
 
 
 def from_local(

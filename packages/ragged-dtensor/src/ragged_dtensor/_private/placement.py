@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import attrs
@@ -14,7 +15,12 @@ __all__ = ["RaggedShard"]
 
 
 def _as_int_tuple(value: Sequence[int]) -> tuple[int, ...]:
-    return tuple(int(v) for v in value)
+    try:
+        return tuple(operator.index(v) for v in value)
+    except TypeError:
+        raise TypeError(
+            f"RaggedShard dims and local_units must be integers, got {tuple(value)!r}"
+        ) from None
 
 
 @attrs.frozen(weakref_slot=False, eq=False, repr=False)
