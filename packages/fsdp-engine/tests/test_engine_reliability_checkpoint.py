@@ -202,7 +202,11 @@ def _load_latest(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
     state = {"model": model_sd, "optim": optim_sd}
     load_checkpoint(state, path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return full_snapshot(model, opt)
+    snapshot = full_snapshot(model, opt)
+    # the restarted job saves the same step again: the dead save's partial directory goes
+    model_sd, optim_sd = get_state_dict(model, opt)
+    save_checkpoint({"model": model_sd, "optim": optim_sd}, Path(root) / "step_00000002")
+    return snapshot
 
 
 @pytest.mark.multiprocess
@@ -221,6 +225,7 @@ def test_a_rank_killed_during_the_save_leaves_the_previous_checkpoint(tmp_path: 
     want = torch.load(root / "expected.pt")
     for got in run_threaded(_load_latest, 2, str(root), timeout=120):
         assert_bitwise_equal(got, want)
+    assert not partial.exists() and latest_checkpoint(root) == root / "step_00000002"
 
 
 def _commit_fails_on_rank0(rank: int, world: int, root: str) -> str:
