@@ -231,6 +231,10 @@ def fully_shard(
             "shard_placement_fn: this engine always shards the planned flat "
             "buffer with RaggedShard; use block_policy for granularity"
         )
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    mp_policy = _check_mp_policy(mp_policy)
+    offload_policy = _check_offload_policy(offload_policy)
     mesh = mesh or _default_mesh()
     if mesh.ndim not in (1, 2):
         raise ValueError(
@@ -273,6 +277,35 @@ def fully_shard(
     result = target
     assert isinstance(result, FSDPModule)
     return [result] if isinstance(module, list) else result
+
+
+def _check_mp_policy(policy: object) -> MixedPrecisionPolicy:
+    """Ours, or any object with FSDP2's fields (so torch's MixedPrecisionPolicy works too)."""
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+    if all(hasattr(policy, f) for f in fields):
+        return MixedPrecisionPolicy(*(getattr(policy, f) for f in fields))
+    raise TypeError(
+        f"fully_shard: mp_policy must be a MixedPrecisionPolicy (fields {fields}), "
+        f"got {type(policy).__name__}"
+    )
+
+
+def _check_offload_policy(policy: object) -> OffloadPolicy:
+    """Ours, or torch FSDP2's OffloadPolicy / CPUOffloadPolicy."""
+    if isinstance(policy, OffloadPolicy):
+        return policy
+    from torch.distributed import fsdp as torch_fsdp
+
+    if isinstance(policy, torch_fsdp.CPUOffloadPolicy):
+        return CPUOffloadPolicy(pin_memory=policy.pin_memory)
+    if isinstance(policy, torch_fsdp.OffloadPolicy):
+        return OffloadPolicy()
+    raise TypeError(
+        f"fully_shard: offload_policy must be an OffloadPolicy or CPUOffloadPolicy, "
+        f"got {type(policy).__name__}"
+    )
 
 
 def _check_devices(refs: Iterable[ParamRef], mesh: DeviceMesh) -> None:

@@ -13,6 +13,7 @@ gradient storage whose views are the sharded parameters' ``.grad``. Nothing is c
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Sequence
 from typing import Literal
 
@@ -61,7 +62,17 @@ def build_plan(
 ) -> Plan:
     specs = []
     for ref, param in zip(refs, params, strict=True):
-        block = 1 if block_policy is None else int(block_policy(ref.fqn, param))
+        block = 1
+        if block_policy is not None:
+            value = block_policy(ref.fqn, param)
+            try:
+                block = operator.index(value)
+            except TypeError:
+                raise TypeError(
+                    f"block policy gave parameter {ref.fqn!r} the block {value!r} "
+                    f"({type(value).__name__}); it must return an int number of "
+                    f"elements"
+                ) from None
         if block < 1 or param.numel() % block:
             raise ValueError(
                 f"block policy gave parameter {ref.fqn!r} (shape "
