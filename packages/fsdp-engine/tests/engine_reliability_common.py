@@ -17,15 +17,22 @@ GLOBAL_BATCHES = 4  # every run sees the same global batches, whatever its world
 
 
 def build(
-    world: int, *, engine: str = "ours", lr: float = 1e-2
+    world: int,
+    *,
+    engine: str = "ours",
+    lr: float = 1e-2,
+    mesh_shape: tuple[int, ...] | None = None,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A TinyLlama sharded per layer and at the root, and an AdamW over its parameters."""
+    """A TinyLlama sharded per layer and at the root, and an AdamW over its parameters.
+    ``mesh_shape`` (default ``(world,)``): a 2-D shape is HSDP (replicate, shard)."""
     api: Any
     if engine == "ours":
         api = fsdp_engine
     else:
         import torch.distributed.fsdp as api
-    mesh = init_device_mesh("cpu", (world,))
+    shape = mesh_shape or (world,)
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model = TinyLlama()
     model.load_state_dict(initial_state())
     for layer in model.layers:

@@ -127,6 +127,33 @@ def test_fsdp2_checkpoint_loads_into_ours_and_ours_into_fsdp2(tmp_path: Path) ->
         assert_bitwise_equal(got, want)
 
 
+def _mesh_phase(
+    rank: int, world: int, root: str, shape: tuple[int, ...], load_from: str | None, save_to: str
+) -> dict[str, torch.Tensor]:
+    model, opt = build(world, mesh_shape=shape)
+    if load_from is None:
+        train(model, opt, rank, world, start=0, steps=2)
+    else:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        load_checkpoint(state, Path(root) / load_from)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    snapshot = full_snapshot(model, opt)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    save_checkpoint({"model": model_sd, "optim": optim_sd}, Path(root) / save_to)
+    return snapshot
+
+
+def test_hsdp_2x2_checkpoint_loads_into_fsdp_2_and_back(tmp_path: Path) -> None:
+    """A job restarted on another mesh: HSDP (2 replicas x 2 shards) -> FSDP over 2 -> HSDP."""
+    root = str(tmp_path)
+    want = run_threaded(_mesh_phase, 4, root, (2, 2), None, "hsdp", timeout=120)[0]
+    for got in run_threaded(_mesh_phase, 2, root, (2,), "hsdp", "fsdp", timeout=120):
+        assert_bitwise_equal(got, want)
+    for got in run_threaded(_mesh_phase, 4, root, (2, 2), "fsdp", "hsdp2", timeout=120):
+        assert_bitwise_equal(got, want)
+
+
 # -- resume in new processes ----------------------------------------------------------------------
 
 
