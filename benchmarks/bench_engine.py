@@ -44,7 +44,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -83,10 +83,11 @@ def cases(quick: bool) -> list[Case]:
         small = ModelConfig(dim=64, layers=2, heads=4, ffn=192, seq=64)
         medium = ModelConfig(dim=96, layers=2, heads=4, ffn=288, seq=64)
         moe = ModelConfig(dim=42, layers=2, heads=3, ffn=21, experts=8, seq=64)
-    dense = ("ours", "fsdp2", "fsdp1", "deepspeed", "ours-naive")
+    dense = ("ours", "fsdp2", "fsdp1", "deepspeed", "ours-flat")
     return [
         Case("dense small", small, "adamw", dense, 4),
         Case("dense medium", medium, "adamw", dense, 2),
+        Case("dense medium, param-bound", replace(medium, seq=32), "adamw", dense, 1),
         Case("MoE 16 experts", moe, "adamw", dense, 4),
         Case("Muon", small, "muon", ("ours", "fsdp2", "fsdp2-a2a"), 4),
         Case("AdamW8bit", small, "adamw8bit", ("ours", "fsdp2", "ours-naive"), 4),
@@ -100,6 +101,7 @@ ENGINE_LABELS = {
     "deepspeed": "DeepSpeed ZeRO-3",
     "ours-naive": "ours, planner off",
     "fsdp2-a2a": "FSDP2 + our all-to-all Muon",
+    "ours-flat": "ours + flat-buffer AdamW (prototype)",
 }
 
 
@@ -135,21 +137,23 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _tensors_in(obj: Any, depth: int = 3) -> Iterator[torch.Tensor]:
+def _tensors_in(obj: Any, depth: int = 8, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
     """Tensors reachable from an optimizer-like object (dicts, lists, attributes), not modules."""
+    seen = set() if seen is None else seen
     if isinstance(obj, torch.Tensor):
         yield _local(obj)
         if isinstance(obj, nn.Parameter) and obj.grad is not None:
             yield _local(obj.grad)
         return
-    if depth == 0 or isinstance(obj, nn.Module | str | bytes | int | float):
+    if depth == 0 or id(obj) in seen or isinstance(obj, nn.Module | str | bytes | int | float):
         return
+    seen.add(id(obj))
     if isinstance(obj, dict):
         for v in list(obj.values()):
-            yield from _tensors_in(v, depth - 1)
+            yield from _tensors_in(v, depth - 1, seen)
     elif isinstance(obj, list | tuple | set):
         for v in list(obj):
-            yield from _tensors_in(v, depth - 1)
+            yield from _tensors_in(v, depth - 1, seen)
     elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in (
         "torch",
         "deepspeed",
@@ -158,7 +162,7 @@ def _tensors_in(obj: Any, depth: int = 3) -> Iterator[torch.Tensor]:
         "__main__",
         "__mp_main__",
     ):
-        yield from _tensors_in(vars(obj), depth - 1)
+        yield from _tensors_in(vars(obj), depth - 1, seen)
 
 
 def _model_roots(model: nn.Module) -> list[torch.Tensor]:
@@ -171,6 +175,10 @@ def _model_roots(model: nn.Module) -> list[torch.Tensor]:
         if isinstance(ds, torch.Tensor):
             out.append(ds)
     for m in model.modules():
+        state = m.__dict__.get("_fsdp_engine_state")  # ours: the persistent gradient shard
+        group = getattr(state, "group", None)
+        if group is not None:
+            out += [group.params.shard, group.grads.shard, group.unsharded_grads.shard]
         handle = getattr(m, "_handle", None)  # FSDP1's flat parameter
         flat = getattr(handle, "flat_param", None)
         if isinstance(flat, torch.Tensor):
@@ -265,7 +273,7 @@ class GatherToAllMuon:
             send[pos : pos + update.numel()] = update
             pos += chunk * cols
         out = torch.empty(world * width, dtype=torch.bfloat16)
-        dist.all_gather_into_tensor(out, send)
+        dist.all_gather_single(out, send)
         gathered = out.view(world, width)
         pos = 0
         for p, (rows, cols, chunk) in zip(self.params, metas, strict=True):
@@ -287,6 +295,38 @@ class GatherToAllMuon:
             p.grad = None
 
 
+class FlatBufferOptimizer:
+    """Prototype of a proposed engine API: ``torch.optim.AdamW`` over each group's flat shard
+    (one plain 1-D tensor per ``fully_shard`` group, the DBuffer storage that the parameters
+    view), its gradient the flat reduce-scatter output. Elementwise optimizers give the same
+    values as on the per-parameter DTensors (the padding stays zero), with one kernel per group
+    instead of one DTensor dispatch per parameter and op. Reaches into private state
+    (``module._fsdp_engine_state.group``): see the report for the accessor it needs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.groups = [
+            state.group
+            for m in model.modules()
+            if (state := m.__dict__.get("_fsdp_engine_state")) is not None
+            and state.group is not None
+        ]
+        self.flat = [g.params.shard for g in self.groups]
+        self.opt = torch.optim.AdamW(self.flat, lr=LR, betas=BETAS, weight_decay=WD)
+        self.state = self.opt.state
+
+    def step(self) -> None:
+        for flat, group in zip(self.flat, self.groups, strict=True):
+            flat.grad = group.grads.shard  # written in place by the group's reduce-scatter
+        self.opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # drop the per-parameter views so the next reduce-scatter overwrites (not accumulates)
+        self.model.zero_grad(set_to_none=True)
+        for flat in self.flat:
+            flat.grad = None
+
+
 class Optimizers:
     """Several optimizers stepped as one (Muon for matrices beside AdamW for the rest)."""
 
@@ -305,6 +345,8 @@ class Optimizers:
 def make_optimizer(case: Case, engine: str, model: nn.Module) -> Any:
     import optim_blockwise as ob
 
+    if case.optimizer == "adamw" and engine == "ours-flat":
+        return FlatBufferOptimizer(model)
     if case.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
     if case.optimizer == "adamw8bit":
@@ -329,7 +371,7 @@ def build_runner(case: Case, engine: str, cfg: ModelConfig, mesh: DeviceMesh) ->
     torch.manual_seed(0)  # the same initial weights for every engine and rank
     model: nn.Module = LlamaModel(cfg)
     shapes = [tuple(p.shape) for p in model.parameters()]
-    if engine in ("ours", "ours-naive"):
+    if engine in ("ours", "ours-naive", "ours-flat"):
         from contextlib import AbstractContextManager, nullcontext
 
         import fsdp_engine
@@ -409,13 +451,21 @@ def _deepspeed_runner(case: Case, cfg: ModelConfig, model: nn.Module, world: int
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     deepspeed.utils.logger.setLevel(logging.WARNING)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+    numel = sum(p.numel() for p in model.parameters())
     config = {
         "train_micro_batch_size_per_gpu": case.batch,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
         "zero_allow_untested_optimizer": True,
         # every parameter sharded (the default 1e5 would keep our small ones whole: DDP-like)
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        # buckets sized to the model (the 5e8-element defaults would allocate GiBs on CPU)
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "reduce_bucket_size": numel,
+            "stage3_prefetch_bucket_size": numel,
+            "allgather_bucket_size": numel,
+        },
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
     pad = total = 0
@@ -433,7 +483,7 @@ def _deepspeed_runner(case: Case, cfg: ModelConfig, model: nn.Module, world: int
         engine.step()
 
     def roots() -> list[torch.Tensor]:
-        return _model_roots(engine.module) + list(_tensors_in(engine.optimizer, depth=4))
+        return _model_roots(engine.module) + list(_tensors_in(engine.optimizer))
 
     return Runner("deepspeed", engine, step, opt_step, roots, (pad, total))
 
@@ -658,9 +708,13 @@ def summarize(all_results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
                     row["opt_vs_fsdp2"] = _paired(e["opt_times"], ref["opt_times"])
                     row["mem_vs_fsdp2"] = _ratio(e["peak_live_bytes"], ref["peak_live_bytes"])
                     row["loss_diff_vs_fsdp2"] = abs(e["losses"][-1] - ref["losses"][-1])
-                fsdp1 = engines.get("fsdp1")
-                if fsdp1 is not None:
-                    row["paired_vs_fsdp1"] = _paired(e["times"], fsdp1["times"])
+                row["paired_vs"] = {
+                    peer: _paired(e["times"], other["times"]) for peer, other in engines.items()
+                }
+                row["mem_vs"] = {
+                    peer: _ratio(e["peak_live_bytes"], other["peak_live_bytes"])
+                    for peer, other in engines.items()
+                }
                 rows.append(row)
     return rows
 
@@ -699,36 +753,50 @@ def markdown(
         "",
         "## Summary: ours vs each peer",
         "",
-        "| case | world | step vs FSDP2 (paired median / min) | vs FSDP1 | vs DeepSpeed | "
-        "optimizer step vs FSDP2 | peak memory vs FSDP2 | collectives ours / FSDP2 |",
-        "|---|---|---|---|---|---|---|---|",
+        "Step time: paired median ratio (min / min in brackets); memory: peak live per rank; "
+        "targets: step <= 0.87x FSDP2 dense, <= 0.67x MoE, Muon >= 2x faster (<= 0.5x); "
+        "memory <= 0.80x; collectives <= FSDP2's.",
+        "",
+        "| case | world | ours / FSDP2 | ours + flat AdamW / FSDP2 | ours / FSDP1 | "
+        "ours / DeepSpeed | optimizer step ours / FSDP2 | memory ours / FSDP2 | "
+        "/ FSDP1 | / DeepSpeed | collectives ours vs FSDP2 (count, MiB) | copied MiB ours vs "
+        "FSDP2 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by_key: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     for r in rows:
         by_key.setdefault((r["case"], r["world"]), {})[r["engine"]] = r
+
+    def cell(value: float | None) -> str:
+        return "-" if value is None or math.isnan(value) else f"{value:.2f}x"
+
     for (case, world), engines in by_key.items():
-        ours = engines.get("ours")
-        if ours is None:
+        ours, fsdp2 = engines.get("ours"), engines.get("fsdp2")
+        if ours is None or fsdp2 is None:
             continue
-        ds = engines.get("deepspeed")
-        fsdp2 = engines.get("fsdp2")
-        vs_ds = _paired_from(ours, ds)
+        flat = engines.get("ours-flat")
+        step = f"{cell(ours['paired_vs']['fsdp2'])} ({cell(ours['min_vs_fsdp2'])})"
+        flat_step = (
+            f"{cell(flat['paired_vs']['fsdp2'])} ({cell(flat['min_vs_fsdp2'])})" if flat else "-"
+        )
         out.append(
-            f"| {case} | {world} | {ours.get('paired_vs_fsdp2', math.nan):.2f}x / "
-            f"{ours.get('min_vs_fsdp2', math.nan):.2f}x | "
-            f"{ours.get('paired_vs_fsdp1', math.nan):.2f}x | {vs_ds} | "
-            f"{ours.get('opt_vs_fsdp2', math.nan):.2f}x | "
-            f"{ours.get('mem_vs_fsdp2', math.nan):.2f}x | "
-            f"{ours['collectives']} / {fsdp2['collectives'] if fsdp2 else '-'} |"
+            f"| {case} | {world} | {step} | {flat_step} | "
+            f"{cell(ours['paired_vs'].get('fsdp1'))} | "
+            f"{cell(ours['paired_vs'].get('deepspeed'))} | {cell(ours['opt_vs_fsdp2'])} | "
+            f"{cell(ours['mem_vs']['fsdp2'])} | {cell(ours['mem_vs'].get('fsdp1'))} | "
+            f"{cell(ours['mem_vs'].get('deepspeed'))} | "
+            f"{ours['collectives']} vs {fsdp2['collectives']}, "
+            f"{ours['collective_mib']:.1f} vs {fsdp2['collective_mib']:.1f} | "
+            f"{ours['copied_mib']:.1f} vs {fsdp2['copied_mib']:.1f} |"
         )
     out += [
         "",
         "## Every engine",
         "",
         "| case | world | engine | optimizer | step ms median | min | vs FSDP2 | opt step ms | "
-        "peak MiB/rank | vs FSDP2 | collectives/step | coll. MiB | copied MiB | padding | "
-        "loss (Δ vs FSDP2) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "peak MiB/rank | vs FSDP2 | kept between steps MiB | collectives/step | coll. MiB | "
+        "copied MiB | padding | loss (Δ vs FSDP2) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         pad, total = r["padding"]
@@ -737,7 +805,8 @@ def markdown(
             f"{r['median_ms']:.0f} | {r['min_ms']:.0f} | "
             f"{r.get('paired_vs_fsdp2', math.nan):.2f}x | {r['opt_median_ms']:.0f} | "
             f"{r['peak_mib']:.2f} | {r.get('mem_vs_fsdp2', math.nan):.2f}x | "
-            f"{r['collectives']} ({_kinds(r['collective_kinds'])}) | {r['collective_mib']:.2f} | "
+            f"{r['persistent_mib']:.2f} | {r['collectives']} ({_kinds(r['collective_kinds'])}) | "
+            f"{r['collective_mib']:.2f} | "
             f"{r['copied_mib']:.2f} | {100 * pad / max(total, 1):.2f}% | "
             f"{r['final_loss']:.4f} ({r.get('loss_diff_vs_fsdp2', math.nan):.1e}) |"
         )
@@ -764,12 +833,6 @@ def markdown(
         ]
         out.append(f"| {p['model']} | {p['world']} | {p['policy']} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
-
-
-def _paired_from(ours: dict[str, Any], peer: dict[str, Any] | None) -> str:
-    if peer is None:
-        return "n/a"
-    return f"{ours['median_ms'] / peer['median_ms']:.2f}x (medians)"
 
 
 def chart(rows: list[dict[str, Any]], path: Path) -> bool:

@@ -253,6 +253,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     wall = time.perf_counter() - start_all
     if rank == 0:
         print(file=sys.stderr)
+    sample = _generate(model, corpus, args.sample, device, seq)  # every rank: same greedy text
     pad, buffer = _padding(model, args.engine, world)
     record = {
         "rank": rank,
@@ -267,6 +268,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         "padding": pad,
         "buffer": buffer,
         "tokens_per_step": tokens_per_step,
+        "sample": sample,
     }
     records: list[Any] = [None] * world
     dist.all_gather_object(records, record)
@@ -292,6 +294,18 @@ def _validate(
         total += loss_fn(model, tokens.to(device))
     dist.all_reduce(total)
     return total.item() / (len(batches) * world)
+
+
+@torch.no_grad()
+def _generate(model: nn.Module, corpus: Corpus, length: int, device: torch.device, seq: int) -> str:
+    """Greedy continuation of a fixed prompt (all ranks run it: the forward has collectives)."""
+    prompt = "The "
+    index = {c: i for i, c in enumerate(corpus.chars)}
+    tokens = torch.tensor([[index[c] for c in prompt]], device=device)
+    for _ in range(length):
+        logits = model(tokens[:, -seq:])
+        tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return corpus.decode(tokens[0].cpu())
 
 
 def _progress(step: int, steps: int, loss: float, tokens: int, times: list[float]) -> None:
@@ -340,6 +354,8 @@ def report(
         f"padding           {r0['padding']:,} of {r0['buffer']:,} buffer elements "
         f"({100 * r0['padding'] / max(r0['buffer'], 1):.3f}%)",
     ]
+    if r0["sample"]:
+        lines.append(f"sample (greedy)   {r0['sample']!r}")
     print("\n".join(lines))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -358,6 +374,7 @@ def report(
         "buffer_elements": r0["buffer"],
         "losses": r0["losses"],
         "val": r0["val"],
+        "sample": r0["sample"],
     }
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=1))
     _plot(args, r0, out / "demo_loss.png")
@@ -402,6 +419,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--sample", type=int, default=80, help="characters to generate at the end")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--device", choices=("auto", "cpu"), default="auto")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds (spawned ranks)")
