@@ -85,3 +85,32 @@ def test_extra_layer_on_one_process_raises_everywhere_in_bounded_time() -> None:
     assert time.monotonic() - start < DEADLINE_S
     for outcome in outcomes:
         assert outcome.startswith("LayoutMismatchError"), outcome
+
+
+def _checkpoint_paths_disagree(rank: int, world: int, root: str, op: str) -> str:
+    from pathlib import Path
+
+    from fsdp_engine import load_checkpoint, save_checkpoint
+
+    path = Path(root) / f"step_{rank}"  # each rank names another directory
+    try:
+        if op == "save":
+            save_checkpoint({"x": torch.zeros(2)}, path)
+        else:
+            load_checkpoint({"x": torch.zeros(2)}, path)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("op", ["save", "load"])
+def test_ranks_naming_different_checkpoints_all_raise(tmp_path: Any, op: str) -> None:
+    """Saving: rank 0 would commit a checkpoint without rank 1's files. Loading: a rank
+    raising alone would leave the others in DCP's collectives until the timeout."""
+    start = time.monotonic()
+    outcomes = run_threaded(_checkpoint_paths_disagree, 2, str(tmp_path), op, timeout=DEADLINE_S)
+    assert time.monotonic() - start < DEADLINE_S
+    for outcome in outcomes:
+        assert outcome.startswith("CheckpointError"), outcomes
+        assert "different paths" in outcome and "step_0" in outcome and "step_1" in outcome
+    assert not any(tmp_path.iterdir())  # nothing written, nothing committed

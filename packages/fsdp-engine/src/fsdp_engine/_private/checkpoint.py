@@ -172,11 +172,13 @@ def save_checkpoint(
     partial = _partial_path(final)
     rank = _rank(process_group)
     world = dist.get_world_size(process_group) if dist.is_initialized() else 1
-    if final.exists():  # every rank sees the same (shared) filesystem: all raise together
-        raise FileExistsError(
+    local_error: Exception | None = None
+    if final.exists():
+        local_error = FileExistsError(
             f"save_checkpoint: {str(final)!r} already exists; checkpoints are never "
             f"overwritten in place (save under a new step directory)"
         )
+    _check_every_rank(final, local_error, "save_checkpoint", process_group)
     if check_replicated:
         _check_replicated(state_dict, process_group)
     # Rank 0 alone touches the directories; the others learn its outcome (no one is left
@@ -202,6 +204,36 @@ def save_checkpoint(
     outcome = _run_on_rank0(rank, lambda: _commit(partial, final, record))
     _agree(outcome, final, "committing", process_group)
     return final
+
+
+def _check_every_rank(
+    path: Path, error: Exception | None, op: str, group: dist.ProcessGroup | None
+) -> None:
+    """Before any collective of DCP: every rank names the same path and none failed its local
+    check, else every rank raises (a rank raising alone would leave the others waiting in
+    DCP's collectives until the timeout; ranks writing to different paths would commit a
+    checkpoint missing the others' files)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    mine = (os.path.abspath(path), None if error is None else f"{type(error).__name__}: {error}")
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    paths: dict[str, list[int]] = {}
+    errors: dict[str, list[int]] = {}
+    for rank, (where, message) in enumerate(gathered):
+        paths.setdefault(where, []).append(rank)
+        if message is not None:
+            errors.setdefault(message, []).append(rank)
+    if len(paths) > 1:
+        listed = "; ".join(f"ranks {ranks}: {where!r}" for where, ranks in paths.items())
+        raise CheckpointError(f"{op}: the ranks were given different paths ({listed})")
+    if error is not None:
+        raise error
+    if errors:
+        listed = "; ".join(f"ranks {ranks}: {message}" for message, ranks in errors.items())
+        raise CheckpointError(f"{op}: other ranks failed before starting ({listed})")
 
 
 def _clear_partial(final: Path, partial: Path) -> None:
@@ -329,7 +361,13 @@ def load_checkpoint(
     After it, ``set_state_dict(model, optimizer, ...)`` applies the values.
     """
     directory = Path(path)
-    info = checkpoint_info(directory)
+    info: dict[str, Any] = {}
+    local_error: Exception | None = None
+    try:
+        info = checkpoint_info(directory)
+    except (IncompleteCheckpointError, OSError, ValueError) as exc:
+        local_error = exc
+    _check_every_rank(directory, local_error, "load_checkpoint", process_group)
     try:
         dcp_load(
             state_dict,
