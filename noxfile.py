@@ -76,10 +76,42 @@ def _needs_torch(folders: list[Path]) -> bool:
     return False
 
 
+TORCH_VENV = ROOT / ".nox" / "_shared_torch"
+
+
+def _install_torch(session: nox.Session) -> None:
+    """Make the pinned torch importable in this session's venv.
+
+    [Note: one torch for every venv]
+    torch is ~900 MB installed; installing it into each of the ~8 session venvs would cost CI
+    several minutes. It is installed once into a shared venv, and each session venv gets a ``.pth``
+    file naming that venv's site-packages: torch and its own dependencies become importable (and
+    visible to pip, which then keeps them), nothing else does, so an undeclared import of numpy,
+    attrs or a sibling package still fails in a package's test session.
+    """
+    shared_python = TORCH_VENV / "bin" / "python"
+    if not shared_python.exists():
+        session.run("python", "-m", "venv", str(TORCH_VENV), external=True)
+        session.run(str(shared_python), "-m", "pip", "install", "--quiet", TORCH, external=True)
+    shared_site = session.run(
+        str(shared_python),
+        "-c",
+        "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+        external=True,
+        silent=True,
+    )
+    own_site = session.run(
+        "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True
+    )
+    assert isinstance(shared_site, str) and isinstance(own_site, str)
+    Path(own_site.strip(), "_shared_torch.pth").write_text(shared_site.strip() + "\n")
+    session.run("python", "-c", "import torch; assert torch.__version__.startswith('2.13.0')")
+
+
 def _install_packages(session: nox.Session, folders: list[Path], *, extras: str = "") -> None:
     if _needs_torch(folders):
         # The pinned CPU wheel first, so no package's range can pull a multi-GB CUDA build.
-        session.install(TORCH)
+        _install_torch(session)
     suffix = f"[{extras}]" if extras else ""
     session.install(
         *(f"{folder}{suffix}" if folder == folders[-1] else str(folder) for folder in folders)
@@ -111,7 +143,7 @@ def tests(session: nox.Session, package: str) -> None:
 @nox.session(tags=["ci"])
 def integration(session: nox.Session) -> None:
     """Cross-package tests (root tests/) with every package installed."""
-    session.install(TORCH)
+    _install_torch(session)
     session.install(*(str(p) + "[test]" for p in _packages().values()))
     session.run(
         "pytest",
@@ -142,16 +174,18 @@ def lint(session: nox.Session) -> None:
 @nox.session(tags=["ci"])
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over every package's src/ and the cross-package typing checks."""
-    session.install(TORCH)
+    _install_torch(session)
     session.install("mypy==2.4.1", *(f"-e{p}[test]" for p in _packages().values()))
-    sources = [str(p / "src") for p in _packages().values()]
-    session.run("mypy", "--strict", *sources, "tests/typing", *session.posargs)
+    # by module name: mypy resolves the installed (editable) packages, never a source file twice
+    modules = [arg for p in _packages() for arg in ("-p", p.replace("-", "_"))]
+    session.run("mypy", "--strict", *modules, *session.posargs)
+    session.run("mypy", "--strict", "tests/typing", *session.posargs)
 
 
 @nox.session
 def fuzz(session: nox.Session) -> None:
     """Hypothesis at 10,000 examples over the planner and ragged redistributions (not in CI)."""
-    session.install(TORCH)
+    _install_torch(session)
     session.install(*(str(p) + "[test]" for p in _packages().values()))
     session.env["FUZZ_EXAMPLES"] = "10000"
     session.run(
@@ -170,7 +204,7 @@ def fuzz(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job: a short sharded run on 2 gloo processes on this CPU."""
-    session.install(TORCH)
+    _install_torch(session)
     session.install(*(str(p) for p in _packages().values()))
     session.run("python", "examples/demo.py", *session.posargs)
 
@@ -178,7 +212,7 @@ def demo(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Side-by-side benchmarks against the peers, in one run each (figures, not pass/fail)."""
-    session.install(TORCH)
+    _install_torch(session)
     session.install(*(str(p) for p in _packages().values()))
     scripts = sorted(PACKAGES.glob("*/benchmarks/bench_*.py")) + sorted(
         (ROOT / "benchmarks").glob("bench_*.py")
