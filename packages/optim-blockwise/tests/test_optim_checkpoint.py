@@ -170,3 +170,41 @@ def test_dcp_refuses_to_reshard_absmaxes_of_unaligned_shards(tmp_path: Any) -> N
     run_threaded(_save_only, 2, "adamw8bit", path, shapes, timeout=120)
     with pytest.raises(DistributedFailure, match="exp_avg_absmax"):
         run_threaded(_load_only, 3, "adamw8bit", path, shapes, timeout=120)
+
+
+def _full(rank: int, world: int, kind: str) -> str:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    mesh = init_device_mesh("cpu", (world,))
+    module = torch.nn.Module()
+    for i, s in enumerate(SHAPES):
+        spec = ragged_spec(s, world, 1, seed=i)
+        module.register_parameter(f"p{i}", torch.nn.Parameter(shard(torch.randn(s), mesh, spec)))
+    opt = make_optimizer(
+        kind, list(module.parameters()), {"ns_dtype": torch.float32} if kind == "muon" else {}
+    )
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    full = get_optimizer_state_dict(module, opt, options=StateDictOptions(full_state_dict=True))
+    first = full["state"]["p0"]
+    key = "momentum_buffer" if kind == "muon" else "exp_avg_codes"
+    return f"{tuple(first[key].shape)} {full['param_groups'][0].get('ns_dtype')}"
+
+
+@pytest.mark.parametrize("kind", ["muon", "adamw8bit"])
+def test_full_state_dict_gathers_whole_tensors(kind: str) -> None:
+    """``full_state_dict=True`` gathers every state tensor to its global shape (``ns_dtype`` is
+    kept by name in the param groups: torch's gather accepts no ``torch.dtype`` there)."""
+    out = run_threaded(_full, 2, kind, timeout=120)
+    want = "(64, 96) float32" if kind == "muon" else "(64, 96) None"
+    assert out == [want, want]
+
+
+def test_ns_dtype_must_be_a_floating_dtype() -> None:
+    import optim_blockwise as ob
+
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    assert ob.Muon([p], ns_dtype="float32").param_groups[0]["ns_dtype"] == "float32"
+    with pytest.raises(ValueError, match="ns_dtype"):
+        ob.Muon([p], ns_dtype=torch.int32)

@@ -54,6 +54,29 @@ def muon_block_policy(row_aligned: bool = False) -> MuonBlockPolicy:
     return MuonBlockPolicy(row_aligned)
 
 
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    """``ns_dtype`` as kept in param groups: a name (``"bfloat16"``), not a ``torch.dtype``.
+
+    torch's ``get_state_dict(..., full_state_dict=True)`` accepts only tensors, containers and
+    plain scalars in param groups, so a ``torch.dtype`` there breaks full checkpoints.
+    """
+    name = str(dtype).removeprefix("torch.")
+    if (
+        not isinstance(getattr(torch, name, None), torch.dtype)
+        or not _as_dtype(name).is_floating_point
+    ):
+        raise ValueError(f"ns_dtype must be a floating torch dtype (or its name), got {dtype!r}")
+    return name
+
+
+def _as_dtype(value: torch.dtype | str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    dtype = getattr(torch, value)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
 @attrs.frozen(eq=False)
 class _Item:
     param: torch.Tensor
@@ -100,7 +123,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         adjust_lr_fn: str = "original",
         *,
-        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_dtype: torch.dtype | str = torch.bfloat16,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         use_muon: bool | None = None,
@@ -129,7 +152,7 @@ class Muon(torch.optim.Optimizer):
             "eps": eps,
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
-            "ns_dtype": ns_dtype,
+            "ns_dtype": _dtype_name(ns_dtype),
             "adamw_betas": tuple(adamw_betas),
             "adamw_eps": adamw_eps,
             "use_muon": use_muon,
@@ -149,6 +172,11 @@ class Muon(torch.optim.Optimizer):
                             f"{self._name(group, index, p)!r} has shape {tuple(p.shape)}; Muon "
                             f"needs 2-D matrices (put others in a group with use_muon=False)"
                         )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if "ns_dtype" in param_group:
+            param_group = {**param_group, "ns_dtype": _dtype_name(param_group["ns_dtype"])}
+        super().add_param_group(param_group)
 
     @staticmethod
     def block_policy(row_aligned: bool = False) -> MuonBlockPolicy:
@@ -244,7 +272,7 @@ class Muon(torch.optim.Optimizer):
             beta = item.group["momentum"]
             buf.mul_(beta).add_(g * (1.0 - beta))
             update = g.mul(1.0 - beta).add_(buf * beta) if item.group["nesterov"] else buf
-            updates.append(update.to(item.group["ns_dtype"]))
+            updates.append(update.to(_as_dtype(item.group["ns_dtype"])))
 
         by_pg: dict[dist.ProcessGroup | None, list[int]] = {}
         for i, item in enumerate(muon_items):
@@ -319,7 +347,8 @@ class Muon(torch.optim.Optimizer):
 
     def _orthogonalize(self, item: _Item, matrix: torch.Tensor) -> torch.Tensor:
         g = item.group
-        return newton_schulz(matrix, g["ns_coefficients"], g["ns_steps"], g["eps"], g["ns_dtype"])
+        dtype = _as_dtype(g["ns_dtype"])
+        return newton_schulz(matrix, g["ns_coefficients"], g["ns_steps"], g["eps"], dtype)
 
     def _apply(self, item: _Item, ortho_local: torch.Tensor) -> None:
         p_local = local_flat(item.param, item.name)
