@@ -39,13 +39,47 @@ def test_matches_single_process_threaded(world: int, optimizer: str) -> None:
     _check(results, ref_losses, ref_params)
 
 
-@pytest.mark.parametrize("reshard", [False, 1, 2], ids=["False", "int1", "int2"])
+@pytest.mark.parametrize("reshard", [False, 1, 2, 4], ids=["False", "int1", "int2", "int4"])
 def test_reshard_after_forward_variants(reshard: bool | int) -> None:
-    ref_losses, ref_params = reference(STEPS, 2)
+    # at 4 ranks, 2 keeps half of the unsharded buffer per rank and re-gathers within pairs
+    ref_losses, ref_params = reference(STEPS, 4)
     results = run_threaded(
-        lambda r, w: train_sharded(r, w, steps=STEPS, reshard_after_forward=reshard), 2, timeout=300
+        lambda r, w: train_sharded(r, w, steps=STEPS, reshard_after_forward=reshard), 4, timeout=300
     )
     _check(results, ref_losses, ref_params)
+
+
+def _subgroup_counts(rank: int, world: int) -> dict[str, int]:
+    from engine_models import TinyLlama, batches, loss_fn
+    from torch.distributed.tensor import init_device_mesh
+
+    from fsdp_engine import fully_shard
+    from ragged_dtensor.testing import count_collectives
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = TinyLlama()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=2)
+    fully_shard(model, mesh=mesh)
+    tokens = batches(1, world)[0].chunk(world)[rank]
+    loss = loss_fn(model, tokens)
+    state = model.layers[0].__dict__["_fsdp_engine_state"]
+    kept = state.group.post_forward_chunk.numel()
+    full = state.group.params.shard_size * world
+    with count_collectives() as counter:
+        loss.backward()
+    return {
+        "kept": kept,
+        "full": full,
+        "gathers": counter.calls.get("all_gather_single", 0),
+        "gather_bytes": counter.bytes.get("all_gather_single", 0),
+    }
+
+
+def test_reshard_after_forward_int_keeps_a_part_and_gathers_in_the_subgroup() -> None:
+    for result in run_threaded(_subgroup_counts, 4, timeout=120):
+        assert result["kept"] * 2 == result["full"], result
+        assert result["gathers"] == 2, result  # one per resharded layer, inside its pair
 
 
 def test_gradient_accumulation_without_sync() -> None:

@@ -281,10 +281,18 @@ class DBuffer:
         return entry.views
 
     # -- allocation -----------------------------------------------------------------------------
-    def alloc_unsharded(self, *, zero: bool = False) -> tuple[torch.Tensor, ...]:
-        """Allocate the unsharded storage (one allocation for the group) without gathering, e.g.
-        for gradients; ``zero`` fills it with zeros (one kernel). Returns ``full_views()``."""
-        entry = self._unsharded[self.dtype]
+    def unsharded_flat(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The flat unsharded tensor of ``dtype`` (m * S elements; empty storage while
+        released). For callers that fill it themselves, e.g. a gather over a sub-group."""
+        return self._unsharded_of(dtype).flat
+
+    def alloc_unsharded(
+        self, *, zero: bool = False, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """Allocate the unsharded storage of ``dtype`` (default: the buffer's; one allocation for
+        the group) without gathering, e.g. for gradients; ``zero`` fills it with zeros (one
+        kernel). Returns ``full_views(dtype)``."""
+        entry = self._unsharded_of(dtype)
         _allocate(entry.flat)
         if zero:
             with _unsafe_preserve_version_counter(entry.flat):

@@ -244,15 +244,18 @@ def fully_shard(
     world = mesh.size(shard_axis)
     if isinstance(offload_policy, CPUOffloadPolicy) and mesh.device_type != "cpu":
         raise NotImplementedError("CPUOffloadPolicy on an accelerator mesh is not supported yet")
+    subgroup = 0
     if isinstance(reshard_after_forward, bool):
         reshard = reshard_after_forward
     elif isinstance(reshard_after_forward, int):
-        if reshard_after_forward not in (1, world):
-            raise NotImplementedError(
-                f"reshard_after_forward={reshard_after_forward}: only 1 (keep unsharded) or the "
-                f"shard-axis size {world} (reshard fully) are supported yet"
+        if reshard_after_forward < 1 or world % reshard_after_forward:
+            raise ValueError(
+                f"reshard_after_forward={reshard_after_forward} must be a positive divisor of the "
+                f"shard-axis size {world} (1: keep unsharded, {world}: reshard fully)"
             )
         reshard = reshard_after_forward != 1
+        if 1 < reshard_after_forward < world:
+            subgroup = reshard_after_forward
     else:
         raise TypeError(
             f"reshard_after_forward must be bool or int, got {type(reshard_after_forward).__name__}"
@@ -266,6 +269,8 @@ def fully_shard(
         if refs
         else None
     )
+    if group is not None and subgroup:
+        group.setup_subgroup(subgroup)
     state = FSDPState(target, group, reshard_after_forward=reshard, mp_policy=mp_policy)
     target.__dict__[STATE_ATTR] = state
     cls = type(target)

@@ -144,6 +144,10 @@ class ParamGroup:
         self.unshard_handle: Handle | None = None
         self._version_guard: _unsafe_preserve_version_counter | None = None
         self.reduce_handle: Handle | None = None
+        self.post_forward_chunk: torch.Tensor | None = None
+        self.subgroup_size = 1
+        self.subgroup: dist.ProcessGroup | None = None
+        self.subgroup_index = 0
         self._grad_views: list[DTensor] | None = None
         self.grads_pending = False  # unsharded gradients accumulated, not yet reduced
         self.grad_seen = [False] * len(self.refs)  # in the current backward pass
@@ -215,6 +219,9 @@ class ParamGroup:
             if not async_op:
                 self.wait_for_unshard()
             return
+        if self.post_forward_chunk is not None:
+            self._unshard_from_chunk()
+            return
         # An async gloo all-gather bumps its output's version counter when it completes, in the
         # background. The refilled values are the same parameters autograd saved (DBuffer's
         # [Note: version counters]), so the counter is put back when the all-gather is waited.
@@ -237,8 +244,48 @@ class ParamGroup:
     def reshard(self) -> None:
         self.wait_for_unshard()
         self.params.reshard()
+        self.post_forward_chunk = None
         self.register_sharded()
         self.state = ShardState.SHARDED
+
+    # -- reshard_after_forward=k: keep 1/k of the unsharded buffer between forward and backward --
+    # [Note: resharding to a sub-group]
+    # With k ranks per sub-group (consecutive coordinates of the shard axis), each rank keeps the
+    # k-th part of the unsharded flat buffer that its position in the sub-group names (m*S/k
+    # elements, so the sub-group holds the whole buffer), and backward rebuilds the buffer with
+    # one all-gather inside the sub-group: less memory than keeping it (k > 1), cheaper
+    # communication than a full reshard (k < m), e.g. k = ranks per node.
+    def setup_subgroup(self, k: int) -> None:
+        world = self.world
+        if world % k:
+            raise ValueError(f"reshard_after_forward={k} must divide the shard-axis size {world}")
+        if self.mesh.ndim != 1:
+            raise NotImplementedError("reshard_after_forward as an int with HSDP is not supported")
+        ranks = self.mesh.mesh.flatten()
+        sub = DeviceMesh(self.mesh.device_type, ranks.view(world // k, k))
+        self.subgroup_size = k
+        self.subgroup = sub.get_group(1)
+        self.subgroup_index = self.params.rank % k
+
+    def reshard_to_subgroup(self) -> None:
+        """Post-forward: keep this rank's 1/k part of the unsharded buffer, free the rest."""
+        self.wait_for_unshard()
+        flat = self.params.unsharded_flat(self.compute_dtype)
+        part = flat.numel() // self.subgroup_size
+        start = self.subgroup_index * part
+        chunk = flat[start : start + part].clone()
+        self.reshard()
+        self.post_forward_chunk = chunk
+
+    def _unshard_from_chunk(self) -> None:
+        chunk = self.post_forward_chunk
+        assert chunk is not None
+        self.params.alloc_unsharded(dtype=self.compute_dtype)
+        flat = self.params.unsharded_flat(self.compute_dtype)
+        with _unsafe_preserve_version_counter(flat):
+            dist.all_gather_single(flat, chunk, group=self.subgroup)
+        self.post_forward_chunk = None
+        self.state = ShardState.UNSHARDED
 
     # -- gradients ---------------------------------------------------------------------------
     def prepare_gradients(self) -> None:

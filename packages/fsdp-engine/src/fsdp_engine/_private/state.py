@@ -46,7 +46,7 @@ class FSDPState:
         module: nn.Module,
         group: ParamGroup | None,
         *,
-        reshard_after_forward: bool,
+        reshard_after_forward: bool | int,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
         self.module = module
@@ -138,7 +138,10 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         group = self.group
         if group is not None and self.reshard_after_forward:
-            group.reshard()
+            if group.subgroup is not None and torch.is_grad_enabled():
+                group.reshard_to_subgroup()
+            else:
+                group.reshard()
         self.training_state = TrainingState.IDLE
         if torch.is_grad_enabled():
             self._register_pre_backward(output)
