@@ -183,10 +183,8 @@ def _full_state_dict(rank: int, world: int, kind: str) -> str:
 
 @pytest.mark.parametrize("kind", ["muon", "adamw8bit"])
 def test_full_optimizer_state_dict(kind: str) -> None:
-    """FAILS today for Muon: ``get_state_dict(..., StateDictOptions(full_state_dict=True))``
-    raises ``ValueError: Unexpected value type <class 'torch.dtype'>``: Muon keeps ``ns_dtype``
-    (a ``torch.dtype``) in every param group and torch's ``_gather_state_dict`` accepts only
-    tensors, containers and plain scalars there. Fix (optim-blockwise muon.py): keep
-    ``ns_dtype`` as a string in the param groups (``"bfloat16"``, converted with
-    ``getattr(torch, name)`` when used) or as an optimizer attribute outside ``defaults``."""
+    """Regression (found here, fixed in 52b6751): for Muon, ``get_state_dict(...,
+    StateDictOptions(full_state_dict=True))`` raised ``ValueError: Unexpected value type <class
+    'torch.dtype'>``: ``ns_dtype`` (a ``torch.dtype``) sat in every param group and torch's
+    ``_gather_state_dict`` accepts only tensors, containers and plain scalars there."""
     assert run_threaded(_full_state_dict, 2, kind, timeout=120) == ["ok", "ok"]

@@ -99,9 +99,8 @@ def test_bad_input_names_the_offender(name: str) -> None:
 
 
 def test_non_integer_units_are_rejected() -> None:
-    """FAILS today: ``RaggedShard((0,), (1.5, 1))`` is accepted (placement.py validates signs,
-    not types), so a float from a units computation flows into flat ranges and slicing. Check
-    every unit with ``operator.index`` and raise TypeError naming ``local_units``."""
+    """Regression (found here, fixed in 07833bc): ``RaggedShard((0,), (1.5, 1))`` was accepted
+    (signs were validated, not types), so a float flowed into flat ranges and slicing."""
     with pytest.raises(TypeError, match="local_units"):
         RaggedShard((0,), (1.5, 1))  # type: ignore[arg-type]
 
@@ -123,14 +122,11 @@ def _placements_disagree(rank: int, world: int) -> str:
 
 
 def test_ranks_disagreeing_on_units_are_detected_by_run_check() -> None:
-    """FAILS today (silent wrong data): with ``run_check=True`` ``DTensor.from_local`` checks
-    each rank's local size against its *own* units only. Here rank 0 says (1, 3), rank 1 says
-    (3, 1): both shares have 8 elements, the padded all-gather of ``full_tensor()`` has equal
-    sizes on both ranks, and both return WRONG data without an error. Fix (compat.py
-    ``_from_local_hook`` / api.py ``check_ragged_local``): when ``run_check`` is true, compare
-    ``(dims, local_units, shape)`` of the ragged placement across the ragged mesh axis with one
-    object all-gather and raise ValueError on every rank naming the ranks and both placements
-    (``distribute_tensor`` could do the same cheaply)."""
+    """Regression (silent wrong data; found here, fixed in 07833bc): ``DTensor.from_local(...,
+    run_check=True)`` checked each rank's local size against its *own* units only. Rank 0 says
+    (1, 3), rank 1 says (3, 1): both shares have 8 elements, the padded all-gather of
+    ``full_tensor()`` has equal sizes on both ranks, and both returned WRONG data silently. Now
+    ``run_check`` compares the ragged layout across the ragged mesh axis."""
     outcomes = run_threaded(_placements_disagree, 2, timeout=60)
     for outcome in outcomes:
         assert outcome.startswith("ValueError") and "local_units" in outcome, outcomes

@@ -77,8 +77,6 @@ def test_bad_input_names_the_offender(name: str) -> None:
 
 
 def test_numpy_integer_world_size_is_accepted() -> None:
-    """FAILS today: ``plan(specs, np.int64(4))`` raises "world_size must be an int >= 1, got
-    np.int64(4)" (a message that contradicts itself: 4 >= 1). World sizes and block sizes often
-    come from numpy arithmetic; check with ``operator.index`` instead of ``isinstance(x, int)``
-    (spec.py ``check_inputs``; still rejecting bool)."""
+    """Regression (found here, fixed in cbfaf07): ``plan(specs, np.int64(4))`` raised "world_size
+    must be an int >= 1, got np.int64(4)" (a message contradicting itself)."""
     assert sp.plan(_one(), np.int64(2)).world_size == 2  # type: ignore[arg-type]
