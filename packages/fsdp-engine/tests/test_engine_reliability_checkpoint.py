@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_models import batches, loss_fn
 from engine_reliability_common import assert_bitwise_equal, build, full_snapshot, train
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -293,3 +294,32 @@ def test_a_failed_commit_raises_on_every_rank_and_commits_nothing(
     with pytest.raises(IncompleteCheckpointError, match="no COMMITTED marker"):
         load_checkpoint({}, partial)
     assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
+
+
+# -- checkpoint after an evaluation forward --------------------------------------------------------
+
+
+def _eval_then_save(rank: int, world: int, root: str, engine: str) -> dict[str, Any]:
+    model, opt = build(world, engine=engine)
+    train(model, opt, rank, world, start=0, steps=1)
+    with torch.no_grad():  # a validation loss: forward only, no backward follows
+        loss_fn(model, batches(1, world)[0].chunk(world)[rank])
+    kinds = sorted({type(v).__name__ for v in model.state_dict().values()})
+    try:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        save_checkpoint({"model": model_sd, "optim": optim_sd}, Path(root) / engine)
+    except Exception as exc:
+        return {"kinds": kinds, "save": f"{type(exc).__name__}: {exc}"}
+    return {"kinds": kinds, "save": "saved"}
+
+
+def test_checkpoint_after_an_eval_forward_like_fsdp2(tmp_path: Path) -> None:
+    """Train, evaluate under ``no_grad``, checkpoint: the usual loop. FSDP2's state dict holds
+    sharded DTensors and saves. Ours kept the root's parameters unsharded after the forward
+    (the root skips resharding because backward normally follows), so ``model.state_dict()``
+    held plain full tensors for them and ``get_state_dict(model, opt)`` raised ``KeyError: 0``
+    (the optimizer's sharded parameters are no longer the module's)."""
+    theirs = run_threaded(_eval_then_save, 2, str(tmp_path), "fsdp2", timeout=120)
+    ours = run_threaded(_eval_then_save, 2, str(tmp_path), "ours", timeout=120)
+    assert theirs[0] == {"kinds": ["DTensor"], "save": "saved"}, theirs
+    assert ours[0] == {"kinds": ["DTensor"], "save": "saved"}, ours
