@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = [
+    "run_markdown_example",
     "CollectiveCounter",
     "DistributedFailure",
     "count_collectives",
@@ -206,6 +207,38 @@ def run_threaded(
         head = [f"ranks {missing} did not finish within {timeout:.0f} s"] if missing else []
         raise DistributedFailure("\n".join(head + errors))
     return [outcomes[r][1] for r in range(world_size)]
+
+
+def run_markdown_example(
+    readme: str | os.PathLike[str], *, timeout: float = 300.0, index: int = 0
+) -> str:
+    """Run the ``index``-th fenced python block of a README as a script in a new interpreter.
+
+    Returns its stdout; raises ``AssertionError`` with its output if it fails. Every package's
+    README example is tested this way, exactly as a user would paste and run it.
+    """
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    blocks = re.findall(r"```python\n(.*?)```", Path(readme).read_text(), flags=re.S)
+    if len(blocks) <= index:
+        raise AssertionError(f"{readme} has {len(blocks)} python examples, wanted #{index}")
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "example.py"
+        script.write_text(blocks[index])
+        done = subprocess.run(
+            [sys.executable, str(script)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            cwd=tmp,
+        )
+    if done.returncode != 0:
+        raise AssertionError(f"{readme} example #{index} failed:\n{done.stdout}\n{done.stderr}")
+    return done.stdout
 
 
 _COUNTED = (

@@ -193,15 +193,21 @@ def redistribute(
     return dt.redistribute(device_mesh or dt.device_mesh, tuple(placements))
 
 
-def local_range(dt: DTensor) -> FlatRange:
-    """This rank's flat range of X (the tensor the ragged axis cuts) for a ragged DTensor."""
+def _ragged_geometry(dt: DTensor) -> tuple[RaggedShard, tuple[int, ...], int]:
+    """(placement, X's shape, this rank's coordinate on the ragged axis) of a ragged DTensor."""
     axis = ragged_axis(dt.placements)
     if axis is None:
         raise ValueError(f"DTensor with placements {dt.placements} has no RaggedShard")
     placement = dt.placements[axis]
     assert isinstance(placement, RaggedShard)
     xs = x_shape(tuple(dt.shape), dt.device_mesh, dt.placements)
-    return placement.flat_range(xs, dt.device_mesh.get_local_rank(axis))
+    return placement, xs, dt.device_mesh.get_local_rank(axis)
+
+
+def local_range(dt: DTensor) -> FlatRange:
+    """This rank's flat range of X (the tensor the ragged axis cuts) for a ragged DTensor."""
+    placement, xs, coordinate = _ragged_geometry(dt)
+    return placement.flat_range(xs, coordinate)
 
 
 def local_box(dt: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -209,10 +215,5 @@ def local_box(dt: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
     Offsets are in X's coordinates (equal to global ones on a 1-D mesh).
     """
-    axis = ragged_axis(dt.placements)
-    if axis is None:
-        raise ValueError(f"DTensor with placements {dt.placements} has no RaggedShard")
-    placement = dt.placements[axis]
-    assert isinstance(placement, RaggedShard)
-    xs = x_shape(tuple(dt.shape), dt.device_mesh, dt.placements)
-    return placement.local_box(xs, dt.device_mesh.get_local_rank(axis))
+    placement, xs, coordinate = _ragged_geometry(dt)
+    return placement.local_box(xs, coordinate)
