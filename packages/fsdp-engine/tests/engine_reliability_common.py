@@ -22,9 +22,11 @@ def build(
     engine: str = "ours",
     lr: float = 1e-2,
     mesh_shape: tuple[int, ...] | None = None,
+    row_blocks: bool = False,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """A TinyLlama sharded per layer and at the root, and an AdamW over its parameters.
-    ``mesh_shape`` (default ``(world,)``): a 2-D shape is HSDP (replicate, shard)."""
+    ``mesh_shape`` (default ``(world,)``): a 2-D shape is HSDP (replicate, shard).
+    ``row_blocks``: a block policy keeping every matrix row whole (another plan)."""
     api: Any
     if engine == "ours":
         api = fsdp_engine
@@ -35,9 +37,12 @@ def build(
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model = TinyLlama()
     model.load_state_dict(initial_state())
+    kwargs: dict[str, Any] = {}
+    if row_blocks:
+        kwargs["block_policy"] = lambda name, p: int(p.shape[-1]) if p.dim() > 1 else 1
     for layer in model.layers:
-        api.fully_shard(layer, mesh=mesh)
-    api.fully_shard(model, mesh=mesh)
+        api.fully_shard(layer, mesh=mesh, **kwargs)
+    api.fully_shard(model, mesh=mesh, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     return model, opt
 

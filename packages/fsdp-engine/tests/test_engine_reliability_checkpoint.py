@@ -73,9 +73,9 @@ def test_commit_marker_pointer_and_refusals(tmp_path: Path) -> None:
 
 
 def _reshard_phase(
-    rank: int, world: int, root: str, load_from: str | None, save_to: str
+    rank: int, world: int, root: str, load_from: str | None, save_to: str, rows: bool = False
 ) -> dict[str, torch.Tensor]:
-    model, opt = build(world)
+    model, opt = build(world, row_blocks=rows)
     if load_from is None:
         train(model, opt, rank, world, start=0, steps=2)
     else:
@@ -96,6 +96,16 @@ def test_save_at_2_load_at_4_then_1_then_2_is_bit_exact(tmp_path: Path) -> None:
     assert any(k.endswith("exp_avg_sq") for k in want) and any(k.endswith(".step") for k in want)
     for world, src, dst in ((4, "w2", "w4"), (1, "w4", "w1"), (2, "w1", "w2b")):
         for got in run_threaded(_reshard_phase, world, root, src, dst, timeout=120):
+            assert_bitwise_equal(got, want)
+
+
+def test_load_under_another_plan_at_odd_world_sizes(tmp_path: Path) -> None:
+    """2 ranks, no block policy -> 3 ranks keeping matrix rows whole (another plan, uneven
+    shares) -> 5 ranks: bit-exact."""
+    root = str(tmp_path)
+    want = run_threaded(_reshard_phase, 2, root, None, "w2", timeout=120)[0]
+    for world, src, dst, rows in ((3, "w2", "w3", True), (5, "w3", "w5", False)):
+        for got in run_threaded(_reshard_phase, world, root, src, dst, rows, timeout=120):
             assert_bitwise_equal(got, want)
 
 
@@ -315,10 +325,10 @@ def _eval_then_save(rank: int, world: int, root: str, engine: str) -> dict[str, 
 
 def test_checkpoint_after_an_eval_forward_like_fsdp2(tmp_path: Path) -> None:
     """Train, evaluate under ``no_grad``, checkpoint: the usual loop. FSDP2's state dict holds
-    sharded DTensors and saves. Ours kept the root's parameters unsharded after the forward
-    (the root skips resharding because backward normally follows), so ``model.state_dict()``
-    held plain full tensors for them and ``get_state_dict(model, opt)`` raised ``KeyError: 0``
-    (the optimizer's sharded parameters are no longer the module's)."""
+    sharded DTensors and saves. Ours (found here) keeps the root's parameters unsharded after
+    the forward (the root skips resharding because backward normally follows), so
+    ``model.state_dict()`` holds plain full tensors for them and ``get_state_dict(model, opt)``
+    raises ``KeyError: 0`` (the optimizer's sharded parameters are no longer the module's)."""
     theirs = run_threaded(_eval_then_save, 2, str(tmp_path), "fsdp2", timeout=120)
     ours = run_threaded(_eval_then_save, 2, str(tmp_path), "ours", timeout=120)
     assert theirs[0] == {"kinds": ["DTensor"], "save": "saved"}, theirs
