@@ -23,19 +23,23 @@ EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "15"))
 
 
 @st.composite
-def layouts(draw: Any, rows: int, world: int) -> tuple[str, tuple[int, ...]]:
-    """("shard", ()) or ("ragged", units): units over ``world`` ranks, zeros allowed, their sum
-    dividing ``rows``."""
+def layouts(draw: Any, shape: tuple[int, ...], world: int) -> tuple[Any, ...]:
+    """("shard", (), ()) or ("ragged", dims, units): a prefix of the dims, units over ``world``
+    ranks (zeros allowed) whose sum divides the prefix rows."""
     if draw(st.integers(0, 4)) == 0:
-        return "shard", ()
+        return "shard", (), ()
+    dims = tuple(range(draw(st.integers(1, len(shape)))))
+    rows = 1
+    for d in dims:
+        rows *= shape[d]
     total = draw(st.sampled_from([d for d in range(1, rows + 1) if rows % d == 0]))
     cuts = sorted(draw(st.lists(st.integers(0, total), min_size=world - 1, max_size=world - 1)))
     bounds = [0, *cuts, total]
-    return "ragged", tuple(b - a for a, b in itertools.pairwise(bounds))
+    return "ragged", dims, tuple(b - a for a, b in itertools.pairwise(bounds))
 
 
-def _placement(kind: str, units: tuple[int, ...]) -> Any:
-    return Shard(0) if kind == "shard" else RaggedShard((0,), units)
+def _placement(kind: str, dims: tuple[int, ...], units: tuple[int, ...]) -> Any:
+    return Shard(0) if kind == "shard" else RaggedShard(dims, units)
 
 
 def _save(rank: int, world: int, full: torch.Tensor, layout: Any, path: str) -> None:
@@ -54,15 +58,15 @@ def _load(rank: int, world: int, shape: tuple[int, ...], layout: Any, path: str)
 
 
 @st.composite
-def cases(draw: Any) -> tuple[tuple[int, int], int, Any, int, Any]:
-    rows, cols = draw(st.integers(1, 12)), draw(st.integers(1, 5))
+def cases(draw: Any) -> tuple[tuple[int, ...], int, Any, int, Any]:
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
     src_world, dst_world = draw(st.integers(1, 4)), draw(st.integers(1, 4))
     return (
-        (rows, cols),
+        shape,
         src_world,
-        draw(layouts(rows, src_world)),
+        draw(layouts(shape, src_world)),
         dst_world,
-        draw(layouts(rows, dst_world)),
+        draw(layouts(shape, dst_world)),
     )
 
 
