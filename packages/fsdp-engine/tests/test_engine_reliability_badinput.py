@@ -279,6 +279,18 @@ CKPT_CASES: dict[str, tuple[Callable[[Path, int], object], type[Exception], tupl
         FileExistsError,
         ("/ok'", "already exists"),
     ),
+    "saving an unmaterialized (meta) model": (
+        lambda root, world: save_checkpoint(
+            {"model": {"head.weight": torch.empty(4, 4, device="meta")}}, root / "meta"
+        ),
+        CheckpointError,
+        ("'model.head.weight'", "meta device", "to_empty"),
+    ),
+    "a state dict that is not a dict": (
+        lambda root, world: save_checkpoint([torch.zeros(2)], root / "list"),  # type: ignore[arg-type]
+        TypeError,
+        ("state_dict must be a dict", "list"),
+    ),
     "per-rank data in a plain tensor": (
         _save_per_rank_plain,
         CheckpointError,

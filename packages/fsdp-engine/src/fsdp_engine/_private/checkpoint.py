@@ -172,8 +172,8 @@ def save_checkpoint(
     partial = _partial_path(final)
     rank = _rank(process_group)
     world = dist.get_world_size(process_group) if dist.is_initialized() else 1
-    local_error: Exception | None = None
-    if final.exists():
+    local_error: Exception | None = _check_state_dict(state_dict, "save_checkpoint")
+    if local_error is None and final.exists():
         local_error = FileExistsError(
             f"save_checkpoint: {str(final)!r} already exists; checkpoints are never "
             f"overwritten in place (save under a new step directory)"
@@ -204,6 +204,37 @@ def save_checkpoint(
     outcome = _run_on_rank0(rank, lambda: _commit(partial, final, record))
     _agree(outcome, final, "committing", process_group)
     return final
+
+
+def _all_tensors(value: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _all_tensors(item, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            yield from _all_tensors(item, f"{prefix}.{index}")
+
+
+def _check_state_dict(state_dict: Any, op: str) -> Exception | None:
+    """A dict, and no tensor without data (meta): DCP would fail deep inside, unnamed."""
+    if not isinstance(state_dict, dict):
+        return TypeError(f"{op}: state_dict must be a dict, got {type(state_dict).__name__}")
+    meta = [
+        key
+        for key, tensor in _all_tensors(state_dict, "")
+        if (tensor._local_tensor if isinstance(tensor, DTensor) else tensor).is_meta
+    ]
+    if meta:
+        shown = ", ".join(repr(k) for k in meta[:5]) + (
+            f" and {len(meta) - 5} more" if len(meta) > 5 else ""
+        )
+        return CheckpointError(
+            f"{op}: {shown} {'is' if len(meta) == 1 else 'are'} on the meta device (no data): "
+            f"materialize the model first (to_empty(device=...) and initialize or load)"
+        )
+    return None
 
 
 def _check_every_rank(
@@ -362,11 +393,11 @@ def load_checkpoint(
     """
     directory = Path(path)
     info: dict[str, Any] = {}
-    local_error: Exception | None = None
+    local_error: Exception | None = _check_state_dict(state_dict, "load_checkpoint")
     try:
         info = checkpoint_info(directory)
     except (IncompleteCheckpointError, OSError, ValueError) as exc:
-        local_error = exc
+        local_error = local_error or exc
     _check_every_rank(directory, local_error, "load_checkpoint", process_group)
     try:
         dcp_load(
