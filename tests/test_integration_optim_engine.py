@@ -21,7 +21,8 @@ from fsdp_engine import fully_shard
 from ragged_dtensor.testing import run_processes, run_threaded
 
 STEPS = 5
-_LOCK = threading.Lock()
+# threads share torch's global generator: every construction holds this lock
+_LOCK = threading.RLock()
 
 
 class Net(nn.Module):
@@ -67,7 +68,8 @@ def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
 
 
 def _single(kind: str, world: int) -> dict[str, Any]:
-    model = Net()
+    with _LOCK:
+        model = Net()
     model.load_state_dict(_init())
     opt = _optimizer(kind, model)
     for tokens in _data(world):
@@ -79,7 +81,8 @@ def _single(kind: str, world: int) -> dict[str, Any]:
 
 def _sharded(rank: int, world: int, kind: str) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,))
-    model = Net()
+    with _LOCK:
+        model = Net()
     model.load_state_dict(_init())
     policy = (
         ob.AdamW8bit.block_policy(block_size=256)

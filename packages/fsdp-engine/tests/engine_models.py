@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,17 @@ class TinyLlama(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return self.head(self.norm(x))
+
+
+# Threaded ranks share torch's global generator: constructing a model draws from it, so every
+# construction (and the seeded one that makes the reference weights) happens under this lock.
+RNG_LOCK = threading.RLock()
+
+
+def build(**kwargs: int) -> TinyLlama:
+    """A TinyLlama whose construction does not race other threads' seeded constructions."""
+    with RNG_LOCK:
+        return TinyLlama(**kwargs)
 
 
 def batches(

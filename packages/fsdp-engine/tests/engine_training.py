@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from engine_models import TinyLlama, batches, loss_fn
+from engine_models import RNG_LOCK, TinyLlama, batches, build, loss_fn
 from torch.distributed.tensor import DTensor, init_device_mesh
 
 import fsdp_engine
@@ -19,14 +18,13 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 }
 
 
-_INIT_LOCK = threading.Lock()
 _INIT_CACHE: dict[int, dict[str, torch.Tensor]] = {}
 
 
 def initial_state(seed: int = 0) -> dict[str, torch.Tensor]:
     """The same initial weights for every rank. Threaded ranks share torch's global generator,
     so the weights are made once, under a lock, and copied."""
-    with _INIT_LOCK:
+    with RNG_LOCK:
         if seed not in _INIT_CACHE:
             with torch.random.fork_rng():
                 torch.manual_seed(seed)
@@ -42,7 +40,7 @@ def reference(
     dtype: torch.dtype | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single process, the whole global batch per step."""
-    model = TinyLlama()
+    model = build()
     model.load_state_dict(initial_state())
     opt = OPTIMIZERS[optimizer](model.parameters())
     losses = []
@@ -83,7 +81,7 @@ def train_sharded(
     shape = mesh_shape or (world,)
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    model = TinyLlama()
+    model = build()
     model.load_state_dict(initial_state())
     mp = api.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in model.layers:

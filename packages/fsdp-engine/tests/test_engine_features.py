@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from engine_models import TinyLlama, batches, loss_fn
+from engine_models import TinyLlama, batches, build, loss_fn
 from engine_training import initial_state
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -25,7 +25,7 @@ from ragged_dtensor.testing import count_collectives, run_processes, run_threade
 
 def _sharded_model(world: int, **kwargs: Any) -> tuple[TinyLlama, Any]:
     mesh = init_device_mesh("cpu", (world,))
-    model = TinyLlama()
+    model = build()
     model.load_state_dict(initial_state())
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, **kwargs)
@@ -97,7 +97,7 @@ def _import_switch(rank: int, world: int, engine: str) -> list[float]:
         from torch.distributed.fsdp import MixedPrecisionPolicy
         from torch.distributed.fsdp import fully_shard as shard
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
-    model = TinyLlama()
+    model = build()
     model.load_state_dict(initial_state())
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for layer_id, block in enumerate(model.layers):
@@ -136,7 +136,7 @@ def _errors(rank: int, world: int) -> dict[str, str]:
         else:
             out[name] = "no error"
 
-    model = TinyLlama()
+    model = build()
     fully_shard(model.layers[0], mesh=mesh)
     capture("twice", lambda: fully_shard(model.layers[0], mesh=mesh))
     capture(
@@ -164,7 +164,7 @@ def test_bad_input_raises_clearly() -> None:
 
 def _block_policy(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
-    model = TinyLlama()
+    model = build()
     # whole rows of every matrix, whole 1-D tensors
     fully_shard(
         model, mesh=mesh, block_policy=lambda name, p: p.shape[-1] if p.dim() > 1 else p.numel()
@@ -221,7 +221,7 @@ def test_checkpoint_saved_at_2_loads_at_4(tmp_path: Path) -> None:
 def _meta_init(rank: int, world: int) -> bool:
     mesh = init_device_mesh("cpu", (world,))
     with torch.device("meta"):
-        model = TinyLlama()
+        model = build()
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -245,7 +245,7 @@ def test_meta_device_init_then_to_empty() -> None:
 
 def _ignored(rank: int, world: int) -> bool:
     mesh = init_device_mesh("cpu", (world,))
-    model = TinyLlama()
+    model = build()
     fully_shard(model, mesh=mesh, ignored_params={model.head.bias})
     assert not isinstance(model.head.bias, DTensor)
     assert isinstance(model.head.weight, DTensor)

@@ -50,14 +50,14 @@ def test_reshard_after_forward_variants(reshard: bool | int) -> None:
 
 
 def _subgroup_counts(rank: int, world: int) -> dict[str, int]:
-    from engine_models import TinyLlama, batches, loss_fn
+    from engine_models import batches, build, loss_fn
     from torch.distributed.tensor import init_device_mesh
 
     from fsdp_engine import fully_shard
     from ragged_dtensor.testing import count_collectives
 
     mesh = init_device_mesh("cpu", (world,))
-    model = TinyLlama()
+    model = build()
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=2)
     fully_shard(model, mesh=mesh)

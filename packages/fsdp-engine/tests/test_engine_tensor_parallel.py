@@ -19,7 +19,8 @@ from fsdp_engine import fully_shard
 from ragged_dtensor import RaggedShard
 from ragged_dtensor.testing import run_threaded
 
-_LOCK = threading.Lock()
+# threads share torch's global generator: every construction holds this lock
+_LOCK = threading.RLock()
 STEPS = 5
 
 
@@ -57,7 +58,8 @@ def _reference() -> dict[str, torch.Tensor]:
 
 def _train(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    model = MLP()
+    with _LOCK:
+        model = MLP()
     model.load_state_dict(_init())
     parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
