@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from engine_models import TinyLlama
+from engine_models import TinyLlama, batches, loss_fn
 from torch.distributed.tensor import init_device_mesh
 
-from fsdp_engine import fully_shard
+from fsdp_engine import MixedPrecisionPolicy, fully_shard
 from ragged_dtensor.testing import run_processes, run_threaded
 
 DEADLINE_S = 30.0  # process-group timeout and the bound on every case
@@ -85,6 +85,45 @@ def test_extra_layer_on_one_process_raises_everywhere_in_bounded_time() -> None:
     assert time.monotonic() - start < DEADLINE_S
     for outcome in outcomes:
         assert outcome.startswith("LayoutMismatchError"), outcome
+
+
+def _train_disagreeing_config(rank: int, world: int, case: str) -> str:
+    """Same model everywhere; rank 1 passes another ``fully_shard`` setting."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = _model_for(rank, "same")
+    kwargs: dict[str, Any] = {}
+    if rank == 1 and case == "mp_policy":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    if rank == 1 and case == "reshard_after_forward":
+        kwargs["reshard_after_forward"] = False
+    try:
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, **kwargs)
+        fully_shard(model, mesh=mesh, **kwargs)
+        for tokens in batches(2, 1, batch=4):
+            loss_fn(model, tokens.chunk(world)[rank]).backward()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("case", "named"), [("mp_policy", "bfloat16"), ("reshard_after_forward", "reshard")]
+)
+def test_ranks_passing_different_fully_shard_settings_all_raise(case: str, named: str) -> None:
+    """Found here. The DBuffer record compares layout, dtype and shapes, not the settings that
+    decide the collectives: with ``mp_policy`` differing, rank 1 all-gathers bf16 while rank 0
+    gathers fp32 (on real gloo processes: SIGABRT); with ``reshard_after_forward`` differing,
+    rank 0 issues an extra all-gather in backward that rank 1 never joins (both ranks hang
+    until the process-group timeout). Fix (group.py/api.py): add the all-gather dtype
+    (``mp_policy.param_dtype``), ``reduce_dtype`` and ``reshard_after_forward`` to the record
+    each ``fully_shard`` call compares across ranks (dbuffer could accept extra record entries,
+    or export ``check_agreement``), so every rank raises LayoutMismatchError naming them."""
+    start = time.monotonic()
+    outcomes = run_threaded(_train_disagreeing_config, 2, case, timeout=20)
+    assert time.monotonic() - start < DEADLINE_S
+    for outcome in outcomes:
+        assert outcome.startswith("LayoutMismatchError") and named in outcome, outcomes
 
 
 def _checkpoint_paths_disagree(rank: int, world: int, root: str, op: str) -> str:
