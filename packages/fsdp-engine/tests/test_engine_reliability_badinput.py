@@ -18,6 +18,7 @@ from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 from fsdp_engine import (
     CheckpointError,
     IncompleteCheckpointError,
+    MixedPrecisionPolicy,
     fully_shard,
     load_checkpoint,
     save_checkpoint,
@@ -43,6 +44,13 @@ def _sharded(mesh: Any) -> Any:
     return model
 
 
+def _step(mesh: Any, **kwargs: Any) -> object:
+    layer = _linear()
+    fully_shard(layer, mesh=mesh, **kwargs)
+    layer(torch.randn(2, 4)).sum().backward()
+    return layer
+
+
 def _already_sharded_by_parent(mesh: Any) -> object:
     model = nn.Sequential(_linear(), _linear())
     fully_shard(model, mesh=mesh)
@@ -57,10 +65,10 @@ def _tensor_parallel_param(mesh: Any) -> object:
 
 Case = tuple[Callable[[Any], object], type[Exception], tuple[str, ...]]
 ARGUMENT_CASES: dict[str, Case] = {
-    "reshard_after_forward int other than 1 or the axis size": (
+    "reshard_after_forward int not dividing the axis size": (
         lambda mesh: fully_shard(_linear(), mesh=mesh, reshard_after_forward=3),
-        NotImplementedError,
-        ("reshard_after_forward=3", "shard-axis size 2"),
+        ValueError,
+        ("reshard_after_forward=3", "divisor of the shard-axis size 2"),
     ),
     "reshard_after_forward of another type": (
         lambda mesh: fully_shard(_linear(), mesh=mesh, reshard_after_forward="yes"),  # type: ignore[call-overload]
@@ -148,8 +156,8 @@ def test_bad_fully_shard_argument_names_the_offender(name: str) -> None:
             assert fragment in message, (rank, message)
 
 
-# Regressions: each was accepted silently or failed far from the cause with an unrelated message
-# (found by this catalogue, fixed in 5b81a10).
+# Each was accepted silently or failed far from the cause with an unrelated message (found by
+# this catalogue): the first four are fixed (5b81a10), the last three FAIL today.
 UNCLEAR: dict[str, tuple[Callable[[Any], object], type[Exception], tuple[str, ...], str]] = {
     "block policy returning a float": (
         lambda mesh: fully_shard(_linear(), mesh=mesh, block_policy=lambda n, p: 2.5),  # type: ignore[arg-type,return-value]
@@ -179,6 +187,29 @@ UNCLEAR: dict[str, tuple[Callable[[Any], object], type[Exception], tuple[str, ..
         ("offload_policy", "str"),
         "api.py: accepted silently (no offloading happens); require an OffloadPolicy "
         "(ours or torch's) and raise TypeError naming offload_policy",
+    ),
+    "mp_policy with an integer reduce dtype": (
+        lambda mesh: _step(mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.int8)),
+        ValueError,
+        ("reduce_dtype", "torch.int8", "floating"),
+        "policy.py/api.py: accepted silently, and gradients are reduced in int8 (truncated to "
+        "integers: silently wrong training); require floating dtypes for param_dtype, "
+        "reduce_dtype and output_dtype and raise naming the field",
+    ),
+    "mp_policy with an integer param dtype": (
+        lambda mesh: _step(mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.int32)),
+        ValueError,
+        ("param_dtype", "torch.int32"),
+        "fails in forward with torch's 'Only Tensors of floating point and complex dtype can "
+        "require gradients', which names neither mp_policy nor param_dtype",
+    ),
+    "block policy that raises": (
+        lambda mesh: fully_shard(_linear(), mesh=mesh, block_policy=lambda n, p: 1 // 0),
+        ZeroDivisionError,
+        ("'weight'",),
+        "group.py build_plan: the policy's exception propagates without saying which "
+        "parameter it was called for; add a note (exc.add_note) naming the parameter, its "
+        "shape and the policy",
     ),
 }
 
