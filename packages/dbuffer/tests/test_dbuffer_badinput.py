@@ -120,3 +120,20 @@ def test_bad_input_names_the_offender(name: str) -> None:
         assert message.startswith("ok: "), (rank, message)
         for fragment in fragments:
             assert fragment in message, (rank, message)
+
+
+def _gather_as_int(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (world,))
+    try:
+        _buffer(mesh).unshard(dtype=torch.int32)
+    except ValueError as exc:
+        return f"ok: {exc}"
+    return "no error"
+
+
+def test_unshard_in_an_integer_dtype_is_rejected() -> None:
+    """Found here, FAILS today: ``DBuffer.unshard(dtype=torch.int32)`` on a float buffer casts
+    the shard to int and gathers it (values truncated, no error). The mixed-precision dtype of
+    a floating buffer must be floating: raise ValueError naming it (buffer.py ``unshard``)."""
+    for message in run_threaded(_gather_as_int, 2, timeout=60):
+        assert message.startswith("ok: ") and "torch.int32" in message, message

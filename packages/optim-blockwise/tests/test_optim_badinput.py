@@ -98,3 +98,15 @@ def test_unchecked_arguments_are_rejected_at_construction(name: str) -> None:
     raising ValueError naming the argument, as for the arguments already checked."""
     with pytest.raises(ValueError):
         UNCHECKED[name]()
+
+
+def test_sparse_gradient_is_named_as_such() -> None:
+    """Found here, FAILS today: a sparse gradient (``nn.Embedding(sparse=True)``) makes
+    ``AdamW8bit.step`` raise "local tensor of shape (8, 4) is not contiguous; the optimizers
+    update local data in place through a flat view", which sends the user looking at their
+    parameter's memory layout. Say that sparse gradients are not supported (as
+    ``torch.optim.AdamW`` does: "AdamW does not support sparse gradients")."""
+    weight = _w()
+    weight.grad = torch.randn(8, 4).to_sparse()
+    with pytest.raises((ValueError, RuntimeError), match="sparse"):
+        ob.AdamW8bit([weight]).step()
