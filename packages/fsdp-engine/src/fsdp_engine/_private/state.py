@@ -72,10 +72,21 @@ class FSDPState:
                     hook = _make_accumulate_hook(self, index)
                     handle = param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
                     self._hooks.append(handle)
+        if group is not None:
+            # state_dict()/load_state_dict() always see the sharded parameters, even right after
+            # a forward that left them unsharded (the root, or reshard_after_forward=False)
+            for owner in {id(ref.owner): ref.owner for ref in group.refs}.values():
+                self._hooks.append(owner.register_state_dict_pre_hook(self._to_sharded_hook))
+                self._hooks.append(owner._register_load_state_dict_pre_hook(self._to_sharded_hook))
         self._hooks.append(
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         )
         self._hooks.append(module.register_forward_hook(self._post_forward, prepend=False))
+
+    def _to_sharded_hook(self, *args: Any, **kwargs: Any) -> None:
+        group = self.group
+        if group is not None and self.training_state is TrainingState.IDLE:
+            group.reshard()
 
     # -- lazy init ---------------------------------------------------------------------------
     def _lazy_init(self) -> None:
