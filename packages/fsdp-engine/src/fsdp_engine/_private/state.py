@@ -76,8 +76,10 @@ class FSDPState:
             # state_dict()/load_state_dict() always see the sharded parameters, even right after
             # a forward that left them unsharded (the root, or reshard_after_forward=False)
             for owner in {id(ref.owner): ref.owner for ref in group.refs}.values():
-                self._hooks.append(owner.register_state_dict_pre_hook(self._to_sharded_hook))
-                self._hooks.append(owner._register_load_state_dict_pre_hook(self._to_sharded_hook))
+                on_save = owner.register_state_dict_pre_hook  # untyped in torch
+                on_load = owner._register_load_state_dict_pre_hook
+                self._hooks.append(on_save(self._to_sharded_hook))  # type: ignore[no-untyped-call]
+                self._hooks.append(on_load(self._to_sharded_hook))  # type: ignore[no-untyped-call]
         self._hooks.append(
             module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         )
