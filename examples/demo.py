@@ -410,7 +410,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (not under torchrun)")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--mixed-precision", choices=("none", "bf16"), default="none")
     p.add_argument("--engine", choices=ENGINES, default="ours", help="ours or torch FSDP2")
