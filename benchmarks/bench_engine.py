@@ -786,8 +786,42 @@ def _kinds(kinds: dict[str, int]) -> str:
     return " ".join(f"{v}{short.get(k, k)}" for k, v in sorted(kinds.items()))
 
 
+def case_lines(all_results: dict[int, dict[str, Any]]) -> list[str]:
+    """One line per case: the model and batch (the same at every world size)."""
+    lines = []
+    seen: set[str] = set()
+    for by_case in all_results.values():
+        for name, res in by_case.items():
+            if name in seen:
+                continue
+            seen.add(name)
+            m = res["model"]
+            numel = sum(p.numel() for p in LlamaModel(ModelConfig(**m)).parameters())
+            moe = f", {m['experts']} experts (top {m['top_k']})" if m["experts"] else ""
+            lines.append(
+                f"- **{name}**: {numel / 1e6:.2f}M parameters: dim {m['dim']}, {m['layers']} "
+                f"layers, {m['heads']} heads, FFN {m['ffn']}{moe}, vocab {m['vocab']}; "
+                f"{res['batch']} x {m['seq']} tokens per rank; {res['optimizer']}"
+            )
+    return lines
+
+
+ENGINE_SETUP = (
+    "Engines: ours and FSDP2 `fully_shard` on each decoder layer and the root (defaults); FSDP1 "
+    "`FullyShardedDataParallel(auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)`"
+    "; DeepSpeed ZeRO-3 (`stage3_param_persistence_threshold=0` so every parameter is sharded, "
+    "buckets the size of the model, its torch AdamW). AdamW lr 1e-3, betas (0.9, 0.95), weight "
+    "decay 0.1 on every parameter; Muon `match_rms_adamw`, the rest AdamW; AdamW8bit blocks of "
+    "256."
+)
+
+
 def markdown(
-    rows: list[dict[str, Any]], pads: list[dict[str, Any]], info: dict[str, str], steps: int
+    rows: list[dict[str, Any]],
+    pads: list[dict[str, Any]],
+    info: dict[str, str],
+    steps: int,
+    cases_md: list[str] | None = None,
 ) -> str:
     out = [
         "# fsdp-engine vs torch FSDP2 / FSDP1 / DeepSpeed ZeRO-3",
@@ -801,6 +835,11 @@ def markdown(
         "parameters + gradients + optimizer state + activations); collectives counted at the "
         "dispatcher per step (AG all-gather, RS reduce-scatter, AR all-reduce, A2A all-to-all, "
         "* list form); MiB = bytes this rank puts in.",
+        "",
+        "",
+        ENGINE_SETUP,
+        "",
+        *(cases_md or []),
         "",
         "## Summary: ours vs each peer",
         "",
@@ -973,7 +1012,7 @@ def main(argv: list[str] | None = None) -> None:
     info = machine()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    table = markdown(rows, pads, info, args.steps)
+    table = markdown(rows, pads, info, args.steps, case_lines(all_results))
     (out / "bench_engine.md").write_text(table)
     payload = {
         "machine": info,
