@@ -325,10 +325,10 @@ def _eval_then_save(rank: int, world: int, root: str, engine: str) -> dict[str, 
 
 def test_checkpoint_after_an_eval_forward_like_fsdp2(tmp_path: Path) -> None:
     """Train, evaluate under ``no_grad``, checkpoint: the usual loop. FSDP2's state dict holds
-    sharded DTensors and saves. Ours (found here) keeps the root's parameters unsharded after
-    the forward (the root skips resharding because backward normally follows), so
-    ``model.state_dict()`` holds plain full tensors for them and ``get_state_dict(model, opt)``
-    raises ``KeyError: 0`` (the optimizer's sharded parameters are no longer the module's)."""
+    sharded DTensors and saves. Regression (found here, fixed in 7b3b105): ours kept the root's
+    parameters unsharded after the forward (the root skips resharding because backward
+    normally follows), so ``model.state_dict()`` held plain full tensors for them and
+    ``get_state_dict(model, opt)`` raised ``KeyError: 0``."""
     theirs = run_threaded(_eval_then_save, 2, str(tmp_path), "fsdp2", timeout=120)
     ours = run_threaded(_eval_then_save, 2, str(tmp_path), "ours", timeout=120)
     assert theirs[0] == {"kinds": ["DTensor"], "save": "saved"}, theirs
