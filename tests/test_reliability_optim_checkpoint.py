@@ -59,7 +59,9 @@ def _build(world: int, kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     mesh = init_device_mesh("cpu", (world,))
     policy: Any
-    if kind == "adamw8bit":
+    if kind == "adamw8bit-cut":  # no block policy: shard boundaries cut quantization blocks
+        policy = None
+    elif kind == "adamw8bit":
         policy = ob.AdamW8bit.block_policy(block_size=BLOCK, min_8bit_size=2 * BLOCK)
     else:
         policy = ob.Muon.block_policy()
@@ -67,7 +69,7 @@ def _build(world: int, kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
         fully_shard(block, mesh=mesh, block_policy=policy)
     fully_shard(model, mesh=mesh, block_policy=policy)
     opt: torch.optim.Optimizer
-    if kind == "adamw8bit":
+    if kind.startswith("adamw8bit"):
         opt = ob.AdamW8bit(model.parameters(), lr=1e-2, block_size=BLOCK, min_8bit_size=2 * BLOCK)
     else:
         opt = ob.Muon(model.parameters(), lr=1e-2, ns_dtype=torch.float32)
@@ -188,3 +190,23 @@ def test_full_optimizer_state_dict(kind: str) -> None:
     'torch.dtype'>``: ``ns_dtype`` (a ``torch.dtype``) sat in every param group and torch's
     ``_gather_state_dict`` accepts only tensors, containers and plain scalars there."""
     assert run_threaded(_full_state_dict, 2, kind, timeout=120) == ["ok", "ok"]
+
+
+def _load_cut(rank: int, world: int, root: str) -> str:
+    model, opt = _build(world, "adamw8bit-cut")
+    model_sd, optim_sd = get_state_dict(model, opt)
+    try:
+        load_checkpoint({"model": model_sd, "optim": optim_sd}, Path(root) / "w0")
+    except CheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_8bit_state_of_block_cutting_shards_refuses_another_layout(tmp_path: Path) -> None:
+    """Without the optimizer's block policy, shard boundaries cut quantization blocks and both
+    holders of an edge block keep its absmax, so the absmax vector's length depends on the
+    layout. Loading at another world size must fail loudly, naming the state (a limitation:
+    such a checkpoint only loads into the same layout), never mix blocks silently."""
+    run_threaded(_phase, 2, "adamw8bit-cut", str(tmp_path), None, "w0", timeout=120)
+    for message in run_threaded(_load_cut, 4, str(tmp_path), timeout=120):
+        assert "Size mismatch" in message and "exp_avg_absmax" in message, message
