@@ -110,11 +110,20 @@ class RaggedShard(Placement):
         """Elements per unit for a tensor of ``shape``."""
         return geometry.unit_numel(shape, self.local_units)
 
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < len(self.local_units):
+            raise ValueError(
+                f"{self!r}: mesh-axis coordinate {rank} is outside the axis of "
+                f"{len(self.local_units)} ranks"
+            )
+
     def flat_range(self, shape: Sequence[int], rank: int) -> geometry.FlatRange:
         """The flat range of the tensor's row-major storage held by axis coordinate ``rank``."""
+        self._check_rank(rank)
         return geometry.rank_flat_range(shape, self.local_units, rank)
 
     def local_numel(self, shape: Sequence[int], rank: int) -> int:
+        self._check_rank(rank)
         return self.local_units[rank] * self.unit_numel(shape)
 
     def max_local_numel(self, shape: Sequence[int]) -> int:
