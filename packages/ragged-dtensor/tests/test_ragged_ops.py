@@ -83,7 +83,8 @@ _UNSUPPORTED: list[tuple[str, Callable[[DTensor], object]]] = [
     ("aten.view", lambda d: d.reshape(30)),
     ("aten.slice", lambda d: d[1:3]),
     ("aten.select", lambda d: d[0]),
-    ("aten.sum.dim_IntList", lambda d: d.sum(dim=1)),
+    ("aten.sum.dim_IntList", lambda d: d.sum(dim=0)),  # across the ragged rows
+    ("aten.linalg_vector_norm", lambda d: torch.linalg.vector_norm(d, dim=1, keepdim=True)),
     ("aten.mean", lambda d: d.mean()),
     ("aten.mm", lambda d: d @ _replicated(d, torch.ones(5, 2))),
     # broadcasting a replicated row against a flat share
@@ -193,3 +194,31 @@ def _autograd_body(rank: int, world: int) -> list[float]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_autograd_through_redistribution(world: int) -> None:
     run_threaded(_autograd_body, world)
+
+
+def _rowwise_body(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(1)
+    full = torch.randn(6, 5, 3, generator=gen)
+    p = RaggedShard((0,), _units(world))
+    d = distribute_tensor(full, mesh, [p])
+    rows = tuple(u * 2 for u in p.local_units)  # 6 rows / 3 units: 2 rows per unit
+    cases: list[tuple[DTensor, torch.Tensor]] = [
+        (torch.linalg.vector_norm(d, dim=(1, 2)), torch.linalg.vector_norm(full, dim=(1, 2))),
+        (torch.linalg.vector_norm(d, 3, dim=-1), torch.linalg.vector_norm(full, 3, dim=-1)),
+        (d.sum(dim=1), full.sum(dim=1)),
+        (d.mean(dim=(1, 2)), full.mean(dim=(1, 2))),
+        (d.amax(dim=2), full.amax(dim=2)),
+    ]
+    with count_collectives() as counter:
+        locals_ = [got.to_local() for got, _ in cases]
+    assert counter.total == 0
+    for (got, want), local in zip(cases, locals_, strict=True):
+        assert got.placements == (RaggedShard((0,), rows),), got.placements
+        assert local.shape[0] == rows[rank]
+        torch.testing.assert_close(got.full_tensor(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_rowwise_reductions_stay_ragged_without_communication(world: int) -> None:
+    run_threaded(_rowwise_body, world)

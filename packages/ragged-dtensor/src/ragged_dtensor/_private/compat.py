@@ -38,7 +38,7 @@ from torch.distributed.tensor._sharding_prop import LocalLRUCache
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from ragged_dtensor._private import checkpoint, ops
-from ragged_dtensor._private.placement import RaggedShard
+from ragged_dtensor._private.placement import RaggedBoxView, RaggedShard
 from ragged_dtensor._private.redistribute import execute, plan_redistribute, ragged_axis, x_shape
 
 __all__ = ["hooks_installed", "install", "ragged_redistribute_local"]
@@ -110,6 +110,22 @@ def steps_expected_local(spec: DTensorSpec, xs: Sequence[int], mesh: DeviceMesh,
     return placement.local_numel(xs, mesh.get_local_rank(axis))
 
 
+def _box_view(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec) -> torch.Tensor:
+    """RaggedShard -> RaggedBoxView of the same layout: the flat share viewed as its box."""
+    axis = ragged_axis(target.placements)
+    assert axis is not None
+    placement = target.placements[axis]
+    assert isinstance(placement, RaggedShard)
+    if tuple(current.placements) != tuple(
+        RaggedShard(p.dims, p.local_units) if isinstance(p, RaggedBoxView) else p
+        for p in target.placements
+    ):
+        raise AssertionError(f"box view of {current.placements} as {target.placements}")
+    xs = x_shape(tuple(current.shape), current.mesh, current.placements)
+    shape, _ = placement.local_box(xs, current.mesh.get_local_rank(axis))
+    return local.view(shape)
+
+
 def _redistribute_hook(
     local_tensor: torch.Tensor,
     current_spec: DTensorSpec,
@@ -117,6 +133,8 @@ def _redistribute_hook(
     *args: Any,
     **kwargs: Any,
 ) -> torch.Tensor:
+    if any(isinstance(p, RaggedBoxView) for p in target_spec.placements):
+        return _box_view(local_tensor, current_spec, target_spec)
     if _spec_has_ragged(current_spec) or _spec_has_ragged(target_spec):
         return ragged_redistribute_local(local_tensor, current_spec, target_spec)
     return _ORIGINAL_REDISTRIBUTE(local_tensor, current_spec, target_spec, *args, **kwargs)
@@ -139,6 +157,10 @@ def _install_redistribute() -> None:
     _INSTALLED["redistribute"] = True
 
 
+def _x_shape_of(spec: DTensorSpec) -> tuple[int, ...]:
+    return x_shape(tuple(spec.shape), spec.mesh, spec.placements)
+
+
 def _local_numel(spec: DTensorSpec) -> int:
     axis = ragged_axis(spec.placements)
     assert axis is not None
@@ -155,7 +177,7 @@ def _install_propagator() -> None:
     @functools.wraps(original)
     def propagate(op_schema: OpSchema) -> OutputSharding:
         if ops.schema_has_ragged(op_schema):
-            return ops.propagate_ragged(op_schema, tensor_meta, _local_numel)
+            return ops.propagate_ragged(op_schema, tensor_meta, _local_numel, _x_shape_of)
         return original(op_schema)
 
     propagator.propagate_op_sharding_non_cached = propagate  # type: ignore[method-assign]

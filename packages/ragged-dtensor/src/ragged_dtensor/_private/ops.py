@@ -16,6 +16,7 @@ values.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
-from ragged_dtensor._private.placement import RaggedShard
+from ragged_dtensor._private.placement import RaggedBoxView, RaggedShard
 
 __all__ = ["RaggedOpError", "has_ragged", "propagate_ragged"]
 
@@ -256,6 +257,80 @@ def _norm_partial(ord_: object) -> Placement:
     return placement
 
 
+# row-wise reductions: op -> (position of dims, of keepdim)
+_ROWWISE = {
+    aten.sum.dim_IntList: (1, 2),
+    aten.mean.dim: (1, 2),
+    aten.linalg_vector_norm.default: (2, 3),
+    aten.amax.default: (1, 2),
+    aten.amin.default: (1, 2),
+}
+_ROWWISE_KW = {1: "dim", 2: "keepdim", 3: "keepdim"}
+
+
+def _arg(schema: OpSchema, index: int, name: str, default: object) -> object:
+    if len(schema.args_schema) > index:
+        return schema.args_schema[index]
+    return schema.kwargs_schema.get(name, default)
+
+
+def _rowwise(
+    schema: OpSchema,
+    meta: object,
+    x_shape_of: Callable[[DTensorSpec], tuple[int, ...]],
+) -> OutputSharding | None:
+    """Reductions over trailing dims of a share made of whole dim-0 slices: rows stay ragged.
+
+    The share is viewed as its box (``RaggedBoxView``, a local view), reduced locally, and the
+    result is ragged over dim 0 with each rank's row count: no communication.
+    """
+    op = schema.op
+    if op not in _ROWWISE:
+        return None
+    spec = schema.args_schema[0]
+    assert isinstance(spec, DTensorSpec)
+    dim_pos, keep_pos = _ROWWISE[op]
+    dim = _arg(schema, dim_pos, "dim", None)
+    keepdim = bool(_arg(schema, keep_pos, "keepdim", False))
+    ndim = spec.ndim
+    if dim is None or _covers_all_dims(dim, ndim):
+        return None  # whole-tensor reductions: see _reduction
+    dims = {d % ndim for d in ([dim] if isinstance(dim, int) else list(dim))}  # type: ignore[call-overload]
+    axes = [a for a, p in enumerate(spec.placements) if isinstance(p, RaggedShard)]
+    others_replicated = all(
+        p.is_replicate() for a, p in enumerate(spec.placements) if a not in axes
+    )
+    placement = spec.placements[axes[0]]
+    assert isinstance(placement, RaggedShard)
+    xs = x_shape_of(spec)
+    if not (0 not in dims and others_replicated and placement.is_box(xs) and not keepdim):
+        raise _error(
+            op,
+            spec,
+            f"reduction over dims {sorted(dims)} (keepdim={keepdim}) needs a "
+            "ragged share of whole dim-0 slices, the other mesh axes replicated, dim 0 "
+            "kept and keepdim=False; redistribute first",
+        )
+    row = math.prod(xs[1:])
+    rows = tuple(placement.local_numel(xs, k) // row for k in range(len(placement.local_units)))
+    out_placements = list(spec.placements)
+    out_placements[axes[0]] = RaggedShard((0,), rows)
+    view_placements = list(spec.placements)
+    view_placements[axes[0]] = RaggedBoxView(placement.dims, placement.local_units)
+    view_spec = DTensorSpec(spec.mesh, tuple(view_placements), tensor_meta=spec.tensor_meta)
+    new_schema = OpSchema(
+        op,
+        (view_spec, *schema.args_schema[1:]),
+        schema.kwargs_schema,
+        schema_info=schema.schema_info,
+    )
+    return OutputSharding(
+        _with_meta(spec, out_placements, meta),
+        redistribute_schema=new_schema,
+        needs_redistribute=True,
+    )
+
+
 def _reduction(schema: OpSchema, meta: object) -> OutputSharding | None:
     op = schema.op
     args = schema.args_schema
@@ -346,6 +421,7 @@ def propagate_ragged(
     schema: OpSchema,
     tensor_meta: Callable[[OpSchema], Any],
     local_numel: Callable[[DTensorSpec], int],
+    x_shape_of: Callable[[DTensorSpec], tuple[int, ...]],
 ) -> OutputSharding:
     """The output sharding of ``schema`` (which has at least one ragged operand), or raise.
 
@@ -354,9 +430,15 @@ def propagate_ragged(
     """
     op = schema.op
     meta = tensor_meta(schema)
-    for rule in (_reduction(schema, meta), _shape_arg_op(schema, meta, local_numel)):
-        if rule is not None:
-            return rule
+    rules: tuple[Callable[[], OutputSharding | None], ...] = (
+        lambda: _rowwise(schema, meta, x_shape_of),  # first: it owns partial-dim reductions
+        lambda: _reduction(schema, meta),
+        lambda: _shape_arg_op(schema, meta, local_numel),
+    )
+    for rule in rules:
+        result = rule()
+        if result is not None:
+            return result
     if _is_elementwise(op):
         return _elementwise(schema, meta)
     spec = _first_ragged(schema)

@@ -77,12 +77,12 @@ class RaggedShard(Placement):
         return False
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, RaggedShard):
+        if not isinstance(other, RaggedShard) or type(other) is not type(self):
             return False
         return self.dims == other.dims and self.local_units == other.local_units
 
     def __hash__(self) -> int:
-        return hash(("RaggedShard", self.dims, self.local_units))
+        return hash((type(self).__name__, self.dims, self.local_units))
 
     def __repr__(self) -> str:
         return f"RaggedShard(dims={self.dims}, local_units={self.local_units})"
@@ -150,3 +150,15 @@ class RaggedShard(Placement):
         row = torch.Size(shape)[1:].numel()
         flat = self.flat_range(shape, rank)
         return ((flat.numel // row, *shape[1:]), (flat.start // row, *([0] * (len(shape) - 1))))
+
+
+@attrs.frozen(weakref_slot=False, eq=False, repr=False)
+class RaggedBoxView(RaggedShard):
+    """Internal: the same layout as ``RaggedShard`` with the local tensor viewed as its box.
+
+    Only op dispatch uses it, as the "redistribution" target of an operand whose op needs the
+    share's shape (row-wise reductions): going there is a local ``view``, never communication.
+    """
+
+    def __repr__(self) -> str:
+        return f"RaggedBoxView(dims={self.dims}, local_units={self.local_units})"
