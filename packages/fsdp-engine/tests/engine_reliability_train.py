@@ -29,33 +29,6 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from fsdp_engine import latest_checkpoint, load_checkpoint, save_checkpoint
 
 
-def _init_process_group(attempt: int, timeout: timedelta) -> None:
-    """``init_process_group`` on the torchrun store, under a per-attempt key prefix.
-
-    torchrun's agent hosts one TCPStore for the whole job (``TORCHELASTIC_USE_AGENT_STORE``),
-    so after a restart the keys the previous attempt's process group wrote (each rank's gloo
-    address) are still there: a restarted rank can read its dead peer's address before the new
-    peer overwrites it, and gloo's connect then fails ("Connection refused"). A prefix per
-    restart keeps the attempts apart.
-    """
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=rank == 0 and not agent_store,
-        timeout=timeout,
-    )
-    dist.init_process_group(
-        "gloo",
-        store=dist.PrefixStore(f"attempt_{attempt}", store),
-        rank=rank,
-        world_size=world,
-        timeout=timeout,
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, required=True)
@@ -70,7 +43,13 @@ def main() -> None:
 
     torch.set_num_threads(1)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    _init_process_group(attempt, timedelta(seconds=args.pg_timeout))
+    # Launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the test does): with torchrun's shared
+    # agent store, the keys of the killed attempt's process group (each rank's gloo address)
+    # survive the restart, and a restarted rank can read its dead peer's address before the new
+    # peer overwrites it (gloo: "Connection refused"). Keying the group by attempt on our own
+    # TCPStore client avoided that but aborted some runs at exit ("terminate called without an
+    # active exception").
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt = build(world)
     start = 0

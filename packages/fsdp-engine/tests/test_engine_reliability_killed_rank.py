@@ -42,7 +42,13 @@ def _torchrun(workdir: Path, name: str, *extra: str) -> tuple[subprocess.Popen[s
         str(out),
         *extra,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    # a fresh rendezvous store per attempt (see engine_reliability_train.py)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
     log = (workdir / f"{name}.log").open("w")
     proc = subprocess.Popen(
         cmd, cwd=SCRIPT.parent, env=env, stdout=log, stderr=subprocess.STDOUT, text=True
