@@ -178,7 +178,9 @@ def _model_roots(model: nn.Module) -> list[torch.Tensor]:
         state = m.__dict__.get("_fsdp_engine_state")  # ours: the persistent gradient shard
         group = getattr(state, "group", None)
         if group is not None:
-            out += [group.params.shard, group.grads.shard, group.unsharded_grads.shard]
+            out += [group.params.shard, group.unsharded_grads.shard]
+            if group.grads is not None:  # None while released (engines that release it)
+                out.append(group.grads.shard)
         handle = getattr(m, "_handle", None)  # FSDP1's flat parameter
         flat = getattr(handle, "flat_param", None)
         if isinstance(flat, torch.Tensor):
@@ -318,7 +320,8 @@ class FlatBufferOptimizer:
 
     def step(self) -> None:
         for flat, group in zip(self.flat, self.groups, strict=True):
-            flat.grad = group.grads.shard  # written in place by the group's reduce-scatter
+            # written in place by the group's reduce-scatter
+            flat.grad = None if group.grads is None else group.grads.shard
         self.opt.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -326,8 +329,22 @@ class FlatBufferOptimizer:
         self.model.zero_grad(set_to_none=True)
         for flat, group in zip(self.flat, self.groups, strict=True):
             flat.grad = None
-            if self.free_grads:  # nothing refers to the values any more: release the storage
-                group.grads.shard.untyped_storage().resize_(0)
+            if self.free_grads and not _engine_releases_gradients() and group.grads is not None:
+                # nothing refers to the values any more: release the storage until the next
+                # reduction re-allocates it (see _bound_reductions)
+                storage = group.grads.shard.untyped_storage()
+                if storage.nbytes():
+                    group._bench_grad_nbytes = storage.nbytes()
+                    storage.resize_(0)
+
+
+def _engine_releases_gradients() -> bool:
+    """True once fsdp_engine itself releases dropped gradients and bounds reductions in flight
+    (then the prototype below only adds the flat optimizer)."""
+    import importlib
+
+    group_mod: Any = importlib.import_module("fsdp_engine._private.group")
+    return hasattr(group_mod.ParamGroup, "release_dropped_gradients")
 
 
 _LAST_REDUCING: list[Any] = [None]
@@ -345,16 +362,20 @@ def _bound_reductions(model: nn.Module) -> None:
     """
     import importlib
 
+    if _engine_releases_gradients():
+        return
     group_mod: Any = importlib.import_module("fsdp_engine._private.group")
     cls = group_mod.ParamGroup
     if not getattr(cls, "_bench_patched", False):
         original = cls.reduce_gradients
 
         def reduce_gradients(self: Any, *, async_op: bool) -> None:
-            if getattr(self, "_bench_bounded", None) is not None and self.grads_pending:
-                storage = self.grads.shard.untyped_storage()
-                if storage.nbytes() == 0:
-                    storage.resize_(self._bench_bounded)
+            if getattr(self, "_bench_bounded", False) and self.grads_pending:
+                size = getattr(self, "_bench_grad_nbytes", 0)
+                if self.grads is not None and size:
+                    storage = self.grads.shard.untyped_storage()
+                    if storage.nbytes() == 0:
+                        storage.resize_(size)
                 last = _LAST_REDUCING[0]
                 if last is not None and last is not self:
                     last.wait_for_reduce()
@@ -366,7 +387,7 @@ def _bound_reductions(model: nn.Module) -> None:
     for m in model.modules():
         state = m.__dict__.get("_fsdp_engine_state")
         if state is not None and state.group is not None:
-            state.group._bench_bounded = state.group.grads.shard.untyped_storage().nbytes()
+            state.group._bench_bounded = True
 
 
 class Optimizers:
@@ -704,6 +725,14 @@ def machine() -> dict[str, str]:
             text=True,
             check=True,
         ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "packages"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        if dirty:
+            commit += " + uncommitted changes in packages/"
     return {
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": cpu,
@@ -910,7 +939,10 @@ def markdown(
         "shard (one kernel per group instead of one DTensor dispatch per parameter and op), at "
         "most one gradient reduction in flight (each group's unsharded gradients freed at the "
         "next group's reduction instead of at the end of backward) and the sharded gradient "
-        "storage released by `zero_grad`. Same losses as FSDP2.",
+        "storage released by `zero_grad`. Same losses as FSDP2. Where the engine already "
+        "releases gradients and bounds reductions itself (detected: "
+        f"{'yes' if _engine_releases_gradients() else 'no'} in this run), the row adds only the "
+        "flat optimizer.",
         "",
         "**DBuffer off** is torch FSDP2 itself: the same sharding unit (one `fully_shard` per "
         "layer) with per-parameter copy-in before the all-gather and copy-out after, and a "
