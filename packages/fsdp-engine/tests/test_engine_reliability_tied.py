@@ -83,8 +83,7 @@ def test_a_parameter_shared_across_groups_raises_like_fsdp2() -> None:
     group shards and trains its own copy). Fix (api.py): remember which group manages each
     original parameter (a WeakKeyDictionary from the original Parameter to the owning module's
     name) and raise ValueError naming both places."""
-    theirs = run_threaded(_tied_across_groups, 2, "fsdp2", timeout=60)
-    assert all(m.startswith("ValueError") and "embed.weight" in m for m in theirs), theirs
+    # (torch 2.13's FSDP2 accepts this and unties the two silently: "no error (tied=False)")
     ours = run_threaded(_tied_across_groups, 2, "ours", timeout=60)
     for message in ours:
         assert message.startswith("ValueError") and "weight" in message, message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, overload
 
@@ -144,24 +145,50 @@ def _default_mesh() -> DeviceMesh:
     return init_device_mesh(str(getattr(device, "type", device)), (dist.get_world_size(),))
 
 
+# id(original parameter) -> (weak reference to it, its name in the fully_shard call managing it).
+# Keyed by id: weak references to tensors compare by tensor ``==``, which is elementwise.
+_MANAGED: dict[int, tuple[weakref.ref[nn.Parameter], str]] = {}
+
+
+def _managed_by(param: nn.Parameter) -> str | None:
+    entry = _MANAGED.get(id(param))
+    return entry[1] if entry is not None and entry[0]() is param else None
+
+
+def _remember(param: nn.Parameter, fqn: str) -> None:
+    key = id(param)
+    _MANAGED[key] = (weakref.ref(param, lambda _: _MANAGED.pop(key, None)), fqn)
+
+
 def _managed_params(module: nn.Module, ignored: set[nn.Parameter]) -> list[ParamRef]:
-    """Parameters of ``module`` not owned by a nested fully_shard module (nor ignored)."""
-    refs: list[ParamRef] = []
-    seen: set[int] = set()
+    """Parameters of ``module`` not owned by a nested fully_shard module (nor ignored), each once,
+    with the other places that register the same object (tied weights) as aliases."""
+    found: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]] = {}
 
     def visit(mod: nn.Module, prefix: str) -> None:
         if mod is not module and get_state(mod) is not None:
             return
         for attr, param in mod._parameters.items():
-            if param is None or param in ignored or id(param) in seen:
+            if param is None or param in ignored:
                 continue
-            seen.add(id(param))
-            refs.append(ParamRef(mod, attr, prefix + attr))
+            found.setdefault(id(param), (param, []))[1].append((mod, attr, prefix + attr))
         for name, child in mod._modules.items():
             if child is not None:
                 visit(child, f"{prefix}{name}.")
 
     visit(module, "")
+    refs = []
+    for param, places in found.values():
+        owner, attr, fqn = places[0]
+        other = _managed_by(param)
+        if other is not None:
+            raise ValueError(
+                f"parameter {fqn!r} is shared (tied) with a parameter already managed by another "
+                f"fully_shard group ({other!r}): tied parameters must be in one group "
+                f"(fully_shard their common parent)"
+            )
+        aliases = tuple((m, a) for m, a, _ in places[1:])
+        refs.append(ParamRef(owner, attr, fqn, aliases))
     return refs
 
 
@@ -261,6 +288,8 @@ def fully_shard(
             f"reshard_after_forward must be bool or int, got {type(reshard_after_forward).__name__}"
         )
     refs = _managed_params(target, set(ignored_params or ()))
+    for ref in refs:
+        _remember(getattr(ref.owner, ref.attr), ref.fqn)
     _check_devices(refs, mesh)
     group = (
         ParamGroup(

@@ -41,11 +41,22 @@ class ShardState(enum.Enum):
 
 @attrs.frozen
 class ParamRef:
-    """Where a managed parameter is registered: ``owner.<attr>``, named ``fqn``."""
+    """Where a managed parameter is registered: ``owner.<attr>``, named ``fqn``.
+
+    ``aliases`` are further ``(module, attr)`` places registering the same parameter object (tied
+    weights, e.g. an output head sharing the embedding): they get the same sharded and unsharded
+    parameters, so the tie is kept.
+    """
 
     owner: nn.Module
     attr: str
     fqn: str
+    aliases: tuple[tuple[nn.Module, str], ...] = ()
+
+    def register(self, param: nn.Parameter) -> None:
+        self.owner._parameters[self.attr] = param
+        for module, attr in self.aliases:
+            module._parameters[attr] = param
 
 
 def _align_elements(dtype: torch.dtype) -> int:
@@ -124,12 +135,16 @@ class ParamGroup:
             shard_axis=shard_axis,
             check=True,
         )
-        self.grads = self.params.new_like(self.dtype)
-        if self.compute_dtype == self.dtype:
-            self.unsharded_grads = self.grads
-        else:  # low-precision gradients land in their own unsharded storage; its shard is unused
-            self.unsharded_grads = self.params.new_like(self.compute_dtype)
-            self.unsharded_grads.shard.untyped_storage().resize_(0)
+        # [Note: gradient storage lifetimes]
+        # Unsharded gradients (compute dtype) live only from pre-backward to their reduction.
+        # Sharded gradients (parameter dtype) live from the first reduction until every sharded
+        # parameter's .grad was dropped (zero_grad(set_to_none=True)): then the buffer is let go
+        # and a fresh one is made by the next reduction, so between steps and through forward
+        # and backward no gradient memory is held, like FSDP2. Views a user still holds keep
+        # their (refcounted) storage alive; nothing is freed under them.
+        self.grads: DBuffer | None = None
+        self.unsharded_grads = self.params.new_like(self.compute_dtype)
+        self.unsharded_grads.shard.untyped_storage().resize_(0)  # only its unsharded part is used
         with torch.no_grad():
             if not any(p.is_meta for p in originals):
                 self.params.load_full_([p.detach().to(self.params.device) for p in originals])
@@ -188,11 +203,11 @@ class ParamGroup:
 
     def register_sharded(self) -> None:
         for ref, param in zip(self.refs, self.sharded, strict=True):
-            ref.owner._parameters[ref.attr] = param
+            ref.register(param)
 
     def register_unsharded(self) -> None:
         for ref, param in zip(self.refs, self.unsharded_params(), strict=True):
-            ref.owner._parameters[ref.attr] = param
+            ref.register(param)
 
     def reset_sharded_params(self) -> None:
         """After ``nn.Module._apply`` (``to_empty``, ``.to``): put our storage back under the
@@ -318,11 +333,21 @@ class ParamGroup:
             return
         existing = [p.grad for p in self.sharded]
         accumulate = any(g is not None for g in existing)
+        if self.grads is None:
+            if accumulate:
+                first = next(i for i, g in enumerate(existing) if g is not None)
+                raise RuntimeError(
+                    f"parameter {self.refs[first].fqn!r}: has a .grad the engine did not make; "
+                    "use zero_grad() before the first backward"
+                )
+            self.grads = self.params.new_like(self.dtype)
+            self._grad_views = None
+        grads = self.grads
         if accumulate:
             for i, grad in enumerate(existing):
                 if grad is None:
-                    self.grads.local_views()[i].zero_()
-                elif not _is_view_of(grad, self.grads.local_views()[i]):
+                    grads.local_views()[i].zero_()
+                elif not _is_view_of(grad, grads.local_views()[i]):
                     raise RuntimeError(
                         f"parameter {self.refs[i].fqn!r}: .grad was replaced by a "
                         f"tensor that is not the engine's gradient storage; use "
@@ -339,7 +364,7 @@ class ParamGroup:
             op=op,
             reduce_dtype=self.reduce_dtype,
             accumulate=accumulate,
-            into=self.grads,
+            into=grads,
             free_unsharded=True,
             async_op=async_op,
         )
@@ -350,12 +375,21 @@ class ParamGroup:
         self.grads_pending = False
 
     def _sharded_grad_views(self) -> list[DTensor]:
+        grads = self.grads
+        assert grads is not None
         if self._grad_views is None:
             self._grad_views = [
-                self._sharded_view(i, view, self.grads)
-                for i, view in enumerate(self.grads.sharded_views())
+                self._sharded_view(i, view, grads) for i, view in enumerate(grads.sharded_views())
             ]
         return self._grad_views
+
+    def release_dropped_gradients(self) -> None:
+        """Let the sharded gradient buffer go once no parameter's .grad refers to it."""
+        if self.grads is None or self.grads_pending or self.reduce_handle is not None:
+            return
+        if all(p.grad is None for p in self.sharded):
+            self.grads = None
+            self._grad_views = None
 
     def wait_for_reduce(self) -> None:
         if self.reduce_handle is not None:

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
 
 __all__ = ["BlockPolicy", "CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
+
+
+def _floating_or_none(
+    instance: Any, attribute: attrs.Attribute[Any], value: torch.dtype | None
+) -> None:
+    if value is None:
+        return
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ValueError(
+            f"MixedPrecisionPolicy.{attribute.name} must be a floating dtype or None, got {value!r}"
+        )
 
 
 @attrs.frozen
@@ -20,9 +31,9 @@ class MixedPrecisionPolicy:
     inputs to ``param_dtype``.
     """
 
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    output_dtype: torch.dtype | None = None
+    param_dtype: torch.dtype | None = attrs.field(default=None, validator=_floating_or_none)
+    reduce_dtype: torch.dtype | None = attrs.field(default=None, validator=_floating_or_none)
+    output_dtype: torch.dtype | None = attrs.field(default=None, validator=_floating_or_none)
     cast_forward_inputs: bool = True
 
 

@@ -65,6 +65,7 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] | None = None
         self._final_callback_queued = False
         self._pre_backward_done = False
+        self.last_reduced: ParamGroup | None = None  # root only
         self._hooks: list[Any] = []
         if group is not None:
             for index, param in enumerate(group.unsharded_params()):
@@ -130,6 +131,7 @@ class FSDPState:
         group = self.group
         if group is not None:
             group.wait_for_reduce()
+            group.release_dropped_gradients()
             group.unshard()
             group.register_unsharded()
         for other in self.forward_prefetch or ():
@@ -208,7 +210,16 @@ class FSDPState:
             return
         self.training_state = TrainingState.POST_BACKWARD
         if self.requires_gradient_sync:
+            # At most one reduction in flight: waiting the previous one frees its unsharded
+            # gradients before this group's are handed over, so backward never holds every
+            # layer's unsharded gradients at once.
+            root = self.root
+            assert root is not None
+            previous = root.last_reduced
+            if previous is not None and previous is not group:
+                previous.wait_for_reduce()
             group.reduce_gradients(async_op=True)
+            root.last_reduced = group
         if self.reshard_after_backward:
             group.reshard()
 
@@ -227,6 +238,7 @@ class FSDPState:
             state.training_state = TrainingState.IDLE
             state._pre_backward_done = False
         self._final_callback_queued = False
+        self.last_reduced = None
 
 
 def _make_accumulate_hook(state: FSDPState, index: int) -> Callable[[torch.Tensor], None]:
