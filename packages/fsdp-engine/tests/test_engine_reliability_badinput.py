@@ -157,7 +157,8 @@ def test_bad_fully_shard_argument_names_the_offender(name: str) -> None:
 
 
 # Each was accepted silently or failed far from the cause with an unrelated message (found by
-# this catalogue): the first four are fixed (5b81a10), the last three FAIL today.
+# this catalogue): fixed in 5b81a10 (first four) and 0361240 (integer mp_policy dtypes); the
+# raising block policy FAILS today.
 UNCLEAR: dict[str, tuple[Callable[[Any], object], type[Exception], tuple[str, ...], str]] = {
     "block policy returning a float": (
         lambda mesh: fully_shard(_linear(), mesh=mesh, block_policy=lambda n, p: 2.5),  # type: ignore[arg-type,return-value]

@@ -47,12 +47,10 @@ def _train_tied(rank: int, world: int, engine: str) -> dict[str, Any]:
 
 
 def test_tied_weights_in_one_group_stay_tied_and_match_fsdp2() -> None:
-    """Found here: ours shards the first occurrence (``embed.weight``) and leaves the alias
-    ``head.weight`` pointing at the original full, unsharded ``Parameter``: the tie is broken,
-    the head's gradient is never reduced across ranks and every rank updates its own copy
-    (silent divergence). Fix (api.py ``_managed_params`` / group.py): record every
-    ``(module, attr)`` alias of a managed parameter and register the same sharded and unsharded
-    parameter objects on all of them (FSDP2 keeps ``head.weight is embed.weight``)."""
+    """Regression (found here, fixed in 0361240): ours sharded the first occurrence
+    (``embed.weight``) and left the alias ``head.weight`` pointing at the original full,
+    unsharded ``Parameter``: the tie broke, the head's gradient was never reduced across ranks
+    and every rank updated its own copy (silent divergence)."""
     theirs = run_threaded(_train_tied, 2, "fsdp2", timeout=120)
     ours = run_threaded(_train_tied, 2, "ours", timeout=120)
     assert theirs[0]["tied"] and theirs[0]["sharded"]
@@ -79,10 +77,8 @@ def _tied_across_groups(rank: int, world: int, engine: str) -> str:
 
 def test_a_parameter_shared_across_groups_raises_like_fsdp2() -> None:
     """FSDP2 raises "Parameter 'embed.weight' is shared with a parameter already managed by
-    another FSDP group ...". Found here: ours accepts it and silently unties the two (each
-    group shards and trains its own copy). Fix (api.py): remember which group manages each
-    original parameter (a WeakKeyDictionary from the original Parameter to the owning module's
-    name) and raise ValueError naming both places."""
+    another FSDP group ...". Regression (found here, fixed in 0361240): ours accepted it and
+    silently untied the two (each group sharded and trained its own copy)."""
     # (torch 2.13's FSDP2 accepts this and unties the two silently: "no error (tied=False)")
     ours = run_threaded(_tied_across_groups, 2, "ours", timeout=60)
     for message in ours:
