@@ -134,9 +134,7 @@ def test_ranks_disagreeing_on_units_are_detected_by_run_check() -> None:
 
 
 def test_flat_range_of_a_rank_outside_the_axis_names_it() -> None:
-    """Found here, FAILS today: ``RaggedShard((0,), (1, 3)).flat_range(shape, 5)`` raises a bare
-    ``IndexError: tuple index out of range``. Fix (placement.py ``flat_range`` /
-    ``local_numel``): check ``0 <= coordinate < len(local_units)`` and raise ValueError naming
-    the coordinate and the number of ranks."""
+    """Regression (found here, fixed in 979eabb): ``RaggedShard((0,), (1, 3)).flat_range(shape,
+    5)`` raised a bare ``IndexError: tuple index out of range``."""
     with pytest.raises(ValueError, match=r"5.*2 ranks|2 ranks.*5"):
         RaggedShard((0,), (1, 3)).flat_range(FULL.shape, 5)
