@@ -329,6 +329,11 @@ class DBuffer:
         a temporary low-precision shard (released when the gather completes) and the cast is
         gathered into a low-precision unsharded storage; ``full_views(dtype)`` read it.
         """
+        if dtype is not None and dtype.is_floating_point != self.dtype.is_floating_point:
+            raise ValueError(
+                f"DBuffer.unshard: dtype {dtype} for a {self.dtype} buffer would "
+                f"truncate values; mixed precision needs a floating dtype"
+            )
         entry = self._unsharded_of(dtype)
         _allocate(entry.flat)
         source = self.shard

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from dbuffer import LayoutMismatchError
 from fsdp_engine._private.group import ParamGroup, ParamRef
 from fsdp_engine._private.policy import (
     BlockPolicy,
@@ -287,6 +288,16 @@ def fully_shard(
         raise TypeError(
             f"reshard_after_forward must be bool or int, got {type(reshard_after_forward).__name__}"
         )
+    _check_ranks_agree(
+        mesh,
+        {
+            "module": type(target).__name__,
+            "reshard_after_forward": repr(reshard_after_forward),
+            "mp_policy": repr(mp_policy),
+            "offload_policy": repr(offload_policy),
+            "block_policy": "none" if block_policy is None else type(block_policy).__name__,
+        },
+    )
     refs = _managed_params(target, set(ignored_params or ()))
     for ref in refs:
         _remember(getattr(ref.owner, ref.attr), ref.fqn)
@@ -311,6 +322,27 @@ def fully_shard(
     result = target
     assert isinstance(result, FSDPModule)
     return [result] if isinstance(module, list) else result
+
+
+def _check_ranks_agree(mesh: DeviceMesh, settings: dict[str, str]) -> None:
+    """Every rank must call fully_shard with the same settings: compare them (one small object
+    all-gather per mesh axis) and raise on every rank, naming the setting, instead of letting
+    mismatched collectives hang or abort later."""
+    for axis in range(mesh.ndim):
+        group = mesh.get_group(axis)
+        gathered: list[object] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, settings, group=group)
+        for key, mine in settings.items():
+            values = [g[key] if isinstance(g, dict) else None for g in gathered]
+            if any(v != mine for v in values):
+                by_value: dict[str, list[int]] = {}
+                for coordinate, value in enumerate(values):
+                    by_value.setdefault(str(value), []).append(coordinate)
+                listing = "; ".join(f"ranks {ranks}: {value}" for value, ranks in by_value.items())
+                raise LayoutMismatchError(
+                    f"fully_shard: ranks disagree on {key} (coordinates on mesh axis "
+                    f"{axis}: {listing})"
+                )
 
 
 def _check_mp_policy(policy: object) -> MixedPrecisionPolicy:

@@ -75,7 +75,19 @@ def build_plan(
     for ref, param in zip(refs, params, strict=True):
         block = 1
         if block_policy is not None:
-            value = block_policy(ref.fqn, param)
+            try:
+                value = block_policy(ref.fqn, param)
+            except Exception as exc:
+                where = (
+                    f"block policy {block_policy!r} failed for parameter {ref.fqn!r} "
+                    f"(shape {tuple(param.shape)})"
+                )
+                try:
+                    renamed = type(exc)(f"{where}: {exc}")
+                except Exception:  # an exception type that needs other arguments
+                    exc.add_note(where)
+                    raise exc from None
+                raise renamed from exc
             try:
                 block = operator.index(value)
             except TypeError:

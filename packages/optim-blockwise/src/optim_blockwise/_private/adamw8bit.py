@@ -253,6 +253,11 @@ class AdamW8bit(torch.optim.Optimizer):
                 if param.grad is None:
                     continue
                 name = self._name(group, index, param)
+                if param.grad.is_sparse:
+                    raise RuntimeError(
+                        f"parameter {name!r}: AdamW8bit does not support sparse "
+                        f"gradients (as torch.optim.AdamW)"
+                    )
                 layout = self._layout(param, name)
                 if param.grad.shape != param.shape:
                     raise ValueError(

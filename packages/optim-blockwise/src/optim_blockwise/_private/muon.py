@@ -255,6 +255,10 @@ class Muon(torch.optim.Optimizer):
                 if param.grad is None:
                     continue
                 name = self._name(group, index, param)
+                if param.grad.is_sparse:
+                    raise RuntimeError(
+                        f"parameter {name!r}: Muon does not support sparse gradients"
+                    )
                 item = _Item(param, name, group, self._layout(param, name))
                 use = group["use_muon"]
                 if use is None:
