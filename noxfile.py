@@ -205,7 +205,7 @@ def fuzz(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: a short sharded run on 2 gloo processes on this CPU."""
     _install_torch(session)
-    session.install(*(str(p) for p in _packages().values()))
+    session.install("matplotlib>=3.8", *(str(p) for p in _packages().values()))
     session.run("python", "examples/demo.py", *session.posargs)
 
 
@@ -213,7 +213,13 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Side-by-side benchmarks against the peers, in one run each (figures, not pass/fail)."""
     _install_torch(session)
-    session.install(*(str(p) for p in _packages().values()))
+    packages = _packages()
+    session.install(
+        *(f"{p}[bench]" if name == "optim-blockwise" else str(p) for name, p in packages.items())
+    )
+    # DeepSpeed ZeRO-3 is a peer when it installs here (CPU, DS_ACCELERATOR=cpu); optional
+    session.run("python", "-m", "pip", "install", "--quiet", "deepspeed", success_codes=[0, 1])
+    session.env["DS_ACCELERATOR"] = "cpu"
     scripts = sorted(PACKAGES.glob("*/benchmarks/bench_*.py")) + sorted(
         (ROOT / "benchmarks").glob("bench_*.py")
     )
