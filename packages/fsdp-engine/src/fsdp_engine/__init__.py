@@ -20,6 +20,7 @@ from fsdp_engine._private.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from fsdp_engine._private.flat_optim import FlatShardOptimizer
 from fsdp_engine._private.policy import (
     BlockPolicy,
     CPUOffloadPolicy,
@@ -34,6 +35,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "fully_shard",
+    "FlatShardOptimizer",
     "FSDPModule",
     "UnshardHandle",
     "MixedPrecisionPolicy",
