@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
+import operator
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, overload
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.placement_types import Shard
 
 from dbuffer import LayoutMismatchError
 from fsdp_engine._private.group import ParamGroup, ParamRef
@@ -52,7 +55,12 @@ class FSDPModule:
 
     def _subtree_states(self) -> list[FSDPState]:
         assert isinstance(self, nn.Module)
-        return [s for m in self.modules() if (s := get_state(m)) is not None]
+        states: list[FSDPState] = []
+        for m in self.modules():
+            state = get_state(m)
+            if state is not None and state not in states:
+                states.append(state)
+        return states
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters (one collective) and register them unsharded."""
@@ -161,13 +169,15 @@ def _remember(param: nn.Parameter, fqn: str) -> None:
     _MANAGED[key] = (weakref.ref(param, lambda _: _MANAGED.pop(key, None)), fqn)
 
 
-def _managed_params(module: nn.Module, ignored: set[nn.Parameter]) -> list[ParamRef]:
-    """Parameters of ``module`` not owned by a nested fully_shard module (nor ignored), each once,
-    with the other places that register the same object (tied weights) as aliases."""
+def _managed_params(modules: Sequence[nn.Module], ignored: set[nn.Parameter]) -> list[ParamRef]:
+    """Parameters of ``modules`` not owned by a nested fully_shard module (nor ignored), each
+    once, with the other places that register the same object (tied weights) as aliases. With
+    several modules (one group for all), names are prefixed by the module's index in the list."""
     found: dict[int, tuple[nn.Parameter, list[tuple[nn.Module, str, str]]]] = {}
+    targets = {id(m) for m in modules}
 
     def visit(mod: nn.Module, prefix: str) -> None:
-        if mod is not module and get_state(mod) is not None:
+        if id(mod) not in targets and get_state(mod) is not None:
             return
         for attr, param in mod._parameters.items():
             if param is None or param in ignored:
@@ -177,7 +187,8 @@ def _managed_params(module: nn.Module, ignored: set[nn.Parameter]) -> list[Param
             if child is not None:
                 visit(child, f"{prefix}{name}.")
 
-    visit(module, "")
+    for index, module in enumerate(modules):
+        visit(module, f"{index}." if len(modules) > 1 else "")
     refs = []
     for param, places in found.values():
         owner, attr, fqn = places[0]
@@ -244,21 +255,15 @@ def fully_shard(
     modules = module if isinstance(module, list) else [module]
     if not modules:
         raise ValueError("fully_shard got an empty list of modules")
-    if len(modules) > 1:
-        raise NotImplementedError(
-            "fully_shard of a list of modules as one group is not "
-            "supported yet: call it on a common parent module"
-        )
+    for target in modules:
+        if not isinstance(target, nn.Module):
+            raise TypeError(f"fully_shard expects an nn.Module, got {type(target).__name__}")
+        if get_state(target) is not None:
+            raise ValueError(f"fully_shard was already applied to this {type(target).__name__}")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard got the same module twice in its list")
     target = modules[0]
-    if not isinstance(target, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(target).__name__}")
-    if get_state(target) is not None:
-        raise ValueError(f"fully_shard was already applied to this {type(target).__name__}")
-    if shard_placement_fn is not None:
-        raise NotImplementedError(
-            "shard_placement_fn: this engine always shards the planned flat "
-            "buffer with RaggedShard; use block_policy for granularity"
-        )
+    block_policy = _with_placement_fn(block_policy, shard_placement_fn)
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     mp_policy = _check_mp_policy(mp_policy)
@@ -291,14 +296,14 @@ def fully_shard(
     _check_ranks_agree(
         mesh,
         {
-            "module": type(target).__name__,
+            "module": ",".join(type(m).__name__ for m in modules),
             "reshard_after_forward": repr(reshard_after_forward),
             "mp_policy": repr(mp_policy),
             "offload_policy": repr(offload_policy),
             "block_policy": "none" if block_policy is None else type(block_policy).__name__,
         },
     )
-    refs = _managed_params(target, set(ignored_params or ()))
+    refs = _managed_params(modules, set(ignored_params or ()))
     for ref in refs:
         _remember(getattr(ref.owner, ref.attr), ref.fqn)
     _check_devices(refs, mesh)
@@ -311,17 +316,45 @@ def fully_shard(
     )
     if group is not None and subgroup:
         group.setup_subgroup(subgroup)
-    state = FSDPState(target, group, reshard_after_forward=reshard, mp_policy=mp_policy)
-    target.__dict__[STATE_ATTR] = state
-    cls = type(target)
-    new_cls = _CLASS_CACHE.get(cls)
-    if new_cls is None:
-        new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-        _CLASS_CACHE[cls] = new_cls
-    target.__class__ = new_cls
-    result = target
-    assert isinstance(result, FSDPModule)
-    return [result] if isinstance(module, list) else result
+    state = FSDPState(modules, group, reshard_after_forward=reshard, mp_policy=mp_policy)
+    results: list[FSDPModule] = []
+    for target in modules:
+        target.__dict__[STATE_ATTR] = state
+        cls = type(target)
+        new_cls = _CLASS_CACHE.get(cls)
+        if new_cls is None:
+            new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+            _CLASS_CACHE[cls] = new_cls
+        target.__class__ = new_cls
+        assert isinstance(target, FSDPModule)
+        results.append(target)
+    return results if isinstance(module, list) else results[0]
+
+
+def _with_placement_fn(
+    block_policy: BlockPolicy | None, shard_placement_fn: Callable[[nn.Parameter], Any] | None
+) -> BlockPolicy | None:
+    """FSDP2's ``shard_placement_fn`` in our terms: ``None`` keeps the default, ``Shard(0)``
+    means "cut between dim-0 slices only" (a block of one slice, combined with any block
+    policy by LCM); other placements are not expressible in one planned flat buffer."""
+    if shard_placement_fn is None:
+        return block_policy
+    placement_fn = shard_placement_fn
+
+    def policy(name: str, param: torch.Tensor) -> int:
+        base = 1 if block_policy is None else operator.index(block_policy(name, param))
+        placement = placement_fn(param)  # type: ignore[arg-type]
+        if placement is None:
+            return base
+        if isinstance(placement, Shard) and placement.dim % max(1, param.dim()) == 0:
+            row = param.numel() // param.shape[0] if param.dim() and param.shape[0] else 1
+            return math.lcm(base, max(1, row))
+        raise NotImplementedError(
+            f"shard_placement_fn returned {placement!r} for parameter {name!r}: only Shard(0) "
+            f"(whole dim-0 slices per rank) or None can be laid out in the planned flat buffer"
+        )
+
+    return policy
 
 
 def _check_ranks_agree(mesh: DeviceMesh, settings: dict[str, str]) -> None:

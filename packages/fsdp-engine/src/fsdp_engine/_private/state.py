@@ -43,13 +43,15 @@ class FSDPState:
 
     def __init__(
         self,
-        module: nn.Module,
+        modules: Sequence[nn.Module],
         group: ParamGroup | None,
         *,
         reshard_after_forward: bool | int,
         mp_policy: MixedPrecisionPolicy,
     ) -> None:
-        self.module = module
+        # one state per fully_shard call; a list of modules shares one group and one state
+        self.modules = tuple(modules)
+        self.module = self.modules[0]
         self.group = group
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
@@ -81,10 +83,11 @@ class FSDPState:
                 on_load = owner._register_load_state_dict_pre_hook
                 self._hooks.append(on_save(self._to_sharded_hook))  # type: ignore[no-untyped-call]
                 self._hooks.append(on_load(self._to_sharded_hook))  # type: ignore[no-untyped-call]
-        self._hooks.append(
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        )
-        self._hooks.append(module.register_forward_hook(self._post_forward, prepend=False))
+        for module in self.modules:
+            self._hooks.append(
+                module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            )
+            self._hooks.append(module.register_forward_hook(self._post_forward, prepend=False))
 
     def _to_sharded_hook(self, *args: Any, **kwargs: Any) -> None:
         group = self.group
@@ -97,9 +100,9 @@ class FSDPState:
             return
         self.is_root = True
         self.root = self
-        for submodule in self.module.modules():
+        for submodule in (m for top in self.modules for m in top.modules()):
             state = get_state(submodule)
-            if state is None:
+            if state is None or state in self.all_states:
                 continue
             if state is not self:
                 if state.is_root:

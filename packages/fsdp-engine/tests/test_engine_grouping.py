@@ -1,0 +1,85 @@
+"""FSDP2's grouping knobs: a list of modules as one group, and ``shard_placement_fn``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed.fsdp as torch_fsdp
+from engine_models import batches, build, loss_fn
+from engine_training import initial_state, max_relative_difference
+from torch.distributed.tensor import DTensor, Shard, init_device_mesh
+
+import fsdp_engine
+from ragged_dtensor import RaggedShard
+from ragged_dtensor.testing import count_collectives, run_threaded
+
+
+def _train(rank: int, world: int, engine: str, case: str) -> dict[str, Any]:
+    api: Any = fsdp_engine if engine == "ours" else torch_fsdp
+    mesh = init_device_mesh("cpu", (world,))
+    model = build()
+    model.load_state_dict(initial_state())
+    counts: dict[str, int] = {}
+    if case == "list":
+        api.fully_shard(list(model.layers), mesh=mesh)  # both layers: one group
+        api.fully_shard(model, mesh=mesh)
+    else:
+        for layer in model.layers:
+            api.fully_shard(layer, mesh=mesh, shard_placement_fn=lambda p: Shard(0))
+        api.fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step, tokens in enumerate(batches(4, world)):
+        with count_collectives() as counter:
+            loss = loss_fn(model, tokens.chunk(world)[rank])
+            loss.backward()
+        if step == 0:
+            counts = dict(counter.calls)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if engine == "ours" and case == "shard0":
+        for param in model.parameters():
+            assert isinstance(param, DTensor) and isinstance(param.placements[0], RaggedShard)
+            row = param.numel() // param.shape[0]
+            assert param.to_local().numel() % row == 0  # whole dim-0 slices on every rank
+    params = {
+        k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()
+    }
+    return {"losses": losses, "params": params, "counts": counts}
+
+
+def _compare(case: str) -> list[dict[str, Any]]:
+    ours = run_threaded(_train, 2, "ours", case, timeout=120)
+    theirs = run_threaded(_train, 2, "fsdp2", case, timeout=120)
+    for a, b in zip(ours, theirs, strict=True):
+        for x, y in zip(a["losses"], b["losses"], strict=True):
+            assert abs(x - y) <= 1e-5 * max(1.0, abs(y)), (a["losses"], b["losses"])
+        assert max_relative_difference(a["params"], b["params"]) <= 1e-5
+    return ours
+
+
+def test_a_list_of_modules_is_one_group_like_fsdp2() -> None:
+    ours = _compare("list")
+    # two groups (the layers together, the root): one reduce-scatter each per step
+    for result in ours:
+        assert result["counts"]["reduce_scatter_single"] == 2, result["counts"]
+
+
+def test_shard_placement_fn_shard0_keeps_dim0_slices_whole() -> None:
+    _compare("shard0")
+
+
+def _bad_placement(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (world,))
+    try:
+        fsdp_engine.fully_shard(build(), mesh=mesh, shard_placement_fn=lambda p: Shard(1))
+    except NotImplementedError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_shard_placement_fn_other_dims_raise_naming_the_parameter() -> None:
+    for message in run_threaded(_bad_placement, 2, timeout=60):
+        assert "Shard(dim=1)" in message and "parameter" in message, message
