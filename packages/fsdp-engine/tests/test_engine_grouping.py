@@ -83,3 +83,26 @@ def _bad_placement(rank: int, world: int) -> str:
 def test_shard_placement_fn_other_dims_raise_naming_the_parameter() -> None:
     for message in run_threaded(_bad_placement, 2, timeout=60):
         assert "Shard(dim=1)" in message and "parameter" in message, message
+
+
+def _plans(rank: int, world: int) -> list[float]:
+    mesh = init_device_mesh("cpu", (world,))
+    out = []
+    for planner in ("auto", "naive"):
+        model = build()
+        fsdp_engine.fully_shard(
+            model,
+            mesh=mesh,
+            planner=planner,
+            block_policy=lambda n, p: p.shape[-1] if p.dim() > 1 else 1,
+        )
+        plan = model.shard_plan()  # type: ignore[operator]
+        assert plan is not None and plan.world_size == world
+        plan.validate()
+        out.append(plan.padding_ratio)
+    return out
+
+
+def test_shard_plan_is_public_and_the_planner_can_be_switched_off() -> None:
+    auto, naive = run_threaded(_plans, 3, timeout=60)[0]
+    assert auto <= naive

@@ -23,6 +23,8 @@ from fsdp_engine._private.policy import (
     OffloadPolicy,
 )
 from fsdp_engine._private.state import STATE_ATTR, FSDPState, get_state
+from shard_planner import METHODS as PLANNER_METHODS
+from shard_planner import Plan
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
 
@@ -72,6 +74,12 @@ class FSDPModule:
             return handle
         handle.wait()
         return None
+
+    def shard_plan(self) -> Plan | None:
+        """The planner's layout of this module's group (shard size, offsets, padding, per-rank
+        units, fingerprint), or None when the module manages no parameters."""
+        group = self._engine_state().group
+        return None if group is None else group.plan
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones."""
@@ -215,6 +223,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     block_policy: BlockPolicy | None = ...,
+    planner: str = ...,
 ) -> FSDPModule: ...
 
 
@@ -229,6 +238,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
     block_policy: BlockPolicy | None = ...,
+    planner: str = ...,
 ) -> list[FSDPModule]: ...
 
 
@@ -242,6 +252,7 @@ def fully_shard(
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen value
     ignored_params: set[nn.Parameter] | None = None,
     block_policy: BlockPolicy | None = None,
+    planner: str = "auto",
 ) -> FSDPModule | list[FSDPModule]:
     """Shard ``module``'s parameters over ``mesh`` (FSDP2's signature and behaviour).
 
@@ -250,8 +261,12 @@ def fully_shard(
     with one collective before forward (and backward) and reduce-scattered with one collective
     after backward. ``mesh``: 1-D (FSDP) or 2-D (HSDP: axis 0 replicates, axis 1 shards).
     ``reshard_after_forward``: ``True``/``False``, or an int: ``1`` keeps parameters unsharded
-    like ``False``, the shard-axis size reshards like ``True``.
+    like ``False``, the shard-axis size reshards like ``True``, any other divisor k keeps 1/k of
+    the unsharded buffer and re-gathers within groups of k ranks. ``planner``: the
+    ``shard_planner.plan`` method (``"auto"``; ``"naive"`` concatenates, for ablations).
     """
+    if planner not in PLANNER_METHODS:
+        raise ValueError(f"fully_shard: planner must be one of {PLANNER_METHODS}, got {planner!r}")
     modules = module if isinstance(module, list) else [module]
     if not modules:
         raise ValueError("fully_shard got an empty list of modules")
@@ -309,7 +324,12 @@ def fully_shard(
     _check_devices(refs, mesh)
     group = (
         ParamGroup(
-            refs, mesh, mp_policy=mp_policy, block_policy=block_policy, shard_axis=shard_axis
+            refs,
+            mesh,
+            mp_policy=mp_policy,
+            block_policy=block_policy,
+            shard_axis=shard_axis,
+            planner=planner,
         )
         if refs
         else None

@@ -70,6 +70,7 @@ def build_plan(
     world: int,
     block_policy: BlockPolicy | None,
     dtype: torch.dtype,
+    method: str = "auto",
 ) -> Plan:
     specs = []
     for ref, param in zip(refs, params, strict=True):
@@ -103,7 +104,7 @@ def build_plan(
                 f"elements: it must be >= 1 and divide the parameter's numel"
             )
         specs.append(TensorSpec(numel=param.numel(), block=block, name=ref.fqn))
-    return plan(specs, world, _align_elements(dtype))
+    return plan(specs, world, _align_elements(dtype), method=method)
 
 
 class ParamGroup:
@@ -117,6 +118,7 @@ class ParamGroup:
         mp_policy: MixedPrecisionPolicy,
         block_policy: BlockPolicy | None,
         shard_axis: int,
+        planner: str = "auto",
     ) -> None:
         self.refs = tuple(refs)
         self.mesh = mesh
@@ -135,7 +137,9 @@ class ParamGroup:
         self.reduce_dtype = mp_policy.reduce_dtype or self.compute_dtype
         self.requires_grad = tuple(p.requires_grad for p in originals)
         self.world = mesh.size(shard_axis)
-        self.plan = build_plan(refs, originals, self.world, block_policy, self.dtype)
+        self.plan = build_plan(
+            refs, originals, self.world, block_policy, self.dtype, method=planner
+        )
         shapes = [tuple(p.shape) for p in originals]
         names = [r.fqn for r in refs]
         self.params = DBuffer(
