@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import math
 import os
@@ -101,7 +100,7 @@ ENGINE_LABELS = {
     "deepspeed": "DeepSpeed ZeRO-3",
     "ours-naive": "ours, planner off",
     "fsdp2-a2a": "FSDP2 + our all-to-all Muon",
-    "ours-proposed": "ours + proposed fixes (prototype)",
+    "ours-proposed": "ours + FlatShardOptimizer",
 }
 
 
@@ -192,11 +191,16 @@ def _model_roots(model: nn.Module) -> list[torch.Tensor]:
 
 def _ours_padding(model: nn.Module, world: int) -> tuple[int, int]:
     pad = total = 0
+    import fsdp_engine
+
+    seen: set[int] = set()
     for m in model.modules():
-        state = m.__dict__.get("_fsdp_engine_state")  # private accessor: see the report
-        if state is not None and state.group is not None:
-            pad += int(state.group.plan.padding)
-            total += int(state.group.plan.shard_size) * world
+        if isinstance(m, fsdp_engine.FSDPModule):
+            plan = m.shard_plan()
+            if plan is not None and id(plan) not in seen:
+                seen.add(id(plan))
+                pad += int(plan.padding)
+                total += int(plan.shard_size) * world
     return pad, total
 
 
@@ -217,28 +221,6 @@ def _flat_padding(numels: list[int], world: int) -> tuple[int, int]:
     total = sum(numels)
     padded = math.ceil(total / world) * world
     return padded - total, padded
-
-
-class _NaivePlanner:
-    """``fsdp_engine`` plans with ``shard_planner.plan``; the ablation swaps in method ``naive``.
-
-    [Note: why a patch] ``fully_shard`` has no planner switch yet (requested in the report); the
-    group module looks ``plan`` up at call time, so replacing that module attribute while the
-    ablation's groups are built is enough, and it is restored right after.
-    """
-
-    def __enter__(self) -> None:
-        import importlib
-
-        import shard_planner
-
-        group: Any = importlib.import_module("fsdp_engine._private.group")
-        self._group = group
-        self._original = group.plan
-        group.plan = functools.partial(shard_planner.plan, method="naive")
-
-    def __exit__(self, *exc: object) -> None:
-        self._group.plan = self._original
 
 
 class GatherToAllMuon:
@@ -297,99 +279,6 @@ class GatherToAllMuon:
             p.grad = None
 
 
-class FlatBufferOptimizer:
-    """Prototype of a proposed engine API: ``torch.optim.AdamW`` over each group's flat shard
-    (one plain 1-D tensor per ``fully_shard`` group, the DBuffer storage that the parameters
-    view), its gradient the flat reduce-scatter output. Elementwise optimizers give the same
-    values as on the per-parameter DTensors (the padding stays zero), with one kernel per group
-    instead of one DTensor dispatch per parameter and op. Reaches into private state
-    (``module._fsdp_engine_state.group``): see the report for the accessor it needs."""
-
-    def __init__(self, model: nn.Module, *, free_grads: bool = False) -> None:
-        self.model = model
-        self.free_grads = free_grads
-        self.groups = [
-            state.group
-            for m in model.modules()
-            if (state := m.__dict__.get("_fsdp_engine_state")) is not None
-            and state.group is not None
-        ]
-        self.flat = [g.params.shard for g in self.groups]
-        self.opt = torch.optim.AdamW(self.flat, lr=LR, betas=BETAS, weight_decay=WD)
-        self.state = self.opt.state
-
-    def step(self) -> None:
-        for flat, group in zip(self.flat, self.groups, strict=True):
-            # written in place by the group's reduce-scatter
-            flat.grad = None if group.grads is None else group.grads.shard
-        self.opt.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        # drop the per-parameter views so the next reduce-scatter overwrites (not accumulates)
-        self.model.zero_grad(set_to_none=True)
-        for flat, group in zip(self.flat, self.groups, strict=True):
-            flat.grad = None
-            if self.free_grads and not _engine_releases_gradients() and group.grads is not None:
-                # nothing refers to the values any more: release the storage until the next
-                # reduction re-allocates it (see _bound_reductions)
-                storage = group.grads.shard.untyped_storage()
-                if storage.nbytes():
-                    group._bench_grad_nbytes = storage.nbytes()
-                    storage.resize_(0)
-
-
-def _engine_releases_gradients() -> bool:
-    """True once fsdp_engine itself releases dropped gradients and bounds reductions in flight
-    (then the prototype below only adds the flat optimizer)."""
-    import importlib
-
-    group_mod: Any = importlib.import_module("fsdp_engine._private.group")
-    return hasattr(group_mod.ParamGroup, "release_dropped_gradients")
-
-
-_LAST_REDUCING: list[Any] = [None]
-
-
-def _bound_reductions(model: nn.Module) -> None:
-    """Prototype of two engine changes, applied to this model's groups only (a flag on each):
-
-    - at most one gradient reduction in flight, as FSDP2: a group waits for the previous
-      group's reduce-scatter before issuing its own, so that group's unsharded gradient storage
-      is freed then, not at the end of backward (the engine waits for all of them in the root's
-      final callback, so every layer's unsharded gradients are alive at once);
-    - the sharded gradient storage is re-allocated at the reduction if ``zero_grad`` released it
-      (``FlatBufferOptimizer(free_grads=True)``), so it does not live between steps.
-    """
-    import importlib
-
-    if _engine_releases_gradients():
-        return
-    group_mod: Any = importlib.import_module("fsdp_engine._private.group")
-    cls = group_mod.ParamGroup
-    if not getattr(cls, "_bench_patched", False):
-        original = cls.reduce_gradients
-
-        def reduce_gradients(self: Any, *, async_op: bool) -> None:
-            if getattr(self, "_bench_bounded", False) and self.grads_pending:
-                size = getattr(self, "_bench_grad_nbytes", 0)
-                if self.grads is not None and size:
-                    storage = self.grads.shard.untyped_storage()
-                    if storage.nbytes() == 0:
-                        storage.resize_(size)
-                last = _LAST_REDUCING[0]
-                if last is not None and last is not self:
-                    last.wait_for_reduce()
-                _LAST_REDUCING[0] = self
-            original(self, async_op=async_op)
-
-        cls.reduce_gradients = reduce_gradients
-        cls._bench_patched = True
-    for m in model.modules():
-        state = m.__dict__.get("_fsdp_engine_state")
-        if state is not None and state.group is not None:
-            state.group._bench_bounded = True
-
-
 class Optimizers:
     """Several optimizers stepped as one (Muon for matrices beside AdamW for the rest)."""
 
@@ -409,7 +298,11 @@ def make_optimizer(case: Case, engine: str, model: nn.Module) -> Any:
     import optim_blockwise as ob
 
     if case.optimizer == "adamw" and engine == "ours-proposed":
-        return FlatBufferOptimizer(model, free_grads=True)
+        import fsdp_engine
+
+        return fsdp_engine.FlatShardOptimizer(
+            model, torch.optim.AdamW, lr=LR, betas=BETAS, weight_decay=WD
+        )
     if case.optimizer == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
     if case.optimizer == "adamw8bit":
@@ -435,8 +328,6 @@ def build_runner(case: Case, engine: str, cfg: ModelConfig, mesh: DeviceMesh) ->
     model: nn.Module = LlamaModel(cfg)
     shapes = [tuple(p.shape) for p in model.parameters()]
     if engine in ("ours", "ours-naive", "ours-proposed"):
-        from contextlib import AbstractContextManager, nullcontext
-
         import fsdp_engine
         import optim_blockwise as ob
 
@@ -445,16 +336,11 @@ def build_runner(case: Case, engine: str, cfg: ModelConfig, mesh: DeviceMesh) ->
             policy = ob.AdamW8bit.block_policy(block_size=256)
         elif case.optimizer == "muon":
             policy = ob.Muon.block_policy()
-        planner: AbstractContextManager[None] = (
-            _NaivePlanner() if engine == "ours-naive" else nullcontext()
-        )
-        with planner:
-            for layer in model.layers:  # type: ignore[union-attr]
-                fsdp_engine.fully_shard(layer, mesh=mesh, block_policy=policy)
-            fsdp_engine.fully_shard(model, mesh=mesh, block_policy=policy)
+        planner = "naive" if engine == "ours-naive" else "auto"
+        for layer in model.layers:  # type: ignore[union-attr]
+            fsdp_engine.fully_shard(layer, mesh=mesh, block_policy=policy, planner=planner)
+        fsdp_engine.fully_shard(model, mesh=mesh, block_policy=policy, planner=planner)
         padding = _ours_padding(model, world)
-        if engine == "ours-proposed":
-            _bound_reductions(model)
     elif engine.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
@@ -878,7 +764,8 @@ def markdown(
         "",
         "| case | world | ours / FSDP2 | ours / FSDP1 | ours / DeepSpeed | optimizer step ours "
         "/ FSDP2 | memory ours / FSDP2 | / FSDP1 | / DeepSpeed | collectives ours vs FSDP2 "
-        "(count, MiB) | copied MiB ours vs FSDP2 | proposed fixes: step / FSDP2 | proposed: "
+        "(count, MiB) | copied MiB ours vs FSDP2 | with FlatShardOptimizer: step / FSDP2 | "
+        "with FlatShardOptimizer: "
         "memory / FSDP2 |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -934,15 +821,9 @@ def markdown(
         "",
         "## Ablations",
         "",
-        "**Proposed fixes** (`ours + proposed fixes (prototype)` rows; the engine changes the "
-        "report asks for, emulated from the benchmark): the optimizer runs on each group's flat "
-        "shard (one kernel per group instead of one DTensor dispatch per parameter and op), at "
-        "most one gradient reduction in flight (each group's unsharded gradients freed at the "
-        "next group's reduction instead of at the end of backward) and the sharded gradient "
-        "storage released by `zero_grad`. Same losses as FSDP2. Where the engine already "
-        "releases gradients and bounds reductions itself (detected: "
-        f"{'yes' if _engine_releases_gradients() else 'no'} in this run), the row adds only the "
-        "flat optimizer.",
+        "**Flat optimizer** (`ours + FlatShardOptimizer` rows): `fsdp_engine.FlatShardOptimizer` "
+        "runs AdamW on each group's flat shard (one kernel per group instead of one DTensor "
+        "dispatch per parameter and op); bit-identical to per-parameter AdamW (tested).",
         "",
         "**DBuffer off** is torch FSDP2 itself: the same sharding unit (one `fully_shard` per "
         "layer) with per-parameter copy-in before the all-gather and copy-out after, and a "

@@ -187,12 +187,15 @@ def _padding(model: nn.Module, engine: str, world: int) -> tuple[int, int]:
     """(padding elements, buffer elements) over all groups, per the engine's layout."""
     pad = total = 0
     if engine == "ours":
+        import fsdp_engine
+
+        plans = {}
         for m in model.modules():
-            state = m.__dict__.get("_fsdp_engine_state")  # private: see the report
-            if state is not None and state.group is not None:
-                plan = state.group.plan
-                pad += int(plan.padding)
-                total += int(plan.shard_size) * world
+            if isinstance(m, fsdp_engine.FSDPModule) and (found := m.shard_plan()) is not None:
+                plans[id(found)] = found
+        for plan in plans.values():
+            pad += int(plan.padding)
+            total += int(plan.shard_size) * world
     else:  # FSDP2 pads each parameter's dim 0 to a multiple of the world size
         for p in model.parameters():
             rows = p.shape[0] if p.dim() else 1
