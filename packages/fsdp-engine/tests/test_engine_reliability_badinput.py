@@ -32,6 +32,11 @@ def _linear() -> nn.Module:
     return nn.Linear(4, 4)
 
 
+def _listed_twice(mesh: Any) -> object:
+    layer = _linear()
+    return fully_shard([layer, layer], mesh=mesh)
+
+
 def _twice(mesh: Any) -> object:
     layer = _linear()
     fully_shard(layer, mesh=mesh)
@@ -75,15 +80,15 @@ ARGUMENT_CASES: dict[str, Case] = {
         TypeError,
         ("reshard_after_forward", "str"),
     ),
-    "shard_placement_fn": (
-        lambda mesh: fully_shard(_linear(), mesh=mesh, shard_placement_fn=lambda p: None),
+    "shard_placement_fn with Shard(1)": (
+        lambda mesh: fully_shard(_linear(), mesh=mesh, shard_placement_fn=lambda p: Shard(1)),
         NotImplementedError,
-        ("shard_placement_fn", "block_policy"),
+        ("shard_placement_fn", "Shard(dim=1)", "'weight'"),
     ),
-    "list of modules as one group": (
-        lambda mesh: fully_shard([_linear(), _linear()], mesh=mesh),
-        NotImplementedError,
-        ("list of modules", "common parent"),
+    "the same module twice in a list": (
+        _listed_twice,
+        ValueError,
+        ("same module twice",),
     ),
     "empty list": (lambda mesh: fully_shard([], mesh=mesh), ValueError, ("empty list",)),
     "not a module": (
