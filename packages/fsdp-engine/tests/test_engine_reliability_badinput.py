@@ -23,7 +23,7 @@ from fsdp_engine import (
     load_checkpoint,
     save_checkpoint,
 )
-from ragged_dtensor.testing import run_threaded
+from ragged_dtensor.testing import expect_error_on_every_rank, run_threaded
 
 # -- fully_shard arguments ------------------------------------------------------------------------
 
@@ -140,25 +140,9 @@ ARGUMENT_CASES: dict[str, Case] = {
 }
 
 
-def _run_argument_case(rank: int, world: int, name: str) -> str:
-    mesh = init_device_mesh("cpu", (world,))
-    fn, kind, _ = ARGUMENT_CASES[name]
-    try:
-        fn(mesh)
-    except kind as exc:
-        return f"ok: {exc}"
-    except Exception as exc:
-        return f"wrong type {type(exc).__name__}: {exc}"
-    return "no error"
-
-
 @pytest.mark.parametrize("name", list(ARGUMENT_CASES))
 def test_bad_fully_shard_argument_names_the_offender(name: str) -> None:
-    _, _, fragments = ARGUMENT_CASES[name]
-    for rank, message in enumerate(run_threaded(_run_argument_case, 2, name, timeout=60)):
-        assert message.startswith("ok: "), (rank, message)
-        for fragment in fragments:
-            assert fragment in message, (rank, message)
+    expect_error_on_every_rank(*ARGUMENT_CASES[name])
 
 
 # Each was accepted silently or failed far from the cause with an unrelated message (found by
@@ -220,25 +204,10 @@ UNCLEAR: dict[str, tuple[Callable[[Any], object], type[Exception], tuple[str, ..
 }
 
 
-def _run_unclear_case(rank: int, world: int, name: str) -> str:
-    mesh = init_device_mesh("cpu", (world,))
-    fn, kind, _, _ = UNCLEAR[name]
-    try:
-        fn(mesh)
-    except kind as exc:
-        return f"ok: {exc}"
-    except Exception as exc:
-        return f"wrong type {type(exc).__name__}: {exc}"
-    return "no error"
-
-
 @pytest.mark.parametrize("name", list(UNCLEAR))
 def test_bad_fully_shard_argument_is_rejected_clearly(name: str) -> None:
-    _, _, fragments, bug = UNCLEAR[name]
-    for message in run_threaded(_run_unclear_case, 2, name, timeout=60):
-        assert message.startswith("ok: ") and all(f in message for f in fragments), (
-            f"{message}\n(bug: {bug})"
-        )
+    fn, kind, fragments, bug = UNCLEAR[name]
+    expect_error_on_every_rank(fn, kind, fragments, hint=f"bug: {bug}")
 
 
 # -- checkpoint mismatches ------------------------------------------------------------------------

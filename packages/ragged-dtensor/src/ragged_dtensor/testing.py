@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = [
+    "expect_error_on_every_rank",
     "run_markdown_example",
     "CollectiveCounter",
     "DistributedFailure",
@@ -207,6 +208,44 @@ def run_threaded(
         head = [f"ranks {missing} did not finish within {timeout:.0f} s"] if missing else []
         raise DistributedFailure("\n".join(head + errors))
     return [outcomes[r][1] for r in range(world_size)]
+
+
+def expect_error_on_every_rank(
+    fn: Callable[[Any], object],
+    error: type[BaseException],
+    fragments: Sequence[str] = (),
+    *,
+    world_size: int = 2,
+    mesh_shape: tuple[int, ...] | None = None,
+    timeout: float = 60.0,
+    hint: str = "",
+) -> list[str]:
+    """Run ``fn(mesh)`` on ``world_size`` threaded ranks and assert that every rank raises
+    ``error`` with a message containing every fragment (the bad-input catalogues use it).
+
+    Returns each rank's message. ``hint`` is appended to a failure (e.g. where the bug is).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def body(rank: int, world: int) -> str:
+        mesh = init_device_mesh("cpu", mesh_shape or (world,))
+        try:
+            fn(mesh)
+        except error as exc:
+            return f"ok: {exc}"
+        except Exception as exc:
+            return f"wrong type {type(exc).__name__}: {exc}"
+        return "no error"
+
+    messages = run_threaded(body, world_size, timeout=timeout)
+    for rank, message in enumerate(messages):
+        missing = [f for f in fragments if f not in message]
+        if not message.startswith("ok: ") or missing:
+            raise AssertionError(
+                f"rank {rank}: expected {error.__name__} naming {list(fragments)}"
+                f", got: {message}" + (f"\n({hint})" if hint else "")
+            )
+    return [m[len("ok: ") :] for m in messages]
 
 
 def run_markdown_example(
