@@ -511,6 +511,19 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, str], args: argparse.Na
                 f"{r['max_abs_diff_those']:.2e} on those, {r['max_abs_diff_others']:.2e} on the "
                 f"rest (the divergence reaches every tensor through the forward pass)."
             )
+    bound = 2 * (args.warmup + args.steps) * max(LR, MUON_LR * math.sqrt(3))
+    if any(r["max_abs_change_from_init"] > bound for r in rows):
+        out.append(
+            f"- **Anomaly**: a change above {bound:.2f} (twice steps x lr x the largest lr "
+            "adjustment) is more than Adam or Muon can move a parameter. Seen with 8-bit state on "
+            "the embedding (ours decides on the global 6592 >= 4096 elements; torchao keeps it "
+            "fp32 since 6592 is not a multiple of 256): in a block whose absmax is set by a large "
+            "gradient, an element's v can quantize to 0 while its m does not, and when its "
+            "gradient is 0 (characters absent from a batch) the update is m / eps. A synthetic "
+            "block (one gradient of 1, the rest ~1e-2, then zero gradients) reproduces it with "
+            "`optim_blockwise.AdamW8bit` and `torchao.optim.AdamW8bit` (updates ~10^4 x lr), not "
+            "with `bitsandbytes.optim.AdamW8bit` (updates <= lr)."
+        )
     out += [
         "- Step time = forward + backward + optimizer step + zero_grad, barrier before and after, "
         "rank 0's clock. Paired ratio = median over steps of ours_i / peer_i (adjacent steps).",
