@@ -55,6 +55,9 @@ class FSDPModule:
             raise RuntimeError("module has no fully_shard state")
         return state
 
+    def _states(self, recurse: bool) -> list[FSDPState]:
+        return self._subtree_states() if recurse else [self._engine_state()]
+
     def _subtree_states(self) -> list[FSDPState]:
         assert isinstance(self, nn.Module)
         states: list[FSDPState] = []
@@ -91,22 +94,19 @@ class FSDPModule:
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
         """``False``: accumulate unsharded gradients locally (no reduce-scatter) until set back."""
-        states = self._subtree_states() if recurse else [self._engine_state()]
-        for state in states:
+        for state in self._states(recurse):
             state.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
-        states = self._subtree_states() if recurse else [self._engine_state()]
-        for state in states:
+        for state in self._states(recurse):
             state.reshard_after_backward = reshard_after_backward
 
     def set_reshard_after_forward(
         self, reshard_after_forward: bool, *, recurse: bool = True
     ) -> None:
-        states = self._subtree_states() if recurse else [self._engine_state()]
-        for state in states:
+        for state in self._states(recurse):
             if state.is_root:
                 continue
             state.reshard_after_forward = reshard_after_forward
