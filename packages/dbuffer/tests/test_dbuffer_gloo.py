@@ -5,6 +5,7 @@ Collectives are counted at the dispatcher (``c10d.*`` ops), independently of dbu
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -89,6 +90,15 @@ def _async_and_mixed_precision(mesh_shape: tuple[int, ...]) -> None:
     expected = [e + i.double() for e, i in zip(expected, initial, strict=True)]
     _check_shards(grads, expected, atol=5e-2)
     assert not grads.is_unsharded()
+    # An async gloo all-gather bumps its output's version counter in the background when it
+    # completes; views autograd saved must still see the version they were saved at.
+    view = buf.full_views(allow_released=True)[0]
+    saved = view._version
+    handle = buf.unshard(async_op=True)
+    time.sleep(0.2)  # let the background completion happen before the wait
+    handle.wait()
+    assert view._version == saved, (view._version, saved)
+    buf.reshard()
 
 
 def _world_2(rank: int, world: int) -> None:

@@ -337,18 +337,23 @@ class DBuffer:
         entry = self._unsharded_of(dtype)
         _allocate(entry.flat)
         source = self.shard
-        finish = None
-        if entry.cast_shard is not None:
-            cast = entry.cast_shard
+        cast = entry.cast_shard
+        if cast is not None:
             _allocate(cast)
             cast.copy_(self.shard)
             source = cast
+        # An async gloo all-gather bumps its output's version counter when it completes, in the
+        # background (seen on real processes): the counter is put back when the handle is
+        # waited, not only around the issue (see [Note: version counters]).
+        guard = _unsafe_preserve_version_counter(entry.flat)
 
-            def finish() -> None:
+        def finish() -> None:
+            if cast is not None:
                 _free(cast)
+            guard.__exit__(None, None, None)
 
         self.wait()
-        with _unsafe_preserve_version_counter(entry.flat):
+        with guard:
             handle = all_gather_flat(
                 entry.flat, source, self._group(self.shard_axis), async_op=async_op, finish=finish
             )

@@ -173,7 +173,6 @@ class ParamGroup:
         self._unsharded: dict[torch.dtype, list[nn.Parameter]] = {}
         self.state = ShardState.SHARDED
         self.unshard_handle: Handle | None = None
-        self._version_guard: _unsafe_preserve_version_counter | None = None
         self.reduce_handle: Handle | None = None
         self.post_forward_chunk: torch.Tensor | None = None
         self.subgroup_size = 1
@@ -253,22 +252,13 @@ class ParamGroup:
         if self.post_forward_chunk is not None:
             self._unshard_from_chunk()
             return
-        # An async gloo all-gather bumps its output's version counter when it completes, in the
-        # background. The refilled values are the same parameters autograd saved (DBuffer's
-        # [Note: version counters]), so the counter is put back when the all-gather is waited.
-        self._version_guard = _unsafe_preserve_version_counter(
-            self.params.full_views(self.compute_dtype, allow_released=True)[0]
-        )
         self.unshard_handle = self.params.unshard(dtype=self.compute_dtype, async_op=async_op)
         if not async_op:
             self.wait_for_unshard()
 
     def wait_for_unshard(self) -> None:
         if self.unshard_handle is not None:
-            self.unshard_handle.wait()
-            if self._version_guard is not None:
-                self._version_guard.__exit__(None, None, None)
-                self._version_guard = None
+            self.unshard_handle.wait()  # DBuffer restores the version counter autograd checks
             self.unshard_handle = None
             self.state = ShardState.UNSHARDED
 
