@@ -39,7 +39,8 @@ import torch.distributed as dist
 
 from optim_blockwise._private import quant
 from optim_blockwise._private.agree import check_agreement, fingerprint
-from optim_blockwise._private.layout import ParamLayout, describe, local_flat
+from optim_blockwise._private.base import ShardedOptimizer
+from optim_blockwise._private.layout import ParamLayout, local_flat
 from optim_blockwise._private.policy import AdamW8bitBlockPolicy
 from optim_blockwise._private.state import restore_state_dtypes, sharded_state_dict
 from optim_blockwise._private.validate import check_betas, check_nonnegative
@@ -77,7 +78,7 @@ def _cuts_blocks(layout: ParamLayout, block: int) -> bool:
     return any(lo % block for lo, hi in layout.ranges if hi > lo)
 
 
-class AdamW8bit(torch.optim.Optimizer):
+class AdamW8bit(ShardedOptimizer):
     """AdamW whose moments are stored in 8 bits with blockwise dynamic quantization.
 
     ``m`` uses the signed dynamic map, ``v`` the unsigned one, each block of ``block_size``
@@ -128,19 +129,6 @@ class AdamW8bit(torch.optim.Optimizer):
         restore_state_dtypes(self, state_dict, super().load_state_dict)
 
     # -- helpers -----------------------------------------------------------------------------
-    def _name(self, group: dict[str, Any], index: int, param: torch.Tensor) -> str:
-        names = group.get("param_names")
-        if names is not None:
-            return str(names[index])
-        gi = next(i for i, g in enumerate(self.param_groups) if g is group)
-        return f"param_groups[{gi}]['params'][{index}] (shape {tuple(param.shape)})"
-
-    def _layout(self, param: torch.Tensor, name: str) -> ParamLayout:
-        layout = self._layouts.get(param)
-        if layout is None:
-            layout = describe(param, name)
-            self._layouts[param] = layout
-        return layout
 
     def _init_state(self, item: _Item) -> dict[str, Any]:
         state = cast(dict[str, Any], self.state[item.param])
@@ -248,25 +236,17 @@ class AdamW8bit(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         items: list[_Item] = []
-        for group in self.param_groups:
-            for index, param in enumerate(group["params"]):
-                if param.grad is None:
-                    continue
-                name = self._name(group, index, param)
-                if param.grad.is_sparse:
-                    raise RuntimeError(
-                        f"parameter {name!r}: AdamW8bit does not support sparse "
-                        f"gradients (as torch.optim.AdamW)"
-                    )
-                layout = self._layout(param, name)
-                if param.grad.shape != param.shape:
-                    raise ValueError(
-                        f"parameter {name!r}: gradient shape {tuple(param.grad.shape)} "
-                        f"differs from the parameter's {tuple(param.shape)}"
-                    )
-                eight_bit = layout.numel >= self.min_8bit_size
-                exchange = eight_bit and layout.is_sharded and _cuts_blocks(layout, self.block_size)
-                items.append(_Item(param, name, group, layout, eight_bit, exchange))
+        for group, name, param in self._params_with_grads():
+            layout = self._layout(param, name)
+            assert param.grad is not None
+            if param.grad.shape != param.shape:
+                raise ValueError(
+                    f"parameter {name!r}: gradient shape {tuple(param.grad.shape)} "
+                    f"differs from the parameter's {tuple(param.shape)}"
+                )
+            eight_bit = layout.numel >= self.min_8bit_size
+            exchange = eight_bit and layout.is_sharded and _cuts_blocks(layout, self.block_size)
+            items.append(_Item(param, name, group, layout, eight_bit, exchange))
         states = [self._init_state(item) for item in items]
         edges = self._exchange_boundaries(items, states)
         for i, (item, state) in enumerate(zip(items, states, strict=True)):

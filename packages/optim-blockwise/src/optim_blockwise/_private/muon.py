@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from optim_blockwise._private import exchange
 from optim_blockwise._private.agree import check_agreement, fingerprint
-from optim_blockwise._private.layout import ParamLayout, describe, local_flat
+from optim_blockwise._private.base import ShardedOptimizer
+from optim_blockwise._private.layout import ParamLayout, local_flat
 from optim_blockwise._private.newton_schulz import (
     DEFAULT_NS_COEFFICIENTS,
     adjust_lr,
@@ -91,7 +92,7 @@ class _GroupPlan:
     fingerprint: int
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(ShardedOptimizer):
     """Muon (momentum + Newton-Schulz orthogonalization) with an AdamW path per param group.
 
     A param group's ``use_muon`` selects the path: ``True`` (every param must be 2-D), ``False``
@@ -191,19 +192,6 @@ class Muon(torch.optim.Optimizer):
         restore_state_dtypes(self, state_dict, super().load_state_dict)
 
     # -- helpers -----------------------------------------------------------------------------
-    def _name(self, group: dict[str, Any], index: int, param: torch.Tensor) -> str:
-        names = group.get("param_names")
-        if names is not None:
-            return str(names[index])
-        gi = next(i for i, g in enumerate(self.param_groups) if g is group)
-        return f"param_groups[{gi}]['params'][{index}] (shape {tuple(param.shape)})"
-
-    def _layout(self, param: torch.Tensor, name: str) -> ParamLayout:
-        layout = self._layouts.get(param)
-        if layout is None:
-            layout = describe(param, name)
-            self._layouts[param] = layout
-        return layout
 
     def _state(self, item: _Item, keys: tuple[str, ...]) -> dict[str, Any]:
         state = cast(dict[str, Any], self.state[item.param])
@@ -250,20 +238,12 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         muon_items: list[_Item] = []
         adamw_items: list[_Item] = []
-        for group in self.param_groups:
-            for index, param in enumerate(group["params"]):
-                if param.grad is None:
-                    continue
-                name = self._name(group, index, param)
-                if param.grad.is_sparse:
-                    raise RuntimeError(
-                        f"parameter {name!r}: Muon does not support sparse gradients"
-                    )
-                item = _Item(param, name, group, self._layout(param, name))
-                use = group["use_muon"]
-                if use is None:
-                    use = param.dim() == 2
-                (muon_items if use else adamw_items).append(item)
+        for group, name, param in self._params_with_grads():
+            item = _Item(param, name, group, self._layout(param, name))
+            use = group["use_muon"]
+            if use is None:
+                use = param.dim() == 2
+            (muon_items if use else adamw_items).append(item)
 
         # 1. momentum on the local shard; the update to orthogonalize, in ns_dtype.
         updates: list[torch.Tensor] = []
