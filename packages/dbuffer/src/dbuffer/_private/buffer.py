@@ -173,7 +173,9 @@ class DBuffer:
         if check:
             check_agreement(mesh, self._record(), what="DBuffer")
         self.shard = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
-        self._unsharded: dict[torch.dtype, _Unsharded] = {dtype: _Unsharded(self, dtype)}
+        # made on first use: a buffer that only ever holds a shard (e.g. sharded gradients)
+        # never touches m * S elements
+        self._unsharded: dict[torch.dtype, _Unsharded] = {}
         self._local_views = tuple(self.shard[s.local_start : s.local_stop] for s in self.slots)
         self._sharded_views: tuple[DTensor, ...] | None = None
         self._grad_owners: list[tuple[weakref.ref[torch.Tensor], torch.Tensor]] = []
@@ -256,7 +258,7 @@ class DBuffer:
     @property
     def unsharded(self) -> torch.Tensor:
         """The flat unsharded tensor (m * S elements); its storage is empty while resharded."""
-        return self._unsharded[self.dtype].flat
+        return self._unsharded_of(self.dtype).flat
 
     def is_unsharded(self, dtype: torch.dtype | None = None) -> bool:
         entry = self._unsharded.get(dtype or self.dtype)
@@ -396,7 +398,7 @@ class DBuffer:
                 "DBuffer.reduce_scatter: the unsharded storage is not allocated "
                 "(call alloc_unsharded() and let autograd write the gradients)"
             )
-        flat = self._unsharded[self.dtype].flat
+        flat = self._unsharded_of(self.dtype).flat
 
         def release() -> None:
             _free(flat)
