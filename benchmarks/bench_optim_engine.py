@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import torch
 import torch.distributed as dist
+from bench_engine import Optimizers  # one helper for both benchmarks
 from demo import CollectiveTally
 from llama import Corpus, ModelConfig, get_batch, load_corpus, loss_fn, muon_param_groups
 from llama import Llama as LlamaModel
@@ -89,21 +90,6 @@ LABELS = {
 
 
 # -- optimizers ----------------------------------------------------------------------------------
-
-
-class Optimizers:
-    """Several optimizers stepped as one (torch.optim.Muon beside torch.optim.AdamW)."""
-
-    def __init__(self, *opts: torch.optim.Optimizer) -> None:
-        self.opts = opts
-
-    def step(self) -> None:
-        for o in self.opts:
-            o.step()
-
-    def zero_grad(self) -> None:
-        for o in self.opts:
-            o.zero_grad(set_to_none=True)
 
 
 def make_optimizer(case: str, side: str, model: nn.Module) -> Any:
