@@ -28,6 +28,12 @@ from torch.distributed.tensor.placement_types import Placement
 
 from dbuffer import DBuffer, Handle
 from fsdp_engine._private.policy import BlockPolicy, MixedPrecisionPolicy
+from fsdp_engine._private.quantized_gather import (
+    GatherStrategy,
+    TileAlignedBlocks,
+    gather_strategy,
+    select_quantized,
+)
 from ragged_dtensor import RaggedShard
 from shard_planner import Plan, TensorSpec, plan
 
@@ -137,6 +143,13 @@ class ParamGroup:
         self.reduce_dtype = mp_policy.reduce_dtype or self.compute_dtype
         self.requires_grad = tuple(p.requires_grad for p in originals)
         self.world = mesh.size(shard_axis)
+        # [Note: quantized all-gather of a group]: the chosen weights' shares are whole blocks
+        quantization = mp_policy.quantized_all_gather
+        quantized = select_quantized(quantization, [r.fqn for r in refs], params)
+        if any(quantized):
+            assert quantization is not None
+            chosen = frozenset(r.fqn for r, q in zip(refs, quantized, strict=True) if q)
+            block_policy = TileAlignedBlocks(quantization, chosen, block_policy)
         self.plan = build_plan(
             refs, originals, self.world, block_policy, self.dtype, method=planner
         )
@@ -151,6 +164,7 @@ class ParamGroup:
             shard_axis=shard_axis,
             check=True,
         )
+        self.gather: GatherStrategy = gather_strategy(quantization, self.params, quantized)
         # [Note: gradient storage lifetimes]
         # Unsharded gradients (compute dtype) live only from pre-backward to their reduction.
         # Sharded gradients (parameter dtype) live from the first reduction until every sharded
@@ -252,7 +266,9 @@ class ParamGroup:
         if self.post_forward_chunk is not None:
             self._unshard_from_chunk()
             return
-        self.unshard_handle = self.params.unshard(dtype=self.compute_dtype, async_op=async_op)
+        self.unshard_handle = self.gather.unshard(
+            self.params, dtype=self.compute_dtype, async_op=async_op
+        )
         if not async_op:
             self.wait_for_unshard()
 
