@@ -136,9 +136,8 @@ class QuantizedAllGather:
             are a multiple of the block's rows are quantized; the others (norms, biases, small
             tensors) travel in the compute dtype.
         filter: ``filter(name, param) -> bool`` replaces that default choice. A chosen weight
-            whose rows are not a multiple of the block's rows is kept whole on one rank (its
-            last block row is partial, which no uniform planner block can keep whole
-            otherwise).
+            whose rows are not a multiple of the block's rows is refused by name at
+            ``fully_shard`` (a shard boundary would cut its partial last row of blocks).
         hook: ``hook(QuantizedWeight)`` is called for every quantized weight of a group when its
             all-gather completes, with its gathered codes and scales (e.g. for FP8 GEMMs).
     """
@@ -188,6 +187,17 @@ def select_quantized(
                 f"shape {tuple(param.shape)}); it quantizes non-empty floating weights of "
                 f"{[str(d) for d in _QUANTIZABLE]}"
             )
+        rows, width = panel_shape(tuple(param.shape), policy.block)
+        br, bc = policy.block
+        if rows % br:
+            raise ValueError(
+                f"fully_shard: the quantized all-gather chose parameter {name!r} (shape "
+                f"{tuple(param.shape)}), whose {rows} rows are not a multiple of its {br}x{bc} "
+                f"blocks' {br}: a shard boundary would cut its last, partial row of blocks (the "
+                f"planner's blocks are uniform; only keeping the whole weight on one rank would "
+                f"avoid it). Leave it out of QuantizedAllGather(filter=...), as the default "
+                f"rule does, or use (1, {bc}) row blocks"
+            )
         chosen.append(True)
     return tuple(chosen)
 
@@ -200,7 +210,8 @@ class _BlockPolicy(Protocol):
 class TileAlignedBlocks:
     """The block policy that makes every shard boundary fall between block rows of the quantized
     weights: for those, the least common multiple of one block row (``panel_block_elements``) and
-    the ``base`` policy's block; for the others the ``base`` block (1 without one)."""
+    the ``base`` policy's block (an optimizer's quantization block, say: both stay whole); for the
+    others the ``base`` block (1 without one)."""
 
     policy: QuantizedAllGather
     selected: frozenset[str]
@@ -217,19 +228,8 @@ class TileAlignedBlocks:
             return value  # not a valid block: the caller's check names the base policy
         if isinstance(value, bool) or base < 1 or numel % base:
             return value
-        br, bc = self.policy.block
-        row = panel_block_elements(tuple(param.shape), self.policy.block)
-        block = math.lcm(base, row)
-        if numel % block:
-            raise ValueError(
-                f"fully_shard: parameter {name!r} (shape {tuple(param.shape)}, {numel} "
-                f"elements) would have a quantization block cut: the quantized all-gather needs "
-                f"shard boundaries between its {br}x{bc} block rows (every {row} elements) and "
-                f"the block policy {_callable_repr(self.base)} asks for blocks of {base}; no "
-                f"boundary inside it satisfies both (lcm {block}). Leave it out with "
-                f"QuantizedAllGather(filter=...) or change the block policy"
-            )
-        return block
+        # Both divide numel, so their lcm does: boundaries every lcm elements keep both whole.
+        return math.lcm(base, panel_block_elements(tuple(param.shape), self.policy.block))
 
 
 @attrs.frozen
@@ -448,7 +448,14 @@ class QuantizedGather:
 def gather_strategy(
     policy: QuantizedAllGather | None, params: DBuffer, selected: Sequence[bool]
 ) -> GatherStrategy:
-    """The group's unshard strategy: quantized when the policy chose any of its weights."""
-    if policy is None or not any(selected):
+    """The group's unshard strategy: quantized when the policy chose any of its weights.
+
+    With a policy, every rank compares the byte layout its choice implies (a collective at
+    ``fully_shard``), chosen weights or not: a rank-dependent ``filter`` raises
+    ``LayoutMismatchError`` on every rank instead of leaving ranks in different collectives.
+    """
+    if policy is None:
         return PlainGather()
-    return QuantizedGather(policy, params, selected)
+    quantized = QuantizedGather(policy, params, selected)
+    quantized.layout(torch.float32)  # the agreement check (any dtype encodes the choice)
+    return quantized if any(selected) else PlainGather()
