@@ -9,6 +9,7 @@ derived in the test). Example counts from ``FUZZ_EXAMPLES``.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from typing import Any
@@ -57,9 +58,7 @@ def cases(draw: Any) -> tuple[tuple[int, ...], tuple[int, int], str, list[int], 
     numel = math.prod(shape)
     # cuts anywhere between block rows; the last block row may be partial
     count = -(-prows // block[0])
-    cuts = sorted(
-        draw(st.lists(st.integers(0, count), min_size=0, max_size=4)) + [0, count]
-    )
+    cuts = sorted([*draw(st.lists(st.integers(0, count), max_size=4)), 0, count])
     bounds = [min(c * unit, numel) for c in cuts]
     return shape, block, draw(st.sampled_from(FORMATS)), bounds, draw(st.integers(0, 2**16))
 
@@ -78,7 +77,7 @@ def test_shares_quantize_exactly_their_own_blocks(case: Any) -> None:
     full = dequantize_panel(codes, scales, block, dtype=torch.bfloat16).reshape(-1)
     flat = w.reshape(-1)
     got_codes, got_scales, got_values = [], [], []
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
+    for lo, hi in itertools.pairwise(bounds):
         if lo == hi:
             continue
         share = flat[lo:hi].view(-1, width)
@@ -98,14 +97,12 @@ def test_a_cut_block_changes_the_scale() -> None:
     w = torch.ones(8, 8)
     w[0, 0] = 100.0  # the first 4x8 block's amax, seen only by the first half of its rows
     c, s = quantize_panel(w, (4, 8), "float8_e4m3fn")
-    c_top, s_top = quantize_panel(w[:2], (4, 8), "float8_e4m3fn")
+    c_top, _ = quantize_panel(w[:2], (4, 8), "float8_e4m3fn")
     c_rest, s_rest = quantize_panel(w[2:], (4, 8), "float8_e4m3fn")
     fp32 = torch.tensor([100.0, 1.0]) / 448  # the scales in fp32 arithmetic
     assert float(s[0, 0]) == float(fp32[0])
     assert float(s_rest[0, 0]) == float(fp32[1])  # rows 2..5 without the outlier
-    assert not torch.equal(
-        torch.cat([c_top, c_rest]).view(torch.uint8), c.view(torch.uint8)
-    )
+    assert not torch.equal(torch.cat([c_top, c_rest]).view(torch.uint8), c.view(torch.uint8))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -101,9 +101,13 @@ def _check_exact(
     for weight in seen:
         _, codes, scales = _reference(full[weight.name], policy, compute)
         assert weight.codes.shape == full[weight.name].shape
-        assert torch.equal(weight.codes.reshape(-1).view(torch.uint8), codes.reshape(-1).view(torch.uint8))
+        assert torch.equal(
+            weight.codes.reshape(-1).view(torch.uint8), codes.reshape(-1).view(torch.uint8)
+        )
         assert torch.equal(weight.scales.reshape(-1), scales.reshape(-1))
-        assert torch.equal(weight.dequantize(compute), _reference(full[weight.name], policy, compute)[0])
+        assert torch.equal(
+            weight.dequantize(compute), _reference(full[weight.name], policy, compute)[0]
+        )
     model.reshard()
     return {"units": units, "quantized": sorted(quantized)}
 
@@ -128,7 +132,9 @@ def groups(draw: Any) -> tuple[int, list[tuple[int, ...]], dict[str, Any], Any]:
             shapes.append((draw(st.integers(1, 50)),))
     fmt = draw(st.sampled_from(["float8_e4m3fn", "int8"]))
     args: dict[str, Any] = {"format": fmt, "block": block, "min_numel": draw(st.integers(1, 64))}
-    tiled = [f"p{i}" for i, s in enumerate(shapes) if len(s) > 1 and _rows(s, block) % block[0] == 0]
+    tiled = [
+        f"p{i}" for i, s in enumerate(shapes) if len(s) > 1 and _rows(s, block) % block[0] == 0
+    ]
     if tiled and draw(st.booleans()):  # a filter choosing some of them, whatever their size
         args["filter"] = Chosen(frozenset(draw(st.sets(st.sampled_from(tiled)))))
     return world, shapes, args, draw(st.sampled_from([torch.bfloat16, None]))
@@ -229,7 +235,10 @@ def _gloo_body(rank: int, world: int, cases: list[Any]) -> list[Any]:
         model(torch.ones(2)).backward()
     kinds = Counter(tally.seen)
     # every all-gather moves bytes (the root stays unsharded between forward and backward)
-    assert set(kinds) == {("_allgather_base_", torch.uint8), ("_reduce_scatter_base_", torch.float32)}, kinds
+    assert set(kinds) == {
+        ("_allgather_base_", torch.uint8),
+        ("_reduce_scatter_base_", torch.float32),
+    }, kinds
     assert kinds[("_reduce_scatter_base_", torch.float32)] == 1
     for p in model.parameters():
         assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
@@ -245,10 +254,12 @@ def test_unsharded_equals_quantized_full_tensors_gloo(world: int) -> None:
     run_processes(_gloo_body, world, _gloo_cases(), timeout=240)
 
 
-# -- the weights travel quantized, nothing else changes ---------------------------------------------
+# -- the weights travel quantized, nothing else changes -------------------------------------------
 
 
-def _representable(shape: tuple[int, int], block: tuple[int, int], fmt: str, seed: int) -> torch.Tensor:
+def _representable(
+    shape: tuple[int, int], block: tuple[int, int], fmt: str, seed: int
+) -> torch.Tensor:
     """Weights whose quantization is exact: codes times a power-of-two scale per block, each
     block holding a code of magnitude Q (so amax / Q is that power of two)."""
     gen = torch.Generator().manual_seed(seed)
@@ -316,7 +327,9 @@ def test_gradients_and_optimizer_unchanged(fmt: str) -> None:
 def _checkpoint(rank: int, world: int, path: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
-    mp = MixedPrecisionPolicy(torch.bfloat16, quantized_all_gather=QuantizedAllGather(block=(8, 8), min_numel=64))
+    mp = MixedPrecisionPolicy(
+        torch.bfloat16, quantized_all_gather=QuantizedAllGather(block=(8, 8), min_numel=64)
+    )
     model = Mlp("float8_e4m3fn")
     fully_shard(model, mesh=mesh, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -425,7 +438,6 @@ def test_layout_that_cuts_a_block_is_refused() -> None:
     """The unshard strategy re-checks the layout it is given (a layout without the engine's
     block policy cuts the tiles) and names the parameter and the rank."""
     from dbuffer import DBuffer, contiguous_layout
-
     from fsdp_engine._private.quantized_gather import QuantizedGather
 
     def body(rank: int, world: int) -> str:

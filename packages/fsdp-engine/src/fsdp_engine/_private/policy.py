@@ -43,7 +43,8 @@ class MixedPrecisionPolicy:
     output_dtype: torch.dtype | None = attrs.field(default=None, validator=_floating_or_none)
     cast_forward_inputs: bool = True
     quantized_all_gather: QuantizedAllGather | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(QuantizedAllGather))
+        default=None,
+        validator=attrs.validators.optional(attrs.validators.instance_of(QuantizedAllGather)),
     )
 
 

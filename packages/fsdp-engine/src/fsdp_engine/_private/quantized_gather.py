@@ -71,8 +71,10 @@ def _check_format(instance: Any, attribute: attrs.Attribute[Any], value: object)
 
 def _as_block(value: object) -> tuple[int, int]:
     try:
-        rows, cols = value  # type: ignore[misc]
-        block = (operator.index(rows), operator.index(cols))
+        pair: tuple[Any, ...] = tuple(value)  # type: ignore[arg-type]
+        if len(pair) != 2:
+            raise ValueError
+        block = (operator.index(pair[0]), operator.index(pair[1]))
     except (TypeError, ValueError):
         raise ValueError(
             f"QuantizedAllGather.block must be a pair of ints (rows, cols), got {value!r}"
@@ -187,7 +189,7 @@ def select_quantized(
                 f"shape {tuple(param.shape)}); it quantizes non-empty floating weights of "
                 f"{[str(d) for d in _QUANTIZABLE]}"
             )
-        rows, width = panel_shape(tuple(param.shape), policy.block)
+        rows = panel_shape(tuple(param.shape), policy.block)[0]
         br, bc = policy.block
         if rows % br:
             raise ValueError(
@@ -287,25 +289,22 @@ class QuantizedGather:
                 ranks[k].append((slot.index, lo - slot.offset, hi - slot.offset))
         out: list[list[_Piece]] = []
         for k, spans in enumerate(ranks):
-            data = 0
-            quantized = sum(self.selected[i] for i, _, _ in spans)
+            # segments: one per piece (codes or values), then one per quantized piece (scales)
             scale = len(spans)
             pieces = []
-            for i, lo, hi in spans:
+            for data, (i, lo, hi) in enumerate(spans):
                 if self.selected[i]:
                     self._check_rows(i, k, lo, hi)
                     pieces.append(_Piece(k, i, lo, hi, data, scale))
                     scale += 1
                 else:
                     pieces.append(_Piece(k, i, lo, hi, data, -1))
-                data += 1
-            assert scale == len(spans) + quantized
             out.append(pieces)
         return out
 
     def _check_rows(self, i: int, rank: int, lo: int, hi: int) -> None:
         slot = self.buffer.slots[i]
-        rows, width = self.panels[i]
+        width = self.panels[i][1]
         row_block = self.policy.block[0] * width
         for edge in (lo, hi):
             if edge % row_block and edge != slot.numel:
