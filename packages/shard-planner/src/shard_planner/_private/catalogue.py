@@ -64,8 +64,9 @@ class Weight:
         return self.shape[-2] if len(self.shape) >= 2 else 1
 
     def block(self, rows: int, *, tile: bool = False) -> int:
-        """Block in elements for a granularity of ``rows`` rows or ``rows x rows`` tiles."""
-        if not self.matrix or len(self.shape) < 2:
+        """Block in elements for a granularity of ``rows`` rows or ``rows x rows`` tiles;
+        ``rows == 0``: no structure (block 1 element, the engine's default)."""
+        if not self.matrix or len(self.shape) < 2 or rows == 0:
             return 1
         h, c = self.matrix_rows, self.shape[-1]
         if tile:
@@ -81,7 +82,8 @@ class LayerShape:
     or ``"moe"`` (attention + routed experts). Widths are per token: ``q_dim`` query width of all
     heads, ``kv_dim`` key (= value) width, ``v_dim`` the attention output width, ``ffn`` a dense
     MLP's width, ``expert_ffn`` one expert's, ``shared_ffn`` the always-active shared experts'.
-    ``latent`` is MLA's compressed widths (q_lora + kv_lora + rope) when the attention is MLA.
+    ``latent`` is MLA's compressed widths (q_lora + kv_lora + rope) when the attention is MLA;
+    ``qk_norm``: per-head RMSNorm of queries and keys (Qwen3).
     """
 
     kind: str
@@ -97,6 +99,7 @@ class LayerShape:
     shared_ffn: int = 0
     vocab: int = 0
     latent: int = 0
+    qk_norm: bool = False
 
 
 @attrs.frozen
@@ -406,6 +409,7 @@ def _qwen_moe(c: Config) -> tuple[Group, ...]:
             experts=n_exp,
             top_k=k,
             expert_ffn=ffn,
+            qk_norm=bool(c.get("qk_norm", False)),
         ),
     )
     return _ends(c, [layer])
