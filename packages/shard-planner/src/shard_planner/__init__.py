@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
+from shard_planner._private.advise import LAYER_CHOICES, Advice, Candidate, advise
 from shard_planner._private.baselines import Fsdp2Layout, fsdp2_layout, megatron_plan, naive_plan
 from shard_planner._private.catalogue import (
     MODELS,
@@ -68,5 +69,10 @@ __all__ = [
     "Projection",
     "EngineProjection",
     "GroupLayout",
+    # the advisor
+    "advise",
+    "Advice",
+    "Candidate",
+    "LAYER_CHOICES",
     "__version__",
 ]

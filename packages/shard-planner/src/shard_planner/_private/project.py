@@ -129,11 +129,14 @@ class Setup:
 
 @attrs.frozen
 class GroupLayout:
-    """One group of the schedule as an engine lays it out on one shard group."""
+    """One ``fully_shard`` group of the schedule as an engine lays it out on one shard group.
+
+    ``parts`` are the catalogue groups it holds and how many copies of each (``k`` decoder
+    layers; with merged ends also the embedding or the head).
+    """
 
     name: str
-    group: Group  # the base group (one decoder layer, or the embedding, or the head)
-    layers: int  # base groups stacked in this one (``k``)
+    parts: tuple[tuple[Group, int], ...]
     count: int  # consecutive repeats in forward order
     numel: int  # parameters
     shard: int  # elements a rank stores (ours: S; FSDP2: its padded dim-0 chunks)
@@ -143,28 +146,43 @@ class GroupLayout:
     def padding(self) -> int:
         return self.gathered - self.numel
 
+    @property
+    def layers(self) -> int:
+        """Decoder layers in the group."""
+        return sum(n for g, n in self.parts if not _is_end(g))
 
-def stacked_specs(group: Group, layers: int, setup: Setup) -> list[TensorSpec]:
-    """The planner's input for ``layers`` copies of ``group`` in one group (names prefixed)."""
-    base = group.specs(setup.block_rows, tile=setup.tile)
-    if layers == 1:
-        return base
-    return [
-        TensorSpec(s.numel, s.block, f"{i}.{s.name}") for i in range(layers) for s in base
-    ]
+    @property
+    def weights(self) -> list[Weight]:
+        return [w for g, n in self.parts for _ in range(n) for w in g.weights]
+
+    def specs(self, setup: Setup) -> list[TensorSpec]:
+        """The planner's input (each copy's names prefixed by its index)."""
+        out: list[TensorSpec] = []
+        copies = sum(n for _, n in self.parts)
+        index = 0
+        for group, n in self.parts:
+            for _ in range(n):
+                for spec in group.specs(setup.block_rows, tile=setup.tile):
+                    name = f"{index}.{spec.name}" if copies > 1 else spec.name
+                    out.append(TensorSpec(spec.numel, spec.block, name))
+                index += 1
+        return out
+
+
+def _is_end(group: Group) -> bool:
+    return group.layer is not None and group.layer.kind in ("embed", "head")
 
 
 _PLAN_CACHE: dict[tuple[object, ...], int] = {}
 
 
-def ours_shard(group: Group, layers: int, shard_ranks: int, setup: Setup) -> int:
-    """Our planner's shard size for ``layers`` stacked copies of ``group`` (cached)."""
-    specs = stacked_specs(group, layers, setup)
-    key = (tuple((s.numel, s.block) for s in specs), shard_ranks, setup.align)
+def ours_shard(specs: Sequence[TensorSpec], shard_ranks: int, align: int) -> int:
+    """Our planner's shard size for these tensors (cached: the advisor asks many times)."""
+    key = (tuple((s.numel, s.block) for s in specs), shard_ranks, align)
     if key not in _PLAN_CACHE:
         if len(_PLAN_CACHE) > 4096:
             _PLAN_CACHE.clear()
-        _PLAN_CACHE[key] = plan(specs, shard_ranks, setup.align).shard_size
+        _PLAN_CACHE[key] = plan(specs, shard_ranks, align).shard_size
     return _PLAN_CACHE[key]
 
 
@@ -177,29 +195,51 @@ def fsdp2_shard(weights: Sequence[Weight], shard_ranks: int) -> int:
     return total
 
 
+def _units(
+    model: Model, layers_per_group: int, merge_ends: bool
+) -> list[tuple[tuple[Group, int], ...]]:
+    """The groups in forward order as parts; decoder layers ``k`` at a time (within a run of
+    identical layers), the embedding and the head alone or merged into their neighbours."""
+    units: list[tuple[tuple[Group, int], ...]] = []
+    for group in model.groups:
+        if _is_end(group):
+            units.append(((group, 1),))
+            continue
+        k = min(layers_per_group, group.count)
+        full, rest = divmod(group.count, k)
+        units += [((group, k),)] * full + ([((group, rest),)] if rest else [])
+    if merge_ends and len(units) >= 3:
+        units[1] = units[0] + units[1]
+        units[-2] = units[-2] + units[-1]
+        units = units[1:-1]
+    return units
+
+
 def layouts(
-    model: Model, shard_ranks: int, layers_per_group: int, setup: Setup, engine: str
+    model: Model,
+    shard_ranks: int,
+    layers_per_group: int,
+    setup: Setup,
+    engine: str,
+    *,
+    merge_ends: bool = False,
 ) -> list[GroupLayout]:
-    """The groups in forward order, decoder layers stacked ``layers_per_group`` per group."""
+    """The groups in forward order, consecutive identical ones counted once."""
     if layers_per_group < 1:
         raise ValueError(f"layers_per_group must be >= 1, got {layers_per_group}")
     out: list[GroupLayout] = []
-    for group in model.groups:
-        end = group.layer is not None and group.layer.kind in ("embed", "head")
-        k = 1 if end else min(layers_per_group, group.count)
-        full, rest = divmod(group.count, k)
-        for layers, count in ((k, full), (rest, 1 if rest else 0)):
-            if count == 0:
-                continue
-            numel = group.numel * layers
-            if engine == "ours":
-                shard = ours_shard(group, layers, shard_ranks, setup)
-            else:
-                shard = fsdp2_shard(group.weights, shard_ranks) * layers
-            name = group.name if layers == 1 else f"{group.name} x{layers}"
-            out.append(
-                GroupLayout(name, group, layers, count, numel, shard, shard * shard_ranks)
-            )
+    for parts in _units(model, layers_per_group, merge_ends):
+        if out and out[-1].parts == parts:
+            out[-1] = attrs.evolve(out[-1], count=out[-1].count + 1)
+            continue
+        numel = sum(g.numel * n for g, n in parts)
+        probe = GroupLayout("", parts, 1, numel, 0, 0)
+        if engine == "ours":
+            shard = ours_shard(probe.specs(setup), shard_ranks, setup.align)
+        else:
+            shard = fsdp2_shard(probe.weights, shard_ranks)
+        name = " + ".join(g.name if n == 1 else f"{g.name} x{n}" for g, n in parts)
+        out.append(GroupLayout(name, parts, 1, numel, shard, shard * shard_ranks))
     return out
 
 
@@ -234,6 +274,7 @@ class Projection:
     world: int
     shard_ranks: int
     layers_per_group: int
+    merge_ends: bool
     gpu: Gpu
     setup: Setup
     ours: EngineProjection
@@ -268,15 +309,11 @@ def _slots(groups: Sequence[GroupLayout], setup: Setup, engine: str) -> list[_Sl
     tokens = setup.tokens
     slots = []
     for g in groups:
-        full = activation_bytes(g.group, cb) * g.layers * tokens
-        kept = (
-            activation_bytes(g.group, cb, checkpointing=True) * g.layers * tokens
-            if setup.activation_checkpointing
-            else full
-        )
-        work = (
-            backward_work_bytes(g.group, cb) * tokens
-            + fused_gradient_bytes(g.group, cb) * g.layers
+        ac = setup.activation_checkpointing
+        full = sum(activation_bytes(p, cb) * n for p, n in g.parts) * tokens
+        kept = sum(activation_bytes(p, cb, checkpointing=ac) * n for p, n in g.parts) * tokens
+        work = max(backward_work_bytes(p, cb) for p, _ in g.parts) * tokens + sum(
+            fused_gradient_bytes(p, cb) * n for p, n in g.parts
         )
         if engine == "ours":
             gather_extra = g.shard * cb if cb != pb else 0
@@ -457,7 +494,7 @@ def _times(
     ag_copy_in: list[float] = []  # per all-gather, on a communication stream
     rs_copy_in: list[float] = []  # per reduction, on a communication stream
     for g in groups:
-        flops = forward_flops(g.group, setup.seq) * g.layers * setup.tokens
+        flops = sum(forward_flops(p, setup.seq) * n for p, n in g.parts) * setup.tokens
         a = collective_seconds(
             "all_gather", shard_ranks, g.shard * cb, intra_node=intra, gpu=gpu, network=network
         )
@@ -534,8 +571,9 @@ def _engine(
     gpu: Gpu,
     setup: Setup,
     engine: str,
+    merge_ends: bool,
 ) -> EngineProjection:
-    groups = layouts(model, shard_ranks, layers_per_group, setup, engine)
+    groups = layouts(model, shard_ranks, layers_per_group, setup, engine, merge_ends=merge_ends)
     slots = _slots(groups, setup, engine)
     peak, where, parts = _peak(slots, setup, engine)
     times = _times(
@@ -573,11 +611,13 @@ def project(
     *,
     shard_ranks: int | None = None,
     layers_per_group: int = 1,
+    merge_ends: bool = False,
 ) -> Projection:
     """Project one training step of ``model`` on ``world`` ranks of ``gpu`` (module Notes).
 
     ``shard_ranks``: the shard-group size (HSDP: ``world / shard_ranks`` replicas; default
     ``world``, plain FSDP). ``layers_per_group``: decoder layers per ``fully_shard`` group.
+    ``merge_ends``: the embedding shares the first layer group, the head the last one.
     """
     shard = world if shard_ranks is None else shard_ranks
     if world < 1 or shard < 1 or world % shard:
@@ -585,6 +625,9 @@ def project(
             f"shard_ranks {shard} must be a positive divisor of the world size {world}"
         )
     replicas = world // shard
-    ours = _engine(model, shard, replicas, layers_per_group, gpu, setup, "ours")
-    fsdp2 = _engine(model, shard, replicas, layers_per_group, gpu, setup, "fsdp2")
-    return Projection(model.name, world, shard, layers_per_group, gpu, setup, ours, fsdp2)
+    args = (model, shard, replicas, layers_per_group, gpu, setup)
+    ours = _engine(*args, "ours", merge_ends)
+    fsdp2 = _engine(*args, "fsdp2", merge_ends)
+    return Projection(
+        model.name, world, shard, layers_per_group, merge_ends, gpu, setup, ours, fsdp2
+    )
