@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shard_planner import Group, Model, catalogue_model
+from shard_planner import GPUS, Group, Model, Setup, catalogue_model, project
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -105,7 +105,7 @@ class Layer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self.shape
-        b, t, h = x.shape
+        b, t, _ = x.shape
         y = rms_norm(x, self.p("input_layernorm.weight"))
         q = self._linear(y, "self_attn.q_proj.weight")
         k = self._linear(y, "self_attn.k_proj.weight")
@@ -123,7 +123,9 @@ class Layer(nn.Module):
         bias = None
         if self.has("self_attn.sinks"):  # GPT-OSS: keep the sinks in the graph at no memory
             bias = self.p("self_attn.o_proj.bias") + 0.0 * self.p("self_attn.sinks").sum()
-        x = x + self._linear(att.transpose(1, 2).reshape(b, t, s.v_dim), "self_attn.o_proj.weight", bias)
+        x = x + self._linear(
+            att.transpose(1, 2).reshape(b, t, s.v_dim), "self_attn.o_proj.weight", bias
+        )
         y = rms_norm(x, self.p("post_attention_layernorm.weight"))
         if s.kind == "dense":
             gate = self._linear(y, "mlp.gate_proj.weight")
@@ -290,6 +292,92 @@ def measure(
         return {"world": world, "peak": live.peak, "start": start, "shards": shards}
     finally:
         dist.destroy_process_group()
+
+
+# -- the validation cases (``tests/test_projection_validation.py``, the benchmark) ------------
+
+SCALED = {
+    "llama3-8b": {
+        "hidden": 128,
+        "layers": 3,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 32,
+        "ffn": 384,
+        "vocab": 512,
+    },
+    "qwen3-30b-a3b": {
+        "hidden": 128,
+        "layers": 2,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 32,
+        "vocab": 512,
+        "experts": 8,
+        "experts_per_token": 2,
+        "expert_ffn": 96,
+    },
+    "gpt-oss-120b": {
+        "hidden": 128,
+        "layers": 2,
+        "heads": 4,
+        "kv_heads": 2,
+        "head_dim": 32,
+        "vocab": 512,
+        "experts": 8,
+        "experts_per_token": 2,
+        "expert_ffn": 96,
+    },
+}
+
+
+def _case(model: str, world: int, engine: str = "ours", **extra: Any) -> dict[str, Any]:
+    case = {
+        "model": model,
+        "overrides": SCALED[model],
+        "world": world,
+        "seq": 32,
+        "micro_batch": 2,
+        "prefetch": 0,
+        "layers_per_group": 1,
+        "engine": engine,
+        "bf16": False,
+    }
+    case.update(extra)
+    return case
+
+
+CASES = [
+    *(_case(m, w, e) for e in ("ours", "fsdp2") for m in SCALED for w in (8, 64, 256)),
+    # our forward prefetch, several layers per group, long sequences, bf16 + fp32 reduction
+    _case("llama3-8b", 64, prefetch=1),
+    _case("llama3-8b", 64, layers_per_group=2),
+    _case("llama3-8b", 8, seq=256),
+    _case("gpt-oss-120b", 256, bf16=True, prefetch=1),
+    _case("qwen3-30b-a3b", 64, bf16=True),
+    _case("gpt-oss-120b", 256, "fsdp2", bf16=True),
+    _case("llama3-8b", 64, "fsdp2", bf16=True),
+]
+
+
+def projected(case: dict[str, Any]) -> tuple[int, list[int]]:
+    """The projection's peak and per-group shard sizes for one case (same settings)."""
+    model = catalogue_model(case["model"], case["overrides"])
+    setup = Setup(
+        seq=case["seq"],
+        micro_batch=case["micro_batch"],
+        param_bytes=4,
+        compute_bytes=2 if case["bf16"] else 4,
+        reduce_bytes=4,
+        forward_prefetch=case["prefetch"],
+        backward_prefetch=1,  # both engines' default
+    )
+    p = project(
+        model, case["world"], GPUS["H100"], setup, layers_per_group=case["layers_per_group"]
+    )
+    engine = p.ours if case["engine"] == "ours" else p.fsdp2
+    shards = [g.shard for g in engine.groups for _ in range(g.count)]
+    return engine.peak_bytes, shards
 
 
 def main(argv: list[str] | None = None) -> None:

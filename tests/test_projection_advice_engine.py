@@ -25,7 +25,7 @@ from ragged_dtensor.testing import run_threaded
 from shard_planner import GPUS, Group, LayerShape, Model, Setup, Weight, advise
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from llama import PRESETS, Llama, loss_fn  # noqa: E402
+from llama import PRESETS, Llama, loss_fn
 
 WORLD = 8
 ROWS = 16  # 16-row blocks, e.g. for blockwise 8-bit optimizer states
@@ -68,9 +68,7 @@ def _advice() -> Any:
     setup = Setup(seq=CFG.seq, micro_batch=2, block_rows=ROWS)
     # A tight padding limit and shard groups of 2 to 8 ranks: a layer alone pads too much at
     # the larger groups, so the advice must pick the mesh and the grouping together.
-    return advise(
-        model, WORLD, GPUS["H100"], setup, max_padding=0.001, shard_choices=[2, 4, 8]
-    )
+    return advise(model, WORLD, GPUS["H100"], setup, max_padding=0.001, shard_choices=[2, 4, 8])
 
 
 def _train(rank: int, world: int, advice: Any) -> dict[str, Any]:

@@ -60,7 +60,11 @@ def _pct(case: dict[str, Any], key: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", help="also write every case to this file")
+    parser.add_argument("--out", type=Path, help="folder: bench_planner_sweep.json there")
     args = parser.parse_args()
+    if args.out is not None and not args.json:
+        args.out.mkdir(parents=True, exist_ok=True)
+        args.json = str(args.out / "bench_planner_sweep.json")
     cases = _cases()
     print(f"{len(cases)} cases (group x rows x world)")
     tight = sum(c["ours"] == c["bound"] for c in cases)

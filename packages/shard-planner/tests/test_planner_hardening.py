@@ -118,7 +118,7 @@ def test_distinct_orders_never_walk_n_factorial() -> None:
 @given(groups(max_tensors=7, max_blocks=14))
 def test_property_best_order_equals_brute_force(case: Case) -> None:
     """The dynamic programme over multisets gives the smallest greedy end over all orders."""
-    specs, world, _ = case
+    specs, _, _ = case
     numels = [s.numel for s in specs]
     blocks = [s.block for s in specs]
     nonempty = [i for i, e in enumerate(numels) if e > 0]
@@ -133,7 +133,7 @@ def test_property_best_order_equals_brute_force(case: Case) -> None:
     brute = greedy_ends(e, g, sizes).min(axis=0)
     best = BestOrder(kinds, np.int64, 1 << 60)
     assert (best.ends(sizes) == brute).all()
-    for shard in sizes[:: 7].tolist():
+    for shard in sizes[::7].tolist():
         order = best.order(shard)
         assert sorted(order) == sorted(nonempty)
         one = greedy_ends(

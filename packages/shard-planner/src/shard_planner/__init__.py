@@ -16,6 +16,7 @@ from shard_planner._private.catalogue import (
 )
 from shard_planner._private.exact import MAX_EXACT_TENSORS, exact_plan
 from shard_planner._private.hardware import GPUS, NETWORKS, Gpu, Network
+from shard_planner._private.plan import Plan, Slice
 from shard_planner._private.project import (
     OPTIMIZERS,
     EngineProjection,
@@ -24,7 +25,6 @@ from shard_planner._private.project import (
     Setup,
     project,
 )
-from shard_planner._private.plan import Plan, Slice
 from shard_planner._private.search import METHODS, lower_bound, plan
 from shard_planner._private.spec import TensorSpec
 

@@ -11,8 +11,9 @@ with fused kernels where those exist): ``c`` is the compute dtype's size, ``h`` 
   queries and keys and the values, kept by flash / memory-efficient attention
   (``(q + 2 kv) c``) with its output (``v c``; the kernels write it token-major, so it is also
   ``o_proj``'s input, no copy) and log-sum-exp (``heads * 4``); with per-head q/k norms (Qwen3)
-  their inputs and inverse RMS (``(q + kv) c + 4 (heads + kv_heads)``). MLA (DeepSeek) also keeps its compressed latents and their
-  norms (``2 * latent * c``). Biases and rotary embeddings keep nothing per token.
+  their inputs and inverse RMS (``(q + kv) c + 4 (heads + kv_heads)``). MLA (DeepSeek) also keeps
+  its compressed latents and their norms (``2 * latent * c``). Biases and rotary embeddings keep
+  nothing per token.
 - dense MLP (SwiGLU): the norm's ``x`` and RMS and output (``2 h c + 4``); gate and up
   projections, the SiLU output and the product (``4 f c``).
 - routed MoE (token choice, top ``k`` of ``E``): the norm as above; the router's softmax output
@@ -34,10 +35,11 @@ and the one leaving (``2 h c`` per token), and the largest set of gradients aliv
 block at once: for a dense MLP the gradients of the product, the SiLU output and the gate
 (``3 f c``), for routed experts the same per routed copy (``3 k f_e c``), for attention
 ``(q + 2 kv + v) c``; for the head the fp32 gradient of the log-probabilities beside the kept
-log-softmax output (``vocab * 4``; autograd frees each before the next, larger one is made). A fused 3-D expert tensor used one expert at a time (a view per
-expert, as grouped GEMMs and HF's loop do) gets its gradient in per-expert pieces that are put
-together once all experts are done: the whole tensor's gradient in the compute dtype is alive
-before it reaches the gradient storage (per group, not per token).
+log-softmax output (``vocab * 4``; autograd frees each before the next, larger one is made). A fused
+3-D expert tensor used one expert at a time (a view per expert, as grouped GEMMs and HF's loop do)
+gets its gradient in per-expert pieces that are put together once all experts are done: the whole
+tensor's gradient in the compute dtype is alive before it reaches the gradient storage (per group,
+not per token).
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ smallest ``k`` in ``LAYER_CHOICES`` whose model-wide padding (our planner's, at 
 at most ``max_padding``, first with the embedding and the head as groups of their own, then
 with them merged into the first and last layer groups: a layer alone stops tiling evenly once
 its blocks outgrow the per-rank share, and stacking gives the planner more tensors to fill the
-gaps, at the price of a larger gathered buffer. Each ``(s, k)`` is projected (``project``); candidates over the memory
-budget or over the padding limit are rejected, and the fastest projected step among the rest is
-chosen (ties: less memory, then larger shard groups). Every rejection keeps its reason, so the
-advice can say why it is what it is.
+gaps, at the price of a larger gathered buffer. Each ``(s, k)`` is projected (``project``);
+candidates over the memory budget or over the padding limit are rejected, and the fastest projected
+step among the rest is chosen (ties: less memory, then larger shard groups). Every rejection keeps
+its reason, so the advice can say why it is what it is.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ class Advice:
             mark = "->" if c is self.chosen else "  "
             lines.append(
                 f"{mark} shard {c.shard_ranks:>6} x replicate {c.replicas:<5} "
-                f"{c.layers_per_group} layer(s)/group{', ends merged' if c.merge_ends else ''}: padding {100 * c.padding_ratio:7.3f}%, "
+                f"{c.layers_per_group} layer(s)/group{', ends merged' if c.merge_ends else ''}: "
+                f"padding {100 * c.padding_ratio:7.3f}%, "
                 f"peak {c.peak_bytes / _GB:7.1f} GB, step {c.step_s:8.3f} s  {c.verdict}"
             )
         if self.chosen is None:
@@ -121,7 +122,7 @@ def advise(
     """
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
-    if not 0 <= max_padding:
+    if not max_padding >= 0:
         raise ValueError(f"max_padding must be >= 0, got {max_padding}")
     budget = gpu.usable_bytes if budget_bytes is None else budget_bytes
     choices = sorted(shard_choices) if shard_choices is not None else _divisors(world)
@@ -144,8 +145,10 @@ def advise(
             if tried[-1].ours.padding_ratio <= max_padding:
                 break
         # the first grouping within the limit, else the one with the least padding
-        p = tried[-1] if tried[-1].ours.padding_ratio <= max_padding else min(
-            tried, key=lambda q: q.ours.padding_ratio
+        p = (
+            tried[-1]
+            if tried[-1].ours.padding_ratio <= max_padding
+            else min(tried, key=lambda q: q.ours.padding_ratio)
         )
         ours = p.ours
         fits = ours.peak_bytes <= budget
@@ -177,7 +180,14 @@ def advise(
         projections.append(p)
     ok = [i for i, c in enumerate(candidates) if c.acceptable]
     best = (
-        min(ok, key=lambda i: (candidates[i].step_s, candidates[i].peak_bytes, -candidates[i].shard_ranks))
+        min(
+            ok,
+            key=lambda i: (
+                candidates[i].step_s,
+                candidates[i].peak_bytes,
+                -candidates[i].shard_ranks,
+            ),
+        )
         if ok
         else None
     )

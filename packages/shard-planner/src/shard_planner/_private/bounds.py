@@ -38,10 +38,8 @@ not monotone in S (a larger S moves every boundary), hence a scan, not a bisecti
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterator, Sequence
-
 from typing import Any
 
 import attrs
@@ -87,9 +85,7 @@ class IntMode:
         return np.array(values, dtype=self.dtype)
 
 
-def int_mode(
-    numels: Sequence[int], blocks: Sequence[int], world_size: int, align: int
-) -> IntMode:
+def int_mode(numels: Sequence[int], blocks: Sequence[int], world_size: int, align: int) -> IntMode:
     """``int64`` when it is exact for this input (see the Note), else Python ints."""
     total = sum(numels)
     reach = (world_size + 4) * (total + align + max(blocks, default=1))

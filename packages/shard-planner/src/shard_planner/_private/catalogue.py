@@ -258,9 +258,7 @@ def _llama(c: Config) -> tuple[Group, ...]:
             _mat("mlp.down_proj.weight", h, ffn),
         ),
         count=int(c["layers"]),
-        layer=LayerShape(
-            "dense", h, heads=int(c["heads"]), q_dim=q, kv_dim=kv, v_dim=q, ffn=ffn
-        ),
+        layer=LayerShape("dense", h, heads=int(c["heads"]), q_dim=q, kv_dim=kv, v_dim=q, ffn=ffn),
     )
     return _ends(c, [layer])
 
@@ -324,14 +322,23 @@ def _deepseek(c: Config) -> tuple[Group, ...]:
         _mat("self_attn.o_proj.weight", h, heads * v),
         _vec("post_attention_layernorm.weight", h),
     )
-    shape = {
-        "hidden": h,
-        "heads": heads,
-        "q_dim": heads * (nope + rope),
-        "kv_dim": heads * (nope + rope),
-        "v_dim": heads * v,
-        "latent": q_rank + kv_rank + rope,
-    }
+
+    def shape(kind: str, **widths: int) -> LayerShape:
+        return LayerShape(
+            kind,
+            h,
+            heads=heads,
+            q_dim=heads * (nope + rope),
+            kv_dim=heads * (nope + rope),
+            v_dim=heads * v,
+            latent=q_rank + kv_rank + rope,
+            ffn=widths.get("ffn", 0),
+            experts=widths.get("experts", 0),
+            top_k=widths.get("top_k", 0),
+            expert_ffn=widths.get("expert_ffn", 0),
+            shared_ffn=widths.get("shared_ffn", 0),
+        )
+
     dense_ffn, ffn = int(c["dense_ffn"]), int(c["expert_ffn"])
     dense = Group(
         "dense_layer",
@@ -342,7 +349,7 @@ def _deepseek(c: Config) -> tuple[Group, ...]:
             _mat("mlp.down_proj.weight", h, dense_ffn),
         ),
         count=int(c["first_dense_layers"]),
-        layer=LayerShape("dense", ffn=dense_ffn, **shape),
+        layer=shape("dense", ffn=dense_ffn),
     )
     routed = k / n_exp
     experts: list[Weight] = []
@@ -365,9 +372,7 @@ def _deepseek(c: Config) -> tuple[Group, ...]:
             _mat("mlp.shared_experts.down_proj.weight", h, shared),
         ),
         count=int(c["layers"]) - int(c["first_dense_layers"]),
-        layer=LayerShape(
-            "moe", experts=n_exp, top_k=k, expert_ffn=ffn, shared_ffn=shared, **shape
-        ),
+        layer=shape("moe", experts=n_exp, top_k=k, expert_ffn=ffn, shared_ffn=shared),
     )
     return _ends(c, [dense, moe])
 
@@ -441,8 +446,10 @@ def catalogue_model(name: str, overrides: Config | None = None) -> Model:
                 f"model {name!r} has no hyper-parameter {key!r} to override "
                 f"(it has {sorted(config)})"
             )
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            if not isinstance(config[key], bool):
-                raise ValueError(f"override {key}={value!r} of {name!r} must be an int >= 1")
+        flag = isinstance(config[key], bool)
+        if not flag and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"override {key}={value!r} of {name!r} must be an int >= 1")
+        if flag and not isinstance(value, bool):
+            raise ValueError(f"override {key}={value!r} of {name!r} must be a bool")
         config[key] = value
     return Model(name, _BUILDERS[name](config), tuple(sorted(config.items())))

@@ -98,8 +98,11 @@ def _parser() -> argparse.ArgumentParser:
         help="shard-group size (HSDP: world / shard-ranks replicas; default: the world size)",
     )
     proj.add_argument("--layers-per-group", type=int, default=1)
-    proj.add_argument("--merge-ends", action="store_true", help="embedding and head share "
-                      "the first and last layer groups")
+    proj.add_argument(
+        "--merge-ends",
+        action="store_true",
+        help="embedding and head share the first and last layer groups",
+    )
     _setup_args(proj)
     proj.add_argument("--format", choices=("table", "json"), default="table")
     adv = sub.add_parser(
@@ -140,16 +143,29 @@ def _setup_args(parser: argparse.ArgumentParser) -> None:
         "--micro-batch", type=int, default=d.micro_batch, help="sequences per rank per step"
     )
     parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--param-dtype", choices=sorted(_DTYPES), default="fp32",
-                        help="parameter shards and sharded gradients (fp32)")
-    parser.add_argument("--compute-dtype", choices=sorted(_DTYPES), default="bf16",
-                        help="gathered parameters, activations, unsharded gradients (bf16)")
-    parser.add_argument("--reduce-dtype", choices=sorted(_DTYPES), default="fp32",
-                        help="gradient reduction (fp32)")
+    parser.add_argument(
+        "--param-dtype",
+        choices=sorted(_DTYPES),
+        default="fp32",
+        help="parameter shards and sharded gradients (fp32)",
+    )
+    parser.add_argument(
+        "--compute-dtype",
+        choices=sorted(_DTYPES),
+        default="bf16",
+        help="gathered parameters, activations, unsharded gradients (bf16)",
+    )
+    parser.add_argument(
+        "--reduce-dtype", choices=sorted(_DTYPES), default="fp32", help="gradient reduction (fp32)"
+    )
     parser.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default=d.optimizer)
     parser.add_argument("--mfu", type=float, default=d.mfu, help=f"assumed MFU ({d.mfu})")
-    parser.add_argument("--prefetch", type=int, default=d.forward_prefetch,
-                        help="groups all-gathered ahead in forward and backward (1)")
+    parser.add_argument(
+        "--prefetch",
+        type=int,
+        default=d.forward_prefetch,
+        help="groups all-gathered ahead in forward and backward (1)",
+    )
     parser.add_argument(
         "--block-rows",
         default="0",
@@ -189,8 +205,9 @@ def _projection_rows(projections: Sequence[Projection]) -> str:
     for p in projections:
         usable = p.gpu.usable_bytes
         fits = " / ".join("yes" if e.fits(usable) else "no" for e in (p.ours, p.fsdp2))
-        mesh = f"{p.replicas}x{p.shard_ranks}" + (f", {p.layers_per_group} layers/group"
-                                                   if p.layers_per_group > 1 else "")
+        mesh = f"{p.replicas}x{p.shard_ranks}" + (
+            f", {p.layers_per_group} layers/group" if p.layers_per_group > 1 else ""
+        )
         lines.append(
             f"| {p.model} | {p.world} | {mesh} | {_gb(p.ours.peak_bytes)} | "
             f"{_gb(p.fsdp2.peak_bytes)} | {_gb(usable)} | {fits} | {p.ours.step_s:.3f} | "

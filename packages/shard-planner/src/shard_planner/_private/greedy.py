@@ -26,7 +26,6 @@ hundreds of candidate shard sizes for several orders cheap in Python.
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from typing import Any
 
 import numpy as np
@@ -105,7 +104,8 @@ def step_ends(p: IntArray, e: IntArray, g: IntArray, s: IntArray, infeasible: in
     end = p + e
     fits = end <= b
     if bool(fits.all()):
-        return np.minimum(end, infeasible)
+        clamped: IntArray = np.minimum(end, infeasible)
+        return clamped
     # Aligned on the first crossed boundary (case 2); most lanes end here.
     end1 = end + (b - p) % g
     s_mod_g = s % g

@@ -144,8 +144,8 @@ class BestOrder:
                 if where.size:
                     per_kind.append((k, where, layer[where] - self.radix[k]))
             self.steps.append(per_kind)
-        self.e = [np.array([key[0]], dtype=dtype) for key in kinds.keys]
-        self.g = [np.array([key[1]], dtype=dtype) for key in kinds.keys]
+        self.e: list[npt.NDArray[Any]] = [np.array([key[0]], dtype=dtype) for key in kinds.keys]
+        self.g: list[npt.NDArray[Any]] = [np.array([key[1]], dtype=dtype) for key in kinds.keys]
 
     @property
     def work(self) -> int:
@@ -155,12 +155,14 @@ class BestOrder:
     def _run(self, sizes: npt.NDArray[Any], keep: bool) -> tuple[npt.NDArray[Any], list[Any]]:
         s = sizes[None, :]
         width = sizes.shape[0]
-        best = np.zeros((self.kinds.states, width), dtype=np.int64).astype(self.dtype)
+        best: npt.NDArray[Any] = np.zeros((self.kinds.states, width), dtype=np.int64).astype(
+            self.dtype
+        )
         choice: list[Any] = []
         # a kind the state lacks must never win, not even against infeasible ends
         absent = self.infeasible + 1
         for layer, per_kind in zip(self.layers[1:], self.steps, strict=True):
-            low = np.full((layer.shape[0], width), absent, dtype=self.dtype)
+            low: npt.NDArray[Any] = np.full((layer.shape[0], width), absent, dtype=self.dtype)
             pick = np.zeros((layer.shape[0], width), dtype=np.intp) if keep else None
             for k, where, prev in per_kind:
                 ends = step_ends(best[prev], self.e[k], self.g[k], s, self.infeasible)

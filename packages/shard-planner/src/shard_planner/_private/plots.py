@@ -28,9 +28,7 @@ def plot_models(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise OSError(
-            "plots need matplotlib: pip install 'shard-planner[plot]'"
-        ) from exc
+        raise OSError("plots need matplotlib: pip install 'shard-planner[plot]'") from exc
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name in models:
@@ -40,18 +38,29 @@ def plot_models(
         if setup.block_rows != 16:  # what blockwise optimizers need, for comparison
             blocked = attrs.evolve(setup, block_rows=16, tile=False)
             pad16 = [100 * project(model, m, gpu, blocked).ours.padding_ratio for m in worlds]
-            left.plot(worlds, [max(v, 1e-3) for v in pad16], "^:", label="ours, 16-row blocks")
-        for engine, style in (("ours", "o-"), ("fsdp2", "s--")):
+            left.plot(
+                worlds,
+                [max(v, 1e-3) for v in pad16],
+                "^:",
+                color="tab:cyan",
+                label="ours, 16-row blocks",
+            )
+        for engine, style, color in (("ours", "o-", "tab:blue"), ("fsdp2", "s--", "tab:orange")):
             label = "ours" if engine == "ours" else "FSDP2 (even dim-0 split)"
             pad = [100 * getattr(p, engine).padding_ratio for p in rows]
             peak = [getattr(p, engine).peak_bytes / 1e9 for p in rows]
-            left.plot(worlds, [max(v, 1e-3) for v in pad], style, label=label)
-            right.plot(worlds, peak, style, label=label)
+            left.plot(worlds, [max(v, 1e-3) for v in pad], style, color=color, label=label)
+            right.plot(worlds, peak, style, color=color, label=label)
         right.axhline(gpu.usable_bytes / 1e9, color="grey", lw=1, ls=":")
         right.text(worlds[0], gpu.usable_bytes / 1e9, f" {gpu.name} usable", va="bottom")
-        gran = "no block structure" if setup.block_rows == 0 else (
-            f"{setup.block_rows}x{setup.block_rows} tiles" if setup.tile
-            else f"{setup.block_rows}-row blocks"
+        gran = (
+            "no block structure"
+            if setup.block_rows == 0
+            else (
+                f"{setup.block_rows}x{setup.block_rows} tiles"
+                if setup.tile
+                else f"{setup.block_rows}-row blocks"
+            )
         )
         left.set(
             xscale="log",

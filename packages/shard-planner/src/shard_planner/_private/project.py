@@ -25,11 +25,11 @@ still in flight (ours: its unsharded gradients and reduce-dtype copy; FSDP2: its
 input, kept until the next reduce-scatter) and the sharded gradients of every group already
 reduced. After the backward of ``j`` (its activations freed): its reduction's buffers replace
 the previous one's, with its unsharded gradients whole (FSDP2's appear one by one during the
-backward as autograd frees the activations that made them, so they are counted here). Optimizer step: shards, states,
-gradients and one shard-size temporary (torch's foreach AdamW computes the square root of the
-second moment out of place). Mixed precision: parameters and their shards in ``param_bytes``,
-gathered parameters, activations and unsharded gradients in ``compute_bytes``, the reduction
-in ``reduce_bytes``, sharded gradients in ``param_bytes``.
+backward as autograd frees the activations that made them, so they are counted here). Optimizer
+step: shards, states, gradients and one shard-size temporary (torch's foreach AdamW computes the
+square root of the second moment out of place). Mixed precision: parameters and their shards in
+``param_bytes``, gathered parameters, activations and unsharded gradients in ``compute_bytes``, the
+reduction in ``reduce_bytes``, sharded gradients in ``param_bytes``.
 
 [Note: the step time]
 Compute per group: its forward FLOPs (``activations.forward_flops``) for the micro-batch's
@@ -387,10 +387,10 @@ def _peak(slots: Sequence[_Slot], setup: Setup, engine: str) -> tuple[int, str, 
             # one, issued ahead, is instead), and while ``i`` computes its own output is, with
             # the prefetched next one
             other = slots[i + 1] if d and i + 1 < n else slots[i - 1] if i else None
-            nxt = slots[i + 1].gather_extra if d and i + 1 < n else 0.0
+            ahead_extra = slots[i + 1].gather_extra if d and i + 1 < n else 0.0
             gathered = {
                 "copy-out": s.gathered + s.gather_extra + (other.gather_extra if other else 0.0),
-                "": s.gathered + s.gather_extra + nxt,
+                "": s.gathered + s.gather_extra + ahead_extra,
             }
         for phase, live in gathered.items():
             points.append(
@@ -469,7 +469,7 @@ def _peak(slots: Sequence[_Slot], setup: Setup, engine: str) -> tuple[int, str, 
         )
     )
     where, parts = max(points, key=lambda p: sum(p[1].values()))
-    return int(round(sum(parts.values()))), where, parts
+    return round(sum(parts.values())), where, parts
 
 
 def _times(
@@ -591,7 +591,7 @@ def _engine(
         engine=engine,
         peak_bytes=peak,
         peak_at=where,
-        breakdown=tuple((k, int(round(parts.get(k, 0.0)))) for k in _KINDS),
+        breakdown=tuple((k, round(parts.get(k, 0.0))) for k in _KINDS),
         padding_ratio=padding / numel if numel else 0.0,
         step_s=times["step"],
         compute_s=times["compute"],
@@ -607,7 +607,7 @@ def project(
     model: Model,
     world: int,
     gpu: Gpu,
-    setup: Setup = Setup(),  # noqa: B008 - frozen value
+    setup: Setup = Setup(),
     *,
     shard_ranks: int | None = None,
     layers_per_group: int = 1,

@@ -113,7 +113,9 @@ class _Lanes:
 
     def ends(self, sizes: npt.NDArray[Any]) -> npt.NDArray[Any]:
         """The smallest greedy end over the lanes, per shard size."""
-        ends = greedy_ends(self.e, self.g, sizes, self.mode.infeasible).min(axis=0)
+        ends: npt.NDArray[Any] = greedy_ends(self.e, self.g, sizes, self.mode.infeasible).min(
+            axis=0
+        )
         if self.best is not None:
             ends = np.minimum(ends, self.best.ends(sizes))
         return ends
@@ -131,8 +133,10 @@ class _Lanes:
 
     def place(self, shard: int) -> dict[int, int] | None:
         order = self.order_at(shard)
-        return None if order is None else place_in_order(
-            self.numels, self.blocks, order, shard, self.m
+        return (
+            None
+            if order is None
+            else place_in_order(self.numels, self.blocks, order, shard, self.m)
         )
 
 
