@@ -228,12 +228,16 @@ class ShardSizes:
         self, numels: Sequence[int], blocks: Sequence[int], align: int
     ) -> Iterator[npt.NDArray[Any]]:
         dtype = self.mode.dtype
+        # small chunks first (the lower bound needs one size; the joint conditions cost
+        # O(tensors log tensors) per candidate), growing to _CHUNK
+        size = 64
         for first, stop, step in self._progressions(numels, blocks, align):
             c = first
             while c < stop:
-                n = min(_CHUNK, -(-(stop - c) // step))
+                n = min(size, -(-(stop - c) // step))
                 yield np.arange(c, c + n * step, step, dtype=dtype)
                 c += n * step
+                size = min(2 * size, _CHUNK)
 
     def take(self, count: int, budget: int | None = None) -> npt.NDArray[Any]:
         """The next ``count`` admissible sizes; fewer when the stream ends, or when ``budget``
