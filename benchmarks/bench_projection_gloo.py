@@ -33,36 +33,36 @@ import torch.distributed as dist
 FIT_WORLDS = (2, 3)
 FIT_SIZES = (1 << 18, 1 << 19, 1 << 20, 1 << 21, 1 << 22, 1 << 23)  # 256 KiB .. 8 MiB a rank
 HELD_OUT = ((2, 3 << 20), (3, 3 << 20), (2, 3 << 18), (3, 3 << 21))  # (m, bytes per rank)
-REPS = 15
+REPS = 25
 OPS = ("all_gather", "reduce_scatter")
 
 
-def _time(op: str, per_rank_bytes: int, reps: int) -> float:
-    """Minimum over ``reps`` of one collective (fp32), every rank started together."""
-    m = dist.get_world_size()
-    n = per_rank_bytes // 4
-    shard = torch.ones(n)
-    full = torch.ones(n * m)
-    best = float("inf")
-    for _ in range(reps + 1):  # the first call warms up buffers and connections
-        dist.barrier()
-        start = time.perf_counter()
-        if op == "all_gather":
-            dist.all_gather_single(full, shard)
-        else:
-            dist.reduce_scatter_single(shard, full)
-        elapsed = time.perf_counter() - start
-        # every rank waits for the slowest: the collective ends when all have their data
-        t = torch.tensor([elapsed], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        best = min(best, float(t))
-    return best
+def _once(op: str, shard: torch.Tensor, full: torch.Tensor) -> float:
+    """One collective (fp32), every rank started together; the slowest rank's time."""
+    dist.barrier()
+    start = time.perf_counter()
+    if op == "all_gather":
+        dist.all_gather_single(full, shard)
+    else:
+        dist.reduce_scatter_single(shard, full)
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    # the collective ends when every rank has its data
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
 
 
 def sweep(rank: int, world: int, points: list[tuple[str, int]], reps: int) -> list[float]:
-    """Worker: the timings of ``points`` ((op, bytes per rank)) on this process group."""
+    """Worker: the minimum time of each (op, bytes per rank) over ``reps`` rounds; every round
+    times every point once, so slow phases of a shared machine hit all points alike."""
     torch.set_num_threads(1)
-    return [_time(op, size, reps) for op, size in points]
+    buffers = {size: (torch.ones(size // 4), torch.ones(size // 4 * world)) for _, size in points}
+    for op, size in points:  # warm up buffers and connections
+        _once(op, *buffers[size])
+    best = [float("inf")] * len(points)
+    for _ in range(reps):
+        for i, (op, size) in enumerate(points):
+            best[i] = min(best[i], _once(op, *buffers[size]))
+    return best
 
 
 def measure(points: list[tuple[str, int, int]], reps: int = REPS) -> list[dict[str, Any]]:
@@ -72,7 +72,7 @@ def measure(points: list[tuple[str, int, int]], reps: int = REPS) -> list[dict[s
     out = []
     for m in sorted({p[1] for p in points}):
         here = [(op, size) for op, world, size in points if world == m]
-        times = run_processes(sweep, m, here, reps, timeout=600)[0]
+        times = run_processes(sweep, m, here, reps, timeout=900)[0]
         out += [
             {"op": op, "world": m, "bytes": size, "seconds": t}
             for (op, size), t in zip(here, times, strict=True)
@@ -108,9 +108,12 @@ def predict(constants: Constants, op: str, world: int, size: int) -> float:
 
 def run(reps: int = REPS) -> dict[str, Any]:
     fit_points = [(op, m, s) for op in OPS for m in FIT_WORLDS for s in FIT_SIZES]
-    samples = measure(fit_points, reps)
+    held_points = [(op, m, s) for op in OPS for m, s in HELD_OUT]
+    # measured in the same rounds (see ``sweep``); the held-out points never enter the fit
+    every = measure(fit_points + held_points, reps)
+    samples = [x for x in every if (x["op"], x["world"], x["bytes"]) in set(fit_points)]
     constants = fit(samples)
-    held = measure([(op, m, s) for op in OPS for m, s in HELD_OUT], reps)
+    held = [x for x in every if (x["op"], x["world"], x["bytes"]) in set(held_points)]
     for h in held:
         h["predicted"] = predict(constants, h["op"], h["world"], h["bytes"])
         h["error"] = h["predicted"] / h["seconds"] - 1
