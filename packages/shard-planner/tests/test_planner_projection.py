@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -209,3 +211,18 @@ def test_embedded_configs_equal_the_shared_data() -> None:
     for name in names:
         published = {k: v for k, v in shared[name].items() if not k.startswith("_")}
         assert CONFIGS[name] == published, name
+
+
+def test_projection_and_advice_never_import_torch() -> None:
+    """``pip install shard-planner`` alone is enough: the commands run without torch."""
+    code = (
+        "import sys; from shard_planner._private.cli import main; "
+        "assert main(['project', '--model', 'llama3-8b', '--world', '8,16384']) == 0; "
+        "assert main(['advise', '--model', 'llama3-8b', '--world', '64']) == 0; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "advice: init_device_mesh" in done.stdout
