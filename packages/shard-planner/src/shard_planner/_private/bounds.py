@@ -50,7 +50,6 @@ __all__ = [
     "IntMode",
     "admissible",
     "admissible_mask",
-    "admissible_shard_sizes",
     "ShardSizes",
     "int_mode",
     "lower_bound_shard_size",
@@ -275,17 +274,6 @@ class ShardSizes:
             if not chunk.size:
                 return
             yield from (int(c) for c in chunk)
-
-
-def admissible_shard_sizes(
-    numels: Sequence[int],
-    blocks: Sequence[int],
-    world_size: int,
-    align: int,
-    limit: int | None = None,
-) -> Iterator[int]:
-    """Every admissible shard size, increasing, up to ``limit`` (see ``ShardSizes``)."""
-    return iter(ShardSizes(numels, blocks, world_size, align, limit))
 
 
 # Candidates the lower bound examines at most (~0.1 s); see ``lower_bound_shard_size``.

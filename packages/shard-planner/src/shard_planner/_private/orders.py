@@ -1,4 +1,5 @@
-"""Tensor orders for the planner: static keys, all distinct orders, local search, gap filling.
+"""Tensor orders for the planner: static keys, local search, gap filling (every distinct order:
+``multiset``).
 
 [Note: the static orders]
 Model order; blocks descending (big-block tensors first, so a divisibility chain of blocks keeps

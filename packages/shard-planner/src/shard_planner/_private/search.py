@@ -7,7 +7,7 @@
    (prefixes largest first, each block, their GCD), checked with the lanes and, failing those,
    with local search and gap filling. Many crossings align at once at such sizes, so a good
    plan is found early and bounds the scan.
-2. Scan: every admissible size below that (``bounds.admissible_shard_sizes``, from the lower
+2. Scan: every admissible size below that (``bounds.ShardSizes``, from the lower
    bound upwards) in growing batches, each batch checked on all lanes at once: the static
    orders through the vectorised greedy (``greedy.greedy_ends``) and, for groups with few
    kinds, the best order over *all* orders (``multiset.BestOrder``); after each batch, gap
@@ -17,16 +17,16 @@
    jumps: the next S tried is the one that would have made the best failing lane fit.
 
 [Note: when "auto" is exact]
-``auto`` returns the optimal shard size, and says so with ``Plan.optimal``, in exactly two cases:
+``auto`` proves its shard size optimal, and sets ``Plan.optimal``, in exactly two cases:
 (a) the shard size equals the lower bound (``lower_bound``: nothing can be smaller), or
 (b) the group is *exhaustive* -- ``prod(c_k + 1) * K <= 50,000`` for its K kinds of tensors with
     multiplicities ``c_k`` (``multiset`` Note; e.g. any group of at most 12 tensors, or 40
-    tensors of 4 kinds with 10 each) -- and the scan of step 2 checked every admissible size
+    tensors of 3 kinds) -- and the scan of step 2 checked every admissible size
     below the returned one within its budget of 4,000,000 kernel steps (states x kinds per size
     for the best-order lane, tensors x static orders for the others).
 In case (b) every order is checked at every smaller admissible size, and the greedy is optimal
 per order (``greedy`` Note), so no layout with a smaller shard size exists. Otherwise the plan
-is valid and never worse than the baselines, but can be above the optimum.
+is valid and never worse than the baselines, and may or may not be optimal.
 
 All budgets count candidates, lanes and placements, never time, so every rank computes the same
 plan.
