@@ -87,6 +87,9 @@ class Plan:
     offsets: tuple[int, ...]
     order: tuple[int, ...]
     method: str = attrs.field(default="", eq=False)
+    # True when the planner proved ``shard_size`` minimal (``search`` [Note: when "auto" is
+    # exact]); False means "not proven", not "not optimal". Not part of equality or identity.
+    optimal: bool = attrs.field(default=False, eq=False)
     # Non-empty tensors along ``order`` and their offsets; derived, for O(log T) rank lookups.
     _nonempty: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
     _starts: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
