@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from shard_planner._private.align import aligned_plan
 from shard_planner._private.baselines import naive_plan
 from shard_planner._private.bounds import (
     IntMode,
@@ -63,7 +64,7 @@ from shard_planner._private.orders import (
     static_orders,
 )
 from shard_planner._private.plan import Plan
-from shard_planner._private.spec import TensorSpec, check_inputs
+from shard_planner._private.spec import TensorSpec, as_count, check_inputs
 
 __all__ = ["METHODS", "lower_bound", "plan"]
 
@@ -405,17 +406,36 @@ def lower_bound(specs: Sequence[TensorSpec], world_size: int, align: int = 1) ->
 
 
 def plan(
-    specs: Sequence[TensorSpec], world_size: int, align: int = 1, *, method: str = "auto"
+    specs: Sequence[TensorSpec],
+    world_size: int,
+    align: int = 1,
+    *,
+    method: str = "auto",
+    offset_align: int = 1,
 ) -> Plan:
     """Pack ``specs`` into one buffer of ``world_size`` equal shards without cutting a block.
 
     ``align``: every shard size is a multiple of it (e.g. 16 bytes / itemsize for NCCL).
+    ``offset_align`` (dividing ``align``): every tensor's offset is a multiple of it too, so
+    its views are as aligned as the shards (``align`` [Note: the pass]: the method's order and
+    shard size, tensors moved to aligned starts, the shard size grown only if they no longer fit).
     ``method``: ``"auto"`` (ours), ``"exact"`` (optimal; small groups only), ``"paper"`` (the
     veScale heuristic as we read it), ``"model-order"``, or the baselines ``"naive"`` and
     ``"megatron"``. The result is deterministic: equal inputs give equal plans on every rank.
     """
     specs = list(specs)
     world_size, align = check_inputs(specs, world_size, align)
+    offset_align = as_count(offset_align, "offset_align")
+    if align % offset_align:
+        raise ValueError(
+            f"offset_align {offset_align} must divide align {align} (tensor starts can only be "
+            f"aligned where shard boundaries are)"
+        )
+    result = _plan(specs, world_size, align, method)
+    return result if offset_align == 1 else aligned_plan(result, offset_align)
+
+
+def _plan(specs: list[TensorSpec], world_size: int, align: int, method: str) -> Plan:
     if method == "auto":
         return _auto(specs, world_size, align)
     if method == "paper":
