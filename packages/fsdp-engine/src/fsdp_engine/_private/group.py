@@ -27,9 +27,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from dbuffer import DBuffer, Handle
+from fsdp_engine._private.plans import cached_plan
 from fsdp_engine._private.policy import BlockPolicy, MixedPrecisionPolicy
 from ragged_dtensor import RaggedShard
-from shard_planner import Plan, TensorSpec, plan
+from shard_planner import Plan, TensorSpec
 
 __all__ = ["ParamGroup", "ParamRef", "ShardState"]
 
@@ -59,19 +60,16 @@ class ParamRef:
             module._parameters[attr] = param
 
 
-def _align_elements(dtype: torch.dtype) -> int:
-    # NCCL prefers 16-byte aligned per-rank sizes; a cheap constraint on every backend.
-    return max(1, 16 // torch.empty((), dtype=dtype).element_size())
-
-
 def build_plan(
     refs: Sequence[ParamRef],
     params: Sequence[torch.Tensor],
     world: int,
     block_policy: BlockPolicy | None,
-    dtype: torch.dtype,
+    dtypes: Sequence[torch.dtype],
     method: str = "auto",
 ) -> Plan:
+    """The group's plan: blocks from ``block_policy``, 16-byte aligned in every one of
+    ``dtypes`` (``plans`` [Note: alignment in every dtype]), cached by signature."""
     specs = []
     for ref, param in zip(refs, params, strict=True):
         block = 1
@@ -104,7 +102,7 @@ def build_plan(
                 f"elements: it must be >= 1 and divide the parameter's numel"
             )
         specs.append(TensorSpec(numel=param.numel(), block=block, name=ref.fqn))
-    return plan(specs, world, _align_elements(dtype), method=method)
+    return cached_plan(specs, world, dtypes, method=method)
 
 
 class ParamGroup:
@@ -138,7 +136,12 @@ class ParamGroup:
         self.requires_grad = tuple(p.requires_grad for p in originals)
         self.world = mesh.size(shard_axis)
         self.plan = build_plan(
-            refs, originals, self.world, block_policy, self.dtype, method=planner
+            refs,
+            originals,
+            self.world,
+            block_policy,
+            (self.dtype, self.compute_dtype, self.reduce_dtype),
+            method=planner,
         )
         shapes = [tuple(p.shape) for p in originals]
         names = [r.fqn for r in refs]
