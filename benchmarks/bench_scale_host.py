@@ -45,6 +45,7 @@ import gc
 import io
 import json
 import math
+import os
 import pstats
 import statistics
 import subprocess
@@ -243,6 +244,49 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def machine() -> dict[str, str]:
+    """Where and when: CPU, cores, torch, load average, commit (uncommitted changes noted)."""
+    import platform
+
+    import torch
+
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in _read("/proc/cpuinfo").splitlines()
+            if line.startswith("model name")
+        ),
+        platform.processor() or "unknown",
+    )
+    if torch.cuda.is_available():
+        cpu += f"; GPU {torch.cuda.get_device_name(0)}"
+
+    def git(*args: str) -> str:
+        cmd = ["git", "-C", str(ROOT), *args]
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    if git("status", "--porcelain", "--", "packages", "benchmarks"):
+        commit += " + uncommitted changes"
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cpu": cpu,
+        "nproc": str(os.cpu_count()),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "load": " ".join(_read("/proc/loadavg").split()[:3]) or "?",
+        "commit": commit,
+    }
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else math.nan
 
@@ -409,8 +453,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
-    from bench_engine import machine
-
     base = {
         k: getattr(args, k)
         for k in (
