@@ -35,7 +35,7 @@ from torch.distributed.tensor import _redistribute as dtensor_redistribute
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor._sharding_prop import LocalLRUCache
-from torch.distributed.tensor.placement_types import Placement, Replicate
+from torch.distributed.tensor.placement_types import Placement
 
 from ragged_dtensor._private import checkpoint, ops
 from ragged_dtensor._private.placement import RaggedBoxView, RaggedShard
@@ -296,7 +296,3 @@ def install() -> None:
 def hooks_installed() -> dict[str, bool]:
     """Which hooks are in place (tests assert all of them)."""
     return dict(_INSTALLED)
-
-
-def replicate_like(placements: Sequence[Placement]) -> tuple[Placement, ...]:
-    return tuple(Replicate() for _ in placements)
