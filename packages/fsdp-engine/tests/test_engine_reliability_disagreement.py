@@ -33,6 +33,13 @@ def _model_for(rank: int, case: str) -> TinyLlama:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     if rank == 1 and case == "dtype":
         model = model.to(torch.bfloat16)
+    if rank == 1 and case == "requires_grad":
+        model.layers[0].attn_norm.weight.requires_grad_(False)  # frozen on rank 1 only
+    if case == "frozen_value":
+        model.embed.weight.requires_grad_(False)  # frozen everywhere, another value on rank 1
+        if rank == 1:
+            with torch.no_grad():
+                model.embed.weight[3, 5] += 1.0
     return model
 
 
@@ -62,6 +69,11 @@ CASES = {
     "vocab": "shapes",
     "block_policy": "",
     "dtype": "dtype",
+    # found by the adversarial runs of issue 14: accepted silently (the frozen rank's zeros were
+    # averaged into the others' gradient; the differing frozen value stayed in its shard)
+    "requires_grad": "requires_grad of 'attn_norm.weight': ranks [0] have 'True', ranks [1] have "
+    "'False'",
+    "frozen_value": "value of frozen parameter 'embed.weight'",
 }
 
 

@@ -11,6 +11,12 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from ragged_dtensor._private import compat as _compat
+from ragged_dtensor._private.agreement import (
+    RanksDisagreeError,
+    check_ranks_agree,
+    describe_disagreement,
+    gather_records_if_different,
+)
 from ragged_dtensor._private.api import (
     distribute_tensor,
     from_local,
@@ -48,5 +54,10 @@ __all__ = [
     "StepKind",
     "plan_redistribute",
     "hooks_installed",
+    # rank agreement (one mechanism for every package)
+    "RanksDisagreeError",
+    "check_ranks_agree",
+    "describe_disagreement",
+    "gather_records_if_different",
     "__version__",
 ]
