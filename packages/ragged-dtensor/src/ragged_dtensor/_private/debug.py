@@ -237,20 +237,25 @@ _OURS = ("ragged_dtensor", "dbuffer", "fsdp_engine", "optim_blockwise", "shard_p
 
 
 def _caller() -> str:
-    """Who issued the collective: the innermost frame outside torch, the standard library and
-    this module, and the first frame outside this monorepo's packages (the user's code)."""
+    """Who issued the collective: the innermost and outermost frames in this monorepo's packages
+    (torch, the standard library and this module skipped) and the first frame of the user's
+    code that called them."""
     frame = sys._getframe(2)
-    inner: str | None = None
+    ours: list[str] = []
     while frame is not None:
         path = frame.f_code.co_filename
         if not path.startswith(_SKIPPED) and path != __file__ and not path.startswith("<"):
             parts = Path(path).parts
             here = f"{'/'.join(parts[-3:])}:{frame.f_lineno} {frame.f_code.co_name}"
             if not any(package in parts for package in _OURS):
-                return here if inner is None else f"{inner} (called from {here})"
-            inner = inner or here
+                return f"{_span(ours)} (called from {here})" if ours else here
+            ours.append(here)
         frame = frame.f_back  # type: ignore[assignment]
-    return inner or "torch internals"
+    return _span(ours) if ours else "torch internals"
+
+
+def _span(frames: Sequence[str]) -> str:
+    return frames[0] if len(frames) == 1 else f"{frames[0]} ... {frames[-1]}"
 
 
 def _text(value: bytes | str) -> str:
