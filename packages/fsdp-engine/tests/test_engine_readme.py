@@ -12,5 +12,6 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 @pytest.mark.multiprocess
-def test_readme_example_runs() -> None:
-    assert run_markdown_example(README).strip().endswith("ok")
+@pytest.mark.parametrize("index", [0, 1], ids=["training", "checkpoints"])
+def test_readme_example_runs(index: int) -> None:
+    assert run_markdown_example(README, index=index).strip().endswith("ok")

@@ -412,7 +412,7 @@ def _value_digest(param: torch.Tensor) -> str:
     shard, which the ranks of the data-parallel mesh hold identically)."""
     local = param.to_local() if isinstance(param, DTensor) else param
     flat = local.detach().reshape(-1).contiguous().cpu()
-    data = flat.view(torch.uint8).numpy() if flat.numel() else b""
+    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
     digest = hashlib.sha256(data).hexdigest()[:32]
     return f"{tuple(param.shape)} {param.dtype} sha256:{digest}"
 

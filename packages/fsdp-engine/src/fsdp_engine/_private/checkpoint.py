@@ -10,33 +10,21 @@ directory that loads half-written or mixed data. The save runs in four phases:
    there is dead), draws the save's identifier (a random UUID) and broadcasts both.
 2. every rank writes its shards with DCP into the sibling ``.<name>.partial`` (DCP's own finish
    step makes rank 0 write ``.metadata``, which records the save identifier), then hashes the
-   files it wrote (see [Note: integrity]) and sends the digests to rank 0 (a gather: rank 0
-   continues only when every rank's files are on disk).
-3. rank 0 writes the ``COMMITTED`` marker (save identifier, commit time, every file's digests)
-   inside the partial directory, fsyncs it and the directory, renames the directory to its final
-   name (atomic on POSIX filesystems) and atomically replaces the parent's ``latest`` pointer.
-4. rank 0 broadcasts exactly what happened: no rank returns before the checkpoint is visible,
-   and on a failure every rank raises the same error (none waits in a barrier).
-
-A failure before the rename leaves nothing: the partial directory is removed (and the next save
-under the root removes it if that failed too). A crash before the rename leaves only the hidden
-``.<name>.partial`` without a marker, which is never loaded. A failure after the rename (syncing
-the parent, updating ``latest``) raises ``AfterCommitError``, which says that the checkpoint *is*
-committed, and, when the pointer could not be updated, whether the stale pointer could be removed
-(``latest_checkpoint`` then finds the new checkpoint by commit time).
-
-[Note: integrity]
+   files it wrote (see [Note: integrity]
 DCP reads whatever bytes the files hold: a flipped byte inside a tensor's data, or a file copied
 in from another save of the same model, loads without an error. So every byte range DCP writes
 (one per tensor chunk or object, tiling each file; any gap is hashed as its own range) gets a
-SHA-256 digest, recorded in the marker with each file's size and the ``.metadata`` file's digest.
-On load every rank checks ``.metadata`` (digest, and that its save identifier is the marker's)
-before DCP starts, and each range's digest as DCP reads it, before its bytes reach a tensor, so
-verification costs one hash of exactly the bytes read (no extra reads). A mismatch is raised on
-every rank, naming the file, the byte range and the ranks that read it (DCP gathers every rank's
-read errors); the state dict may then hold some values already loaded: do not use it.
-``load_checkpoint(verify=False)`` skips the digests; ``verify_checkpoint(path)`` checks every
-byte of a checkpoint in one process.
+digest (zlib's CRC-32 by default, hashlib's SHA-256 with ``digest="sha256"``; each value names
+its algorithm), recorded in the marker with each file's size and the ``.metadata`` file's
+digest. On load every rank checks ``.metadata`` (digest, and that its save identifier is the
+marker's) before DCP starts, and each range's digest as DCP reads it, before its bytes reach a
+tensor, so verification costs one hash of exactly the bytes read (no extra reads). A mismatch is
+raised on every rank, naming the file, the byte range and the ranks that read it (DCP gathers
+every rank's read errors); the state dict may then hold some values already loaded: do not use
+it. ``load_checkpoint(verify=False)`` skips the digests; ``verify_checkpoint(path)`` checks every
+byte of a checkpoint in one process. CRC-32 catches damage and foreign files (a changed range
+keeps its CRC with probability 2^-32); SHA-256 also resists deliberate forgery, at about 3x the
+hashing time.
 
 [Note: per-rank plain tensors]
 DCP treats a plain (non-DTensor) tensor as replicated: it keeps one rank's copy (deduplication)
@@ -64,6 +52,7 @@ import shutil
 import time
 import uuid
 import warnings
+import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -100,6 +89,7 @@ LATEST_POINTER = "latest"
 DCP_METADATA = ".metadata"
 _FORMAT = 2  # 2: with the save identifier and per-range digests
 _CHUNK = 1 << 22  # bytes hashed per read
+DIGESTS = ("crc32", "sha256")
 
 
 class CheckpointError(RuntimeError):
@@ -195,7 +185,7 @@ def _plain_tensors(value: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]
 def _tensor_digest(tensor: torch.Tensor) -> str:
     """Shape, dtype and SHA-256 of the bytes: equal on every rank iff the tensor is replicated."""
     flat = tensor.detach().reshape(-1).cpu().contiguous()
-    data = flat.view(torch.uint8).numpy() if flat.numel() else b""
+    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
     return f"{tuple(tensor.shape)}/{tensor.dtype}/{hashlib.sha256(data).hexdigest()[:32]}"
 
 
@@ -285,18 +275,46 @@ def _check_every_rank(
 # -- digests ---------------------------------------------------------------------------------------
 
 
-def _hash_range(fh: IO[bytes], offset: int, length: int) -> tuple[str, int]:
-    """SHA-256 of ``length`` bytes at ``offset`` and how many bytes there were."""
+class _Crc32:
+    """zlib's CRC-32 behind hashlib's ``update`` / ``hexdigest``."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: bytes) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
+def _hasher(algorithm: str) -> Any:
+    if algorithm == "crc32":
+        return _Crc32()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"unknown checkpoint digest {algorithm!r}: expected one of {DIGESTS}")
+
+
+def _digest(algorithm: str, data: bytes) -> str:
+    """``"<algorithm>:<hex>"`` of ``data``: each recorded value names how it was made."""
+    hasher = _hasher(algorithm)
+    hasher.update(data)
+    return f"{algorithm}:{hasher.hexdigest()}"
+
+
+def _hash_range(fh: IO[bytes], offset: int, length: int, algorithm: str) -> str:
+    """The digest of ``length`` bytes at ``offset`` (of fewer, if the file is shorter)."""
     fh.seek(offset)
-    digest = hashlib.sha256()
+    hasher = _hasher(algorithm)
     remaining = length
     while remaining > 0:
         chunk = fh.read(min(remaining, _CHUNK))
         if not chunk:
             break
-        digest.update(chunk)
+        hasher.update(chunk)
         remaining -= len(chunk)
-    return digest.hexdigest(), length - remaining
+    return f"{algorithm}:{hasher.hexdigest()}"
 
 
 def _tiling(ranges: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
@@ -314,26 +332,31 @@ def _tiling(ranges: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int
     return pieces
 
 
-def _file_record(path: Path, ranges: Sequence[tuple[int, int]]) -> dict[str, Any]:
-    """``{"size", "items": [[offset, length, sha256], ...], "sha256"}`` of one file; the file's
+def _file_record(path: Path, ranges: Sequence[tuple[int, int]], algorithm: str) -> dict[str, Any]:
+    """``{"size", "items": [[offset, length, digest], ...], "digest"}`` of one file; the file's
     digest is the SHA-256 of its item list (which covers every byte)."""
     size = path.stat().st_size
     items = []
     with path.open("rb") as fh:
         for offset, length in _tiling(ranges, size):
-            digest, _ = _hash_range(fh, offset, length)
-            items.append([offset, length, digest])
+            items.append([offset, length, _hash_range(fh, offset, length, algorithm)])
     listing = json.dumps(items, separators=(",", ":")).encode()
-    return {"size": size, "items": items, "sha256": hashlib.sha256(listing).hexdigest()}
+    return {"size": size, "items": items, "digest": _digest("sha256", listing)}
+
+
+def _algorithm_of(record: Mapping[str, Any]) -> str:
+    items = record.get("items") or [[0, 0, "crc32:"]]
+    return str(items[0][2]).split(":", 1)[0]
 
 
 class _DigestingWriter(FileSystemWriter):
     """DCP's filesystem writer that records the save identifier in ``.metadata`` and, after
     writing this rank's files, the digests of every byte range it wrote."""
 
-    def __init__(self, path: Path, save_id: str) -> None:
+    def __init__(self, path: Path, save_id: str, algorithm: str) -> None:
         super().__init__(path)
         self.save_id = save_id  # DCP puts it into .metadata (storage_meta.save_id)
+        self.algorithm = algorithm
         self.digests: dict[str, dict[str, Any]] = {}
 
     def write_data(self, plan: Any, planner: Any) -> Any:
@@ -343,7 +366,9 @@ class _DigestingWriter(FileSystemWriter):
             info = result.storage_data
             ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
         root = Path(self.path)
-        self.digests = {name: _file_record(root / name, r) for name, r in ranges.items()}
+        self.digests = {
+            name: _file_record(root / name, r, self.algorithm) for name, r in ranges.items()
+        }
         return future
 
 
@@ -372,6 +397,7 @@ def save_checkpoint(
     process_group: dist.ProcessGroup | None = None,
     metadata: Mapping[str, Any] | None = None,
     check_replicated: bool = True,
+    digest: str = "crc32",
 ) -> Path:
     """Save ``state_dict`` with DCP to the directory ``path``, committed atomically.
 
@@ -391,6 +417,8 @@ def save_checkpoint(
     partial = _partial_path(final)
     rank = _rank(process_group)
     local_error: Exception | None = _check_state_dict(state_dict, "save_checkpoint")
+    if local_error is None and digest not in DIGESTS:
+        local_error = ValueError(f"save_checkpoint: digest={digest!r}; expected one of {DIGESTS}")
     if local_error is None and final.exists():
         local_error = FileExistsError(
             f"save_checkpoint: {str(final)!r} already exists; checkpoints are never "
@@ -407,7 +435,7 @@ def save_checkpoint(
             f"save_checkpoint: preparing {str(final)!r} failed on rank 0 ({failure}); nothing "
             f"was written and earlier checkpoints are untouched"
         )
-    writer = _DigestingWriter(partial, save_id)
+    writer = _DigestingWriter(partial, save_id, digest)
     try:
         dcp_save(
             state_dict,
@@ -426,6 +454,7 @@ def save_checkpoint(
     record = {
         "format": _FORMAT,
         "save_id": save_id,
+        "digest": digest,
         "world_size": _world(process_group),
         "metadata": dict(metadata or {}),
         "files": files,
@@ -471,7 +500,7 @@ def _commit(partial: Path, final: Path, record: dict[str, Any]) -> dict[str, Any
     step = "hashing .metadata"
     try:
         metadata_path = partial / DCP_METADATA
-        record["files"][DCP_METADATA] = _file_record(metadata_path, [])
+        record["files"][DCP_METADATA] = _file_record(metadata_path, [], record["digest"])
         record["time"] = time.time()
         step = f"writing the {COMMIT_MARKER} marker"
         _write_durably(partial / COMMIT_MARKER, json.dumps(record, sort_keys=True))
@@ -700,7 +729,8 @@ class _VerifyingReader(FileSystemReader):
                 f"{where}: {span} were not written as one range by save {self._save_id}: "
                 f"the .metadata and the marker disagree"
             )
-        if len(data) != sinfo.length or hashlib.sha256(data).hexdigest() != expected:
+        algorithm = expected.split(":", 1)[0]
+        if len(data) != sinfo.length or _digest(algorithm, data) != expected:
             raise CheckpointIntegrityError(
                 f"{where}: {span} do not match the digest recorded when save {self._save_id} "
                 f"was committed: the file is damaged or comes from another save"
@@ -721,7 +751,7 @@ def _read_metadata(directory: Path, info: Mapping[str, Any], verify: bool) -> Me
             )
         record = info["files"].get(DCP_METADATA)
         expected = None if record is None else record["items"]
-        actual = _file_record(path, [])["items"]
+        actual = None if record is None else _file_record(path, [], _algorithm_of(record))["items"]
         if expected != actual:
             raise CheckpointIntegrityError(
                 f"{str(path)!r} does not match the digest recorded when save {save_id} was "
@@ -862,7 +892,7 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             problems.append(f"  {name!r}: {file.stat().st_size} bytes, {record['size']} written")
             continue
         ranges = [(int(o), int(n)) for o, n, _ in record["items"]]
-        if _file_record(file, ranges)["items"] != record["items"]:
+        if _file_record(file, ranges, _algorithm_of(record))["items"] != record["items"]:
             problems.append(f"  {name!r}: its bytes do not match the recorded digests")
     if problems:
         raise CheckpointIntegrityError(

@@ -159,7 +159,7 @@ def _install(timeout: float) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(checker.count_step)
-    _CheckMode(checker, ops).__enter__()  # for the life of the process (this thread and the
+    _CheckMode(checker, ops).__enter__()  # type: ignore[no-untyped-call]  # for the life of the process (this thread and the
     # autograd threads, which inherit the dispatch-mode state of the thread calling backward)
     _checker = checker
 
@@ -198,12 +198,14 @@ class _CheckMode(TorchDispatchMode):
 
 def _group_of(bound: Mapping[str, Any]) -> dist.ProcessGroup | None:
     if "process_group" in bound:
-        return dist.ProcessGroup.unbox(bound["process_group"])  # type: ignore[attr-defined,no-any-return]
+        return dist.ProcessGroup.unbox(bound["process_group"])
     name = bound.get("group_name")
     if isinstance(name, str):
-        return dist.distributed_c10d._resolve_process_group(name)
+        resolve = getattr(dist.distributed_c10d, "_resolve_process_group")  # noqa: B009
+        group: dist.ProcessGroup = resolve(name)
+        return group
     if isinstance(name, torch.ScriptObject):
-        return dist.ProcessGroup.unbox(name)  # type: ignore[attr-defined,no-any-return]
+        return dist.ProcessGroup.unbox(name)
     return None
 
 
