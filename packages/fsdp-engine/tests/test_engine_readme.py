@@ -1,4 +1,4 @@
-"""The README's example runs as written."""
+"""The README's example is the file it names, and that file runs."""
 
 from __future__ import annotations
 
@@ -6,12 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from ragged_dtensor.testing import run_markdown_example
+from ragged_dtensor.testing import run_readme_example
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PACKAGE = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("index", [0, 1], ids=["training", "checkpoints"])
-def test_readme_example_runs(index: int) -> None:
-    assert run_markdown_example(README, index=index).strip().endswith("ok")
+def test_readme_example_is_the_file_and_runs() -> None:
+    out = run_readme_example(PACKAGE / "README.md", PACKAGE / "examples" / "quickstart.py")
+    assert out.strip().endswith("ok")
+
+
+@pytest.mark.multiprocess
+def test_readme_checkpoint_example_is_the_file_and_runs() -> None:
+    example = PACKAGE / "examples" / "checkpoints.py"
+    out = run_readme_example(PACKAGE / "README.md", example, index=1)
+    assert out.strip().endswith("ok")
