@@ -78,18 +78,20 @@ def _integrity(rank: int, world: int, root: str, rounds: int) -> dict[str, Any]:
     kinds = ("crc32", "sha256", "none")
     times: dict[str, list[float]] = {f"save {k}": [] for k in kinds}
     times.update({f"load {k}": [] for k in kinds})
+    cpu: dict[str, list[float]] = {key: [] for key in times}
     saved: dict[str, list[Path]] = {"crc32": [], "sha256": []}
     for index in range(rounds):
         for kind in kinds if index % 2 == 0 else kinds[::-1]:
             ckpt._file_record = no_hashing if kind == "none" else real_record  # type: ignore[assignment]
             model_sd, optim_sd = get_state_dict(model, opt)
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             path = save_checkpoint(
                 {"model": model_sd, "optim": optim_sd},
                 Path(root) / f"r{index}{kind}",
                 digest="crc32" if kind == "none" else kind,
             )
+            cpu[f"save {kind}"].append(time.process_time() - c0)
             dist.barrier()
             times[f"save {kind}"].append(time.perf_counter() - t0)
             if kind != "none":
@@ -100,13 +102,14 @@ def _integrity(rank: int, world: int, root: str, rounds: int) -> dict[str, Any]:
             path = saved["crc32" if kind == "none" else kind][index]
             model_sd, optim_sd = get_state_dict(model, opt)
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             load_checkpoint({"model": model_sd, "optim": optim_sd}, path, verify=kind != "none")
+            cpu[f"load {kind}"].append(time.process_time() - c0)
             dist.barrier()
             times[f"load {kind}"].append(time.perf_counter() - t0)
     info = ckpt.checkpoint_info(saved["crc32"][0])
     size = sum(record["size"] for record in info["files"].values())
-    return {"times": times, "bytes": size, "files": len(info["files"])}
+    return {"times": times, "cpu": cpu, "bytes": size, "files": len(info["files"])}
 
 
 # -- 2. debug mode ---------------------------------------------------------------------------------
@@ -119,20 +122,24 @@ def _debug_steps(rank: int, world: int, model_name: str, steps: int) -> dict[str
     torch.set_num_threads(1)
     model, opt = _model(model_name, world)
     times = []
+    cpu = []
     calls: dict[str, int] = {}
     for step in range(steps + 3):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         if step == 2:
             with count_collectives() as counter:
                 _step(model, opt, step, rank)
             calls = dict(counter.calls)
         else:
             _step(model, opt, step, rank)
+        spent = time.process_time() - c0
         dist.barrier()
         if step >= 3:
             times.append(time.perf_counter() - t0)
-    return {"times": times, "calls": calls, "checks": ragged_dtensor.collective_checks_enabled()}
+            cpu.append(spent)
+    enabled = ragged_dtensor.collective_checks_enabled()
+    return {"times": times, "cpu": cpu, "calls": calls, "checks": enabled}
 
 
 def _spawn_debug(world: int, model: str, steps: int, debug: bool) -> dict[str, Any]:
@@ -183,9 +190,17 @@ def main() -> None:
             out = run_processes(_integrity, 2, root, args.rounds, timeout=3600)
         times = out[0]["times"]  # rank 0's clock, between barriers
         med = {k: statistics.median(v) for k, v in times.items()}
+        cpu_med = {k: statistics.median(v) for k, v in out[0]["cpu"].items()}
         results["integrity"] = {
             "times": times,
+            "cpu": out[0]["cpu"],
             "median": med,
+            "cpu_median": cpu_med,
+            "cpu_overhead": {
+                f"{op} {kind}": cpu_med[f"{op} {kind}"] / cpu_med[f"{op} none"] - 1
+                for op in ("save", "load")
+                for kind in ("crc32", "sha256")
+            },
             "checkpoint_bytes": out[0]["bytes"],
             "files": out[0]["files"],
             "overhead": {
@@ -198,18 +213,25 @@ def main() -> None:
         results["debug"] = {}
         for world in (2, 4):
             runs: dict[str, list[float]] = {"off": [], "on": []}
+            cpus: dict[str, list[float]] = {"off": [], "on": []}
             calls: dict[str, dict[str, int]] = {}
             for index in range(args.runs):
                 for debug in (False, True) if index % 2 == 0 else (True, False):
                     got = _spawn_debug(world, args.debug_model, args.steps, debug)
                     assert got["checks"] is debug
                     runs["on" if debug else "off"] += got["times"]
+                    cpus["on" if debug else "off"] += got["cpu"]
                     calls["on" if debug else "off"] = got["calls"]
             off, on = statistics.median(runs["off"]), statistics.median(runs["on"])
+            cpu_off, cpu_on = statistics.median(cpus["off"]), statistics.median(cpus["on"])
             results["debug"][str(world)] = {
                 "step_s_off": off,
                 "step_s_on": on,
                 "overhead": on / off - 1,
+                "cpu_s_off": cpu_off,
+                "cpu_s_on": cpu_on,
+                "cpu_overhead": cpu_on / cpu_off - 1,
+                "cpu": cpus,
                 "collectives_off": calls["off"],
                 "collectives_on": calls["on"],
                 "times": runs,
@@ -238,7 +260,9 @@ def _markdown(r: dict[str, Any], args: argparse.Namespace) -> str:
         f"# Reliability costs ({r['when']}; {r['cpu']}; torch {r['torch']}; gloo; load at the "
         f"end {' '.join(f'{x:.2f}' for x in r['load'])})",
         "",
-        "`python benchmarks/bench_reliability.py`; rank 0's clock between barriers; medians.",
+        "`python benchmarks/bench_reliability.py`; wall: rank 0's clock between barriers; CPU: "
+        "rank 0's process time (on an oversubscribed machine the wall clock mostly measures "
+        "waiting for a core, the CPU time what the feature costs); medians.",
         "",
     ]
     if "integrity" in r:
@@ -253,12 +277,19 @@ def _markdown(r: dict[str, Any], args: argparse.Namespace) -> str:
             "cost SHA-256 |",
             "|---|---|---|---|---|---|",
         ]
+        c = i["cpu_median"]
         for op, plain in (("save", "hashing stubbed out"), ("load", "verify=False")):
             lines.append(
-                f"| {op}_checkpoint | {m[f'{op} crc32']:.3f} s | {m[f'{op} sha256']:.3f} s | "
-                f"{m[f'{op} none']:.3f} s ({plain}) | "
+                f"| {op}_checkpoint, wall | {m[f'{op} crc32']:.3f} s | {m[f'{op} sha256']:.3f} s "
+                f"| {m[f'{op} none']:.3f} s ({plain}) | "
                 f"{100 * i['overhead'][f'{op} crc32']:+.1f}% | "
                 f"{100 * i['overhead'][f'{op} sha256']:+.1f}% |"
+            )
+            lines.append(
+                f"| {op}_checkpoint, CPU of rank 0 | {c[f'{op} crc32']:.3f} s | "
+                f"{c[f'{op} sha256']:.3f} s | {c[f'{op} none']:.3f} s | "
+                f"{100 * i['cpu_overhead'][f'{op} crc32']:+.1f}% | "
+                f"{100 * i['cpu_overhead'][f'{op} sha256']:+.1f}% |"
             )
         lines.append("")
     if "debug" in r:
@@ -267,16 +298,18 @@ def _markdown(r: dict[str, Any], args: argparse.Namespace) -> str:
             f"({args.debug_model}) + AdamW, {args.runs} runs of {args.steps} timed steps per "
             f"mode, alternating:",
             "",
-            "| world | step, default | step, debug mode | overhead | collectives per step "
-            "(default = debug) |",
-            "|---|---|---|---|---|",
+            "| world | step, default | step, debug mode | overhead | CPU per step and rank, "
+            "default / debug | CPU overhead | collectives per step (default = debug) |",
+            "|---|---|---|---|---|---|---|",
         ]
         for world, d in r["debug"].items():
             same = d["collectives_off"] == d["collectives_on"]
             count = sum(d["collectives_off"].values())
             lines.append(
                 f"| {world} | {d['step_s_off']:.3f} s | {d['step_s_on']:.3f} s | "
-                f"{100 * d['overhead']:+.1f}% | {count} ({'same' if same else 'DIFFERENT'}) |"
+                f"{100 * d['overhead']:+.1f}% | {d['cpu_s_off']:.3f} / {d['cpu_s_on']:.3f} s | "
+                f"{100 * d['cpu_overhead']:+.1f}% | {count} "
+                f"({'same' if same else 'DIFFERENT'}) |"
             )
         lines.append("")
     return "\n".join(lines)
