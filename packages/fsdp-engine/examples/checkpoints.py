@@ -29,15 +29,16 @@ def job(rank: int, world: int, root: str) -> str:
         state = {"model": model_sd, "optim": optim_sd}
         start = load_checkpoint(state, path)["metadata"]["step"]
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    for step in range(start, start + 3):
+    end = start + 3
+    for _ in range(start, end):
         model(torch.randn(8, 16)).square().mean().backward()
         opt.step()
         opt.zero_grad()
     model_sd, optim_sd = get_state_dict(model, opt)
     saved = save_checkpoint(
         {"model": model_sd, "optim": optim_sd},
-        Path(root) / f"step_{step + 1:08d}",
-        metadata={"step": step + 1},
+        Path(root) / f"step_{end:08d}",
+        metadata={"step": end},
     )
     return saved.name
 

@@ -276,7 +276,10 @@ class _Checker:
         self._generation = 0
 
     def count_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.steps += 1
+        with self._lock:
+            if dist.is_initialized():
+                self._prefix()  # a new process group starts counting from 0
+            self.steps += 1
 
     def _prefix(self) -> str:
         """Keys of this process group generation (a new ``init_process_group``, a torchrun
