@@ -64,13 +64,13 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: i
 def _integrity(rank: int, world: int, root: str, rounds: int) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    import fsdp_engine._private.checkpoint as ckpt
-    from fsdp_engine import load_checkpoint, save_checkpoint
+    import fsdp_engine._private.checkpoint_files as files
+    from fsdp_engine import checkpoint_info, load_checkpoint, save_checkpoint
 
     torch.set_num_threads(1)
     model, opt = _model("medium", world)
     _step(model, opt, 0, rank)
-    real_record = ckpt._file_record
+    real_record = files.file_record
 
     def no_hashing(path: Path, *args: Any) -> dict[str, Any]:
         return {"size": path.stat().st_size, "items": [], "digest": ""}
@@ -82,7 +82,7 @@ def _integrity(rank: int, world: int, root: str, rounds: int) -> dict[str, Any]:
     saved: dict[str, list[Path]] = {"crc32": [], "sha256": []}
     for index in range(rounds):
         for kind in kinds if index % 2 == 0 else kinds[::-1]:
-            ckpt._file_record = no_hashing if kind == "none" else real_record  # type: ignore[assignment]
+            files.file_record = no_hashing if kind == "none" else real_record  # type: ignore[assignment]
             model_sd, optim_sd = get_state_dict(model, opt)
             dist.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
@@ -96,7 +96,7 @@ def _integrity(rank: int, world: int, root: str, rounds: int) -> dict[str, Any]:
             times[f"save {kind}"].append(time.perf_counter() - t0)
             if kind != "none":
                 saved[kind].append(path)
-    ckpt._file_record = real_record  # type: ignore[assignment]
+    files.file_record = real_record  # type: ignore[assignment]
     for index in range(rounds):
         for kind in kinds if index % 2 == 0 else kinds[::-1]:
             path = saved["crc32" if kind == "none" else kind][index]
@@ -107,7 +107,7 @@ def _integrity(rank: int, world: int, root: str, rounds: int) -> dict[str, Any]:
             cpu[f"load {kind}"].append(time.process_time() - c0)
             dist.barrier()
             times[f"load {kind}"].append(time.perf_counter() - t0)
-    info = ckpt.checkpoint_info(saved["crc32"][0])
+    info = checkpoint_info(saved["crc32"][0])
     size = sum(record["size"] for record in info["files"].values())
     return {"times": times, "cpu": cpu, "bytes": size, "files": len(info["files"])}
 

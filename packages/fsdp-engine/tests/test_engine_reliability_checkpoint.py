@@ -29,6 +29,7 @@ from fsdp_engine import (
     load_checkpoint,
     save_checkpoint,
 )
+from fsdp_engine._private import checkpoint_files
 from ragged_dtensor.testing import DistributedFailure, run_processes, run_threaded
 
 pytestmark = pytest.mark.numerics
@@ -282,7 +283,7 @@ def test_resume_in_new_processes_matches_an_uninterrupted_run(tmp_path: Path) ->
 # -- a crash during the save ----------------------------------------------------------------------
 
 
-class _DieAfterWritingWriter(ckpt._DigestingWriter):
+class _DieAfterWritingWriter(checkpoint_files.DigestingWriter):
     """Writes this rank's files, then the process dies (SIGKILL-like: no cleanup, no report)."""
 
     def write_data(self, plan: Any, planner: Any) -> Any:
@@ -304,7 +305,7 @@ def _crash_during_save(rank: int, world: int, root: str) -> None:
     if rank == 0:
         torch.save(snapshot, Path(root) / "expected.pt")
     train(model, opt, rank, world, start=1, steps=1)
-    ckpt._DigestingWriter = _DieAfterWritingWriter  # type: ignore[misc]
+    checkpoint_files.DigestingWriter = _DieAfterWritingWriter  # type: ignore[misc]
     model_sd, optim_sd = get_state_dict(model, opt)
     save_checkpoint({"model": model_sd, "optim": optim_sd}, Path(root) / "step_00000002")
     raise AssertionError("unreachable: rank 1 dies inside the save")
@@ -382,7 +383,7 @@ def test_a_failed_commit_raises_on_every_rank_commits_nothing_and_cleans_up(
     assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
 
 
-class _FullDiskWriter(ckpt._DigestingWriter):
+class _FullDiskWriter(checkpoint_files.DigestingWriter):
     """Rank 1 runs out of disk in the middle of writing its shards."""
 
     def write_data(self, plan: Any, planner: Any) -> Any:
@@ -399,7 +400,7 @@ def test_a_failed_write_cleans_up_and_the_next_save_succeeds(
 ) -> None:
     """DCP reports rank 1's ENOSPC to every rank: every rank raises naming the rank and the
     error, the partial directory is removed, and the next save works."""
-    monkeypatch.setattr(ckpt, "_DigestingWriter", _FullDiskWriter)
+    monkeypatch.setattr(checkpoint_files, "DigestingWriter", _FullDiskWriter)
     messages = run_threaded(_save_twice, 2, str(tmp_path), timeout=120)
     assert messages[0] == messages[1], messages
     assert "writing" in messages[0] and "ranks [1]: OSError" in messages[0], messages[0]

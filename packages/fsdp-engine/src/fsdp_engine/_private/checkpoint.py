@@ -10,21 +10,20 @@ directory that loads half-written or mixed data. The save runs in four phases:
    there is dead), draws the save's identifier (a random UUID) and broadcasts both.
 2. every rank writes its shards with DCP into the sibling ``.<name>.partial`` (DCP's own finish
    step makes rank 0 write ``.metadata``, which records the save identifier), then hashes the
-   files it wrote (see [Note: integrity]
-DCP reads whatever bytes the files hold: a flipped byte inside a tensor's data, or a file copied
-in from another save of the same model, loads without an error. So every byte range DCP writes
-(one per tensor chunk or object, tiling each file; any gap is hashed as its own range) gets a
-digest (zlib's CRC-32 by default, hashlib's SHA-256 with ``digest="sha256"``; each value names
-its algorithm), recorded in the marker with each file's size and the ``.metadata`` file's
-digest. On load every rank checks ``.metadata`` (digest, and that its save identifier is the
-marker's) before DCP starts, and each range's digest as DCP reads it, before its bytes reach a
-tensor, so verification costs one hash of exactly the bytes read (no extra reads). A mismatch is
-raised on every rank, naming the file, the byte range and the ranks that read it (DCP gathers
-every rank's read errors); the state dict may then hold some values already loaded: do not use
-it. ``load_checkpoint(verify=False)`` skips the digests; ``verify_checkpoint(path)`` checks every
-byte of a checkpoint in one process. CRC-32 catches damage and foreign files (a changed range
-keeps its CRC with probability 2^-32); SHA-256 also resists deliberate forgery, at about 3x the
-hashing time.
+   files it wrote (see [Note: integrity] in ``checkpoint_files``) and sends the digests to
+   rank 0 (a gather: rank 0 continues only when every rank's files are on disk).
+3. rank 0 writes the ``COMMITTED`` marker (save identifier, commit time, every file's digests)
+   inside the partial directory, fsyncs it and the directory, renames the directory to its final
+   name (atomic on POSIX filesystems) and atomically replaces the parent's ``latest`` pointer.
+4. rank 0 broadcasts exactly what happened: no rank returns before the checkpoint is visible,
+   and on a failure every rank raises the same error (none waits in a barrier).
+
+A failure before the rename leaves nothing: the partial directory is removed (and the next save
+under the root removes it if that failed too). A crash before the rename leaves only the hidden
+``.<name>.partial`` without a marker, which is never loaded. A failure after the rename (syncing
+the parent, updating ``latest``) raises ``AfterCommitError``, which says that the checkpoint *is*
+committed, and, when the pointer could not be updated, whether the stale pointer could be removed
+(``latest_checkpoint`` then finds the new checkpoint by commit time).
 
 [Note: per-rank plain tensors]
 DCP treats a plain (non-DTensor) tensor as replicated: it keeps one rank's copy (deduplication)
@@ -44,7 +43,6 @@ the subset cases (keys missing on either side), never a shape or dtype change.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import pickle
@@ -52,22 +50,27 @@ import shutil
 import time
 import uuid
 import warnings
-import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
+from fsdp_engine._private import checkpoint_files
+from fsdp_engine._private.checkpoint_errors import (
+    AfterCommitError,
+    CheckpointError,
+    CheckpointIntegrityError,
+    IncompleteCheckpointError,
+)
 from ragged_dtensor import gather_records_if_different
 
 __all__ = [
@@ -88,27 +91,6 @@ COMMIT_MARKER = "COMMITTED"
 LATEST_POINTER = "latest"
 DCP_METADATA = ".metadata"
 _FORMAT = 2  # 2: with the save identifier and per-range digests
-_CHUNK = 1 << 22  # bytes hashed per read
-DIGESTS = ("crc32", "sha256")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded as asked (the message names the path or key)."""
-
-
-class IncompleteCheckpointError(CheckpointError, FileNotFoundError):
-    """The directory is not a committed checkpoint: its save never finished (or it is not one)."""
-
-
-class CheckpointIntegrityError(CheckpointError):
-    """A checkpoint's files do not match what its save recorded: damaged, truncated, or copied
-    in from another save (the message names the file, and the ranks that found it)."""
-
-
-class AfterCommitError(CheckpointError):
-    """The checkpoint *is* committed and loadable, but a step after the commit rename failed
-    (syncing the parent directory, or updating the ``latest`` pointer): the message says which,
-    and what ``latest_checkpoint`` returns now."""
 
 
 # -- small helpers ---------------------------------------------------------------------------------
@@ -272,121 +254,6 @@ def _check_every_rank(
     raise CheckpointError(f"{op}: other ranks failed before starting ({listed})")
 
 
-# -- digests ---------------------------------------------------------------------------------------
-
-
-class _Crc32:
-    """zlib's CRC-32 behind hashlib's ``update`` / ``hexdigest``."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: bytes) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
-def _hasher(algorithm: str) -> Any:
-    if algorithm == "crc32":
-        return _Crc32()
-    if algorithm == "sha256":
-        return hashlib.sha256()
-    raise ValueError(f"unknown checkpoint digest {algorithm!r}: expected one of {DIGESTS}")
-
-
-def _digest(algorithm: str, data: bytes) -> str:
-    """``"<algorithm>:<hex>"`` of ``data``: each recorded value names how it was made."""
-    hasher = _hasher(algorithm)
-    hasher.update(data)
-    return f"{algorithm}:{hasher.hexdigest()}"
-
-
-def _hash_range(fh: IO[bytes], offset: int, length: int, algorithm: str) -> str:
-    """The digest of ``length`` bytes at ``offset`` (of fewer, if the file is shorter)."""
-    fh.seek(offset)
-    hasher = _hasher(algorithm)
-    remaining = length
-    while remaining > 0:
-        chunk = fh.read(min(remaining, _CHUNK))
-        if not chunk:
-            break
-        hasher.update(chunk)
-        remaining -= len(chunk)
-    return f"{algorithm}:{hasher.hexdigest()}"
-
-
-def _tiling(ranges: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
-    """The written ``(offset, length)`` ranges plus the gaps between them, covering
-    ``[0, size)``: every byte of the file belongs to exactly one hashed range."""
-    pieces: list[tuple[int, int]] = []
-    position = 0
-    for offset, length in sorted(set(ranges)):
-        if offset > position:
-            pieces.append((position, offset - position))
-        pieces.append((offset, length))
-        position = max(position, offset + length)
-    if position < size:
-        pieces.append((position, size - position))
-    return pieces
-
-
-def _file_record(path: Path, ranges: Sequence[tuple[int, int]], algorithm: str) -> dict[str, Any]:
-    """``{"size", "items": [[offset, length, digest], ...], "digest"}`` of one file; the file's
-    digest is the SHA-256 of its item list (which covers every byte)."""
-    size = path.stat().st_size
-    items = []
-    with path.open("rb") as fh:
-        for offset, length in _tiling(ranges, size):
-            items.append([offset, length, _hash_range(fh, offset, length, algorithm)])
-    listing = json.dumps(items, separators=(",", ":")).encode()
-    return {"size": size, "items": items, "digest": _digest("sha256", listing)}
-
-
-def _algorithm_of(record: Mapping[str, Any]) -> str:
-    items = record.get("items") or [[0, 0, "crc32:"]]
-    return str(items[0][2]).split(":", 1)[0]
-
-
-class _DigestingWriter(FileSystemWriter):
-    """DCP's filesystem writer that records the save identifier in ``.metadata`` and, after
-    writing this rank's files, the digests of every byte range it wrote."""
-
-    def __init__(self, path: Path, save_id: str, algorithm: str) -> None:
-        super().__init__(path)
-        self.save_id = save_id  # DCP puts it into .metadata (storage_meta.save_id)
-        self.algorithm = algorithm
-        self.digests: dict[str, dict[str, Any]] = {}
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        future = super().write_data(plan, planner)
-        ranges: dict[str, list[tuple[int, int]]] = {}
-        for result in future.wait():
-            info = result.storage_data
-            ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
-        root = Path(self.path)
-        self.digests = {
-            name: _file_record(root / name, r, self.algorithm) for name, r in ranges.items()
-        }
-        return future
-
-
-def _gather_digests(
-    writer: _DigestingWriter, group: dist.ProcessGroup | None
-) -> dict[str, dict[str, Any]]:
-    """Every rank's file digests, merged, on rank 0 (empty elsewhere)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return dict(writer.digests)
-    rank = dist.get_rank(group)
-    gathered: list[Any] | None = [None] * dist.get_world_size(group) if rank == 0 else None
-    dist.gather_object(writer.digests, gathered, group=group, group_dst=0)
-    merged: dict[str, dict[str, Any]] = {}
-    for part in gathered or ():
-        merged.update(part)
-    return merged
-
-
 # -- save ------------------------------------------------------------------------------------------
 
 
@@ -417,8 +284,10 @@ def save_checkpoint(
     partial = _partial_path(final)
     rank = _rank(process_group)
     local_error: Exception | None = _check_state_dict(state_dict, "save_checkpoint")
-    if local_error is None and digest not in DIGESTS:
-        local_error = ValueError(f"save_checkpoint: digest={digest!r}; expected one of {DIGESTS}")
+    if local_error is None and digest not in checkpoint_files.DIGESTS:
+        local_error = ValueError(
+            f"save_checkpoint: digest={digest!r}; expected one of {checkpoint_files.DIGESTS}"
+        )
     if local_error is None and final.exists():
         local_error = FileExistsError(
             f"save_checkpoint: {str(final)!r} already exists; checkpoints are never "
@@ -435,7 +304,7 @@ def save_checkpoint(
             f"save_checkpoint: preparing {str(final)!r} failed on rank 0 ({failure}); nothing "
             f"was written and earlier checkpoints are untouched"
         )
-    writer = _DigestingWriter(partial, save_id, digest)
+    writer = checkpoint_files.DigestingWriter(partial, save_id, digest)
     try:
         dcp_save(
             state_dict,
@@ -450,7 +319,7 @@ def save_checkpoint(
             _failures("save_checkpoint: writing", final, exc)
             + f"\nNothing was committed; {_removal(partial, cleanup)}"
         ) from exc
-    files = _gather_digests(writer, process_group)
+    files = checkpoint_files.gather_digests(writer, process_group)
     record = {
         "format": _FORMAT,
         "save_id": save_id,
@@ -500,7 +369,9 @@ def _commit(partial: Path, final: Path, record: dict[str, Any]) -> dict[str, Any
     step = "hashing .metadata"
     try:
         metadata_path = partial / DCP_METADATA
-        record["files"][DCP_METADATA] = _file_record(metadata_path, [], record["digest"])
+        record["files"][DCP_METADATA] = checkpoint_files.file_record(
+            metadata_path, [], record["digest"]
+        )
         record["time"] = time.time()
         step = f"writing the {COMMIT_MARKER} marker"
         _write_durably(partial / COMMIT_MARKER, json.dumps(record, sort_keys=True))
@@ -680,64 +551,6 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
 # -- load ------------------------------------------------------------------------------------------
 
 
-class _VerifyingReader(FileSystemReader):
-    """DCP's filesystem reader that hands DCP the (already verified) metadata and checks every
-    byte range against its recorded digest as it is read (``files=None``: no checks)."""
-
-    def __init__(
-        self, path: Path, metadata: Metadata, files: Mapping[str, Any] | None, save_id: str
-    ) -> None:
-        super().__init__(path)
-        self._metadata = metadata
-        self._files = files
-        self._save_id = save_id
-        self._sized: set[str] = set()
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:  # per-rank metadata: never written by save_checkpoint
-            raise FileNotFoundError(f"{str(self.path)!r} has no per-rank DCP metadata")
-        if self._metadata.storage_meta is None:
-            self._metadata.storage_meta = StorageMeta()
-        self._metadata.storage_meta.load_id = self.load_id
-        return self._metadata
-
-    def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
-        view = super()._slice_file(file, sinfo)
-        if self._files is None:
-            return view
-        name = str(sinfo.relative_path)
-        where = f"{name!r} in {str(self.path)!r}"
-        record = self._files.get(name)
-        if record is None:
-            raise CheckpointIntegrityError(
-                f"{where} is not a file of save {self._save_id} (its marker does not list it)"
-            )
-        if name not in self._sized:
-            size = os.fstat(file.fileno()).st_size
-            if size != record["size"]:
-                raise CheckpointIntegrityError(
-                    f"{where} has {size} bytes, but save {self._save_id} wrote {record['size']}: "
-                    f"it is truncated, extended or from another save"
-                )
-            self._sized.add(name)
-        items = {(int(o), int(n)): str(d) for o, n, d in record["items"]}
-        expected = items.get((int(sinfo.offset), int(sinfo.length)))
-        data = view.read()
-        span = f"bytes [{sinfo.offset}, {sinfo.offset + sinfo.length})"
-        if expected is None:
-            raise CheckpointIntegrityError(
-                f"{where}: {span} were not written as one range by save {self._save_id}: "
-                f"the .metadata and the marker disagree"
-            )
-        algorithm = expected.split(":", 1)[0]
-        if len(data) != sinfo.length or _digest(algorithm, data) != expected:
-            raise CheckpointIntegrityError(
-                f"{where}: {span} do not match the digest recorded when save {self._save_id} "
-                f"was committed: the file is damaged or comes from another save"
-            )
-        return io.BytesIO(data)
-
-
 def _read_metadata(directory: Path, info: Mapping[str, Any], verify: bool) -> Metadata:
     """DCP's ``.metadata``, checked against the marker (digest, save identifier) if ``verify``."""
     path = directory / DCP_METADATA
@@ -751,7 +564,13 @@ def _read_metadata(directory: Path, info: Mapping[str, Any], verify: bool) -> Me
             )
         record = info["files"].get(DCP_METADATA)
         expected = None if record is None else record["items"]
-        actual = None if record is None else _file_record(path, [], _algorithm_of(record))["items"]
+        actual = (
+            None
+            if record is None
+            else checkpoint_files.file_record(path, [], checkpoint_files.algorithm_of(record))[
+                "items"
+            ]
+        )
         if expected != actual:
             raise CheckpointIntegrityError(
                 f"{str(path)!r} does not match the digest recorded when save {save_id} was "
@@ -859,7 +678,7 @@ def load_checkpoint(
     _check_every_rank(directory, local_error, "load_checkpoint", process_group)
     assert metadata is not None
     files = info.get("files") if verify else None
-    reader = _VerifyingReader(directory, metadata, files, str(info.get("save_id")))
+    reader = checkpoint_files.VerifyingReader(directory, metadata, files, str(info.get("save_id")))
     try:
         dcp_load(
             state_dict,
@@ -892,7 +711,12 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
             problems.append(f"  {name!r}: {file.stat().st_size} bytes, {record['size']} written")
             continue
         ranges = [(int(o), int(n)) for o, n, _ in record["items"]]
-        if _file_record(file, ranges, _algorithm_of(record))["items"] != record["items"]:
+        if (
+            checkpoint_files.file_record(file, ranges, checkpoint_files.algorithm_of(record))[
+                "items"
+            ]
+            != record["items"]
+        ):
             problems.append(f"  {name!r}: its bytes do not match the recorded digests")
     if problems:
         raise CheckpointIntegrityError(
