@@ -329,3 +329,14 @@ def bench(session: nox.Session) -> None:
     )
     for script in scripts:
         session.run("python", str(script), "--out", str(ROOT / "results"), *session.posargs)
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """Not in CI (about an hour on 2 cores): 2,000 steps of the demo model at world size 4 under
+    ``torchrun --max-restarts``, a checkpoint every 100 steps, a random rank SIGKILLed about
+    every 500 steps; the final state must equal an uninterrupted run bit for bit and live memory
+    stay flat (``benchmarks/soak.py``; figures in ``results/soak.md``)."""
+    _install_torch(session)
+    session.install(*(str(p) for p in _packages().values()))
+    session.run("python", "benchmarks/soak.py", "--out", str(ROOT / "results"), *session.posargs)

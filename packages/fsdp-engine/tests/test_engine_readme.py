@@ -15,3 +15,10 @@ PACKAGE = Path(__file__).resolve().parents[1]
 def test_readme_example_is_the_file_and_runs() -> None:
     out = run_readme_example(PACKAGE / "README.md", PACKAGE / "examples" / "quickstart.py")
     assert out.strip().endswith("ok")
+
+
+@pytest.mark.multiprocess
+def test_readme_checkpoint_example_is_the_file_and_runs() -> None:
+    example = PACKAGE / "examples" / "checkpoints.py"
+    out = run_readme_example(PACKAGE / "README.md", example, index=1)
+    assert out.strip().endswith("ok")

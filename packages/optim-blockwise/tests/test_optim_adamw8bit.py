@@ -8,6 +8,7 @@ process): bitwise.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -239,14 +240,19 @@ def test_aligned_shards_issue_no_collective(monkeypatch: pytest.MonkeyPatch) -> 
 
     calls: list[int] = []
     lock = threading.Lock()
-    original = dist.all_gather
 
-    def counting(*args: object, **kwargs: object) -> object:
-        with lock:
-            calls.append(1)
-        return original(*args, **kwargs)  # type: ignore[arg-type]
+    def counting(original: Any) -> Any:
+        def wrapper(*args: object, **kwargs: object) -> object:
+            with lock:
+                calls.append(1)
+            return original(*args, **kwargs)
 
-    monkeypatch.setattr(dist, "all_gather", counting)
+        return wrapper
+
+    # the edge exchange is an all_gather; the fingerprint check (ragged_dtensor's shared
+    # agreement check) an all_gather_single
+    for name in ("all_gather", "all_gather_single"):
+        monkeypatch.setattr(dist, name, counting(getattr(dist, name)))
     run_threaded(_three_steps, 2, True)
     assert calls == []
     # Unaligned: per step and rank, one fingerprint all-gather and one batched edge all-gather.

@@ -101,7 +101,7 @@ def _placements_disagree(rank: int, world: int) -> str:
             local, mesh, [placement], shape=FULL.shape, stride=FULL.stride(), run_check=True
         )
         got = dt.full_tensor()
-    except Exception as exc:
+    except ValueError as exc:
         return f"{type(exc).__name__}: {exc}"
     return f"no error: {'right' if torch.equal(got, FULL) else 'WRONG'} data"
 
@@ -114,7 +114,9 @@ def test_ranks_disagreeing_on_units_are_detected_by_run_check() -> None:
     ``run_check`` compares the ragged layout across the ragged mesh axis."""
     outcomes = run_threaded(_placements_disagree, 2, timeout=60)
     for outcome in outcomes:
-        assert outcome.startswith("ValueError") and "local_units" in outcome, outcomes
+        # the shared agreement check's error (a ValueError), naming both ranks' placements
+        assert outcome.startswith("RanksDisagreeError") and "local_units" in outcome, outcomes
+        assert "ranks [0] have" in outcome and "ranks [1] have" in outcome, outcomes
 
 
 def test_flat_range_of_a_rank_outside_the_axis_names_it() -> None:

@@ -12,13 +12,16 @@ from importlib.metadata import PackageNotFoundError, version
 
 from fsdp_engine._private.api import FSDPModule, UnshardHandle, fully_shard
 from fsdp_engine._private.checkpoint import (
+    AfterCommitError,
     CheckpointError,
+    CheckpointIntegrityError,
     IncompleteCheckpointError,
     checkpoint_info,
     is_complete_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    verify_checkpoint,
 )
 from fsdp_engine._private.flat_optim import FlatShardOptimizer
 from fsdp_engine._private.policy import (
@@ -47,7 +50,10 @@ __all__ = [
     "latest_checkpoint",
     "is_complete_checkpoint",
     "checkpoint_info",
+    "verify_checkpoint",
     "CheckpointError",
+    "CheckpointIntegrityError",
     "IncompleteCheckpointError",
+    "AfterCommitError",
     "__version__",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import operator
 import weakref
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard
 
 from dbuffer import LayoutMismatchError
@@ -23,6 +25,7 @@ from fsdp_engine._private.policy import (
     OffloadPolicy,
 )
 from fsdp_engine._private.state import STATE_ATTR, FSDPState, get_state
+from ragged_dtensor import check_ranks_agree
 from shard_planner import METHODS as PLANNER_METHODS
 from shard_planner import Plan
 
@@ -308,6 +311,7 @@ def fully_shard(
         raise TypeError(
             f"reshard_after_forward must be bool or int, got {type(reshard_after_forward).__name__}"
         )
+    refs = _managed_params(modules, set(ignored_params or ()))
     _check_ranks_agree(
         mesh,
         {
@@ -317,8 +321,8 @@ def fully_shard(
             "offload_policy": repr(offload_policy),
             "block_policy": "none" if block_policy is None else type(block_policy).__name__,
         },
+        refs,
     )
-    refs = _managed_params(modules, set(ignored_params or ()))
     for ref in refs:
         _remember(getattr(ref.owner, ref.attr), ref.fqn)
     _check_devices(refs, mesh)
@@ -377,25 +381,40 @@ def _with_placement_fn(
     return policy
 
 
-def _check_ranks_agree(mesh: DeviceMesh, settings: dict[str, str]) -> None:
-    """Every rank must call fully_shard with the same settings: compare them (one small object
-    all-gather per mesh axis) and raise on every rank, naming the setting, instead of letting
-    mismatched collectives hang or abort later."""
-    for axis in range(mesh.ndim):
-        group = mesh.get_group(axis)
-        gathered: list[object] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, settings, group=group)
-        for key, mine in settings.items():
-            values = [g[key] if isinstance(g, dict) else None for g in gathered]
-            if any(v != mine for v in values):
-                by_value: dict[str, list[int]] = {}
-                for coordinate, value in enumerate(values):
-                    by_value.setdefault(str(value), []).append(coordinate)
-                listing = "; ".join(f"ranks {ranks}: {value}" for value, ranks in by_value.items())
-                raise LayoutMismatchError(
-                    f"fully_shard: ranks disagree on {key} (coordinates on mesh axis "
-                    f"{axis}: {listing})"
-                )
+def _check_ranks_agree(
+    mesh: DeviceMesh, settings: dict[str, str], refs: Sequence[ParamRef]
+) -> None:
+    """Every rank must call fully_shard with the same settings on the same parameters: compare
+    them with the agreement check every package shares (one 32-byte all-gather per mesh axis)
+    and raise on every rank, naming the setting or parameter, instead of letting mismatched
+    collectives hang or abort later, or training go silently wrong.
+
+    Besides the settings, each parameter's ``requires_grad`` (a parameter frozen on some ranks
+    only would have its gradient averaged with those ranks' zeros) and the value of each frozen
+    parameter (never updated, so a difference at sharding time would stay forever: each rank's
+    shard comes from its own copy) are compared, by SHA-256 of the values' bytes."""
+    record = dict(settings)
+    for ref in refs:
+        param = getattr(ref.owner, ref.attr)
+        record[f"requires_grad of {ref.fqn!r}"] = str(bool(param.requires_grad))
+        if not param.requires_grad and not param.is_meta:
+            record[f"value of frozen parameter {ref.fqn!r}"] = _value_digest(param)
+    check_ranks_agree(
+        mesh,
+        record,
+        what="fully_shard: ranks disagree on the settings or parameters of this call",
+        error=LayoutMismatchError,
+    )
+
+
+def _value_digest(param: torch.Tensor) -> str:
+    """SHA-256 of the local values' bytes, with the shape and dtype (a DTensor: its local
+    shard, which the ranks of the data-parallel mesh hold identically)."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    flat = local.detach().reshape(-1).contiguous().cpu()
+    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    digest = hashlib.sha256(data).hexdigest()[:32]
+    return f"{tuple(param.shape)} {param.dtype} sha256:{digest}"
 
 
 def _check_mp_policy(policy: object) -> MixedPrecisionPolicy:

@@ -10,7 +10,8 @@ each delegating to torch untouched unless a RaggedShard is involved:
    ``full_tensor``, autograd backward, and the input redistribution of op dispatch;
 2. the sharding propagator: ops with a ragged operand get the rules of ``ops.py`` or an error;
 3. ``distribute_tensor``: RaggedShard is cut from the (source-rank) full tensor;
-4. ``DTensor.from_local``: ragged locals are checked against their units, ``shape=`` required;
+4. ``DTensor.from_local``: ragged locals are checked against their units, ``shape=`` required
+   (a 0-d ``shape=()``, which torch takes for "not given", is honoured);
 5. the checkpoint protocol of DTensor (``__create_write_items__``, ``__create_chunk_list__``,
    ``__get_tensor_shard__``): a ragged share is written as the few boxes its flat range covers.
 
@@ -35,7 +36,7 @@ from torch.distributed.tensor import _redistribute as dtensor_redistribute
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor._sharding_prop import LocalLRUCache
-from torch.distributed.tensor.placement_types import Placement, Replicate
+from torch.distributed.tensor.placement_types import Placement
 
 from ragged_dtensor._private import checkpoint, ops
 from ragged_dtensor._private.placement import RaggedBoxView, RaggedShard
@@ -259,6 +260,13 @@ def _from_local_hook(
         from ragged_dtensor._private.api import check_ragged_local
 
         local_tensor, kwargs = check_ragged_local(local_tensor, device_mesh, placements, **kwargs)
+        if len(kwargs["shape"]) == 0:
+            # torch's from_local takes an empty ``shape=`` for "not given" and then cannot infer a
+            # ragged global shape: a 0-d ragged DTensor gets its spec built here
+            assert device_mesh is not None
+            meta = TensorMeta(torch.Size(()), (), local_tensor.dtype)
+            spec = DTensorSpec(device_mesh, tuple(placements), tensor_meta=meta)
+            return DTensor(local_tensor, spec, requires_grad=local_tensor.requires_grad)  # type: ignore[no-untyped-call]
     return _ORIGINAL_FROM_LOCAL(local_tensor, device_mesh, placements, **kwargs)
 
 
@@ -296,7 +304,3 @@ def install() -> None:
 def hooks_installed() -> dict[str, bool]:
     """Which hooks are in place (tests assert all of them)."""
     return dict(_INSTALLED)
-
-
-def replicate_like(placements: Sequence[Placement]) -> tuple[Placement, ...]:
-    return tuple(Replicate() for _ in placements)
