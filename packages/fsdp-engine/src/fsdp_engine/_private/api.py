@@ -207,11 +207,14 @@ class FSDPModule:
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
-        """Accepted for FSDP2 compatibility. fsdp_engine always reduces every trainable
-        parameter of a group, unused ones as zeros ([Note: conditional compute]), so ranks that
-        use different parameters never issue mismatched collectives; ``False`` cannot turn that
-        off."""
-        self._states(recurse)
+        """fsdp_engine always reduces every trainable parameter of a group, unused ones as zeros
+        ([Note: conditional compute]), so ranks that use different parameters never issue
+        mismatched collectives, whatever this says. ``True`` also keeps a ``.grad`` (zeros) on
+        parameters no rank used, like FSDP2's option; ``False`` (default) drops those
+        ([Note: gradient presence])."""
+        for state in self._states(recurse):
+            for group in state.groups:
+                group.keep_unused_grads = reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True

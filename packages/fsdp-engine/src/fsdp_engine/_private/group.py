@@ -250,6 +250,7 @@ class ParamGroup:
         self.custom_all_gather: Any = None
         self.custom_reduce_scatter: Any = None
         self.force_sum_reduction = False
+        self.keep_unused_grads = False  # set_reduce_scatter_unused_params(True)
         self.conversion_incomplete: list[str] | None = None
         self.register_sharded()
 
@@ -264,6 +265,7 @@ class ParamGroup:
             self.mp_policy.reduce_dtype if floating else None
         ) or self.compute_dtype
         self._unsharded: dict[torch.dtype, list[nn.Parameter]] = {}
+        self._hooked: list[bool] = []
         # [Note: gradient storage lifetimes]
         # Unsharded gradients (compute dtype) live only from pre-backward to their reduction.
         # Sharded gradients (parameter dtype) live from the first reduction until every sharded
@@ -281,6 +283,10 @@ class ParamGroup:
         self.pending = False  # unsharded gradients written by autograd, not yet reduced
         self.accum_pending = False  # gradients held in ``accum``, not yet reduced
         self._hooks_due = False
+        # [Note: gradient presence] which trainable parameters got a gradient on this rank since
+        # the last reduction (full path: set by a post-accumulate hook on the unsharded ones)
+        self._used = [False] * len(self.refs)
+        self._presence_due: list[bool] | None = None  # after the reduction: had a .grad before
 
     # -- geometry helpers ---------------------------------------------------------------------
     @property
@@ -351,17 +357,34 @@ class ParamGroup:
                 nn.Parameter(self._unsharded_view(i, v), requires_grad=p.requires_grad)
                 for i, (v, p) in enumerate(zip(views, self.sharded, strict=True))
             ]
+            self._hooked = [False] * len(params)
             self._unsharded[self.compute_dtype] = params
+            for i, param in enumerate(params):
+                self._hook_used(i, param)
         return params
+
+    def _hook_used(self, i: int, param: nn.Parameter) -> None:
+        """Note that parameter ``i`` got a gradient on this rank (autograd accumulated into its
+        unsharded view); hooks exist only on tensors that require grad."""
+        if self._hooked[i] or not param.requires_grad:
+            return
+
+        def hook(_: torch.Tensor) -> None:
+            self._used[i] = True
+
+        param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+        self._hooked[i] = True
 
     def register_sharded(self) -> None:
         for ref, param in zip(self.refs, self.sharded, strict=True):
             ref.register(param)
 
     def register_unsharded(self) -> None:
-        for ref, sharded, param in zip(self.refs, self.sharded, self.unsharded_params(), strict=True):
+        params = self.unsharded_params()
+        for i, (ref, sharded, param) in enumerate(zip(self.refs, self.sharded, params, strict=True)):
             if param.requires_grad != sharded.requires_grad:  # frozen/unfrozen since last time
                 param.requires_grad_(sharded.requires_grad)
+                self._hook_used(i, param)
             ref.register(param)
 
     def meta_indices(self) -> list[int]:
@@ -673,6 +696,8 @@ class ParamGroup:
         reduction = self._reduction_for(self.trainable())
         if reduction.kind == "none" or self.pending:
             return
+        if not self.accum_pending:
+            self._used = [False] * len(self.refs)
         if reduction.kind == "full":
             self.unsharded_grads.alloc_unsharded(zero=True)
             views = self.unsharded_grads.full_views()
@@ -731,6 +756,8 @@ class ParamGroup:
                 for rank, pieces in enumerate(reduction.pieces):
                     for i, start, length, dst in pieces:
                         grad = self.unsharded_params()[i].grad
+                        if grad is not None:
+                            self._used[i] = True
                         if grad is None or not length:
                             continue
                         local = grad._local_tensor if isinstance(grad, DTensor) else grad
@@ -805,8 +832,10 @@ class ParamGroup:
         for param, view in zip(self.sharded, views, strict=True):
             if view is not None:
                 param.grad = view
+        self._presence_due = [g is not None for g in existing]
         self._hooks_due = True
         if self.reduce_handle is None:
+            self._resolve_presence()
             self._run_post_accumulate_hooks()
 
     def _reduce_locally(self, source: DBuffer, grads: DBuffer, *, accumulate: bool) -> None:
@@ -885,6 +914,33 @@ class ParamGroup:
             self.grads, self._grad_views = grads, views
         return self._grad_views
 
+    def _resolve_presence(self) -> None:
+        """[Note: gradient presence]
+        Every trainable parameter is reduced (zeros where a rank did not use it), so values are
+        right whatever each rank's data did. Which parameters keep a ``.grad`` follows one
+        process's autograd: a parameter that no rank used has none (``None``, as FSDP2 and DDP
+        give, so optimizers skip it), one used anywhere has the reduced gradient. A rank knows
+        it used a parameter, or sees another rank's use as a nonzero value in its reduced
+        share; a parameter it did not use whose reduced share is exactly zero is taken as
+        unused (the only case a rank cannot tell apart from "no rank used it" without an extra
+        collective). ``set_reduce_scatter_unused_params(True)`` keeps every ``.grad`` instead.
+        One host read per group, only when some parameter had no gradient on this rank."""
+        had = self._presence_due
+        self._presence_due = None
+        if had is None or self.keep_unused_grads:
+            return
+        unknown = [
+            i
+            for i, p in enumerate(self.sharded)
+            if p.grad is not None and not had[i] and not self._used[i]
+        ]
+        if not unknown:
+            return
+        flags = torch.stack([self.sharded[i].grad._local_tensor.ne(0).any() for i in unknown])
+        for i, nonzero in zip(unknown, flags.tolist(), strict=True):
+            if not nonzero:
+                self.sharded[i].grad = None
+
     def _run_post_accumulate_hooks(self) -> None:
         """Hooks registered on the sharded parameters (``register_post_accumulate_grad_hook``,
         e.g. an optimizer step in backward) run once their reduced gradient is ready."""
@@ -909,6 +965,7 @@ class ParamGroup:
         if self.reduce_handle is not None:
             self.reduce_handle.wait()
             self.reduce_handle = None
+        self._resolve_presence()
         self._run_post_accumulate_hooks()
 
     def discard_iteration(self) -> None:
@@ -924,6 +981,7 @@ class ParamGroup:
         if self.accum is not None:
             self.accum.reshard()
         self.pending = self.accum_pending = self._hooks_due = False
+        self._presence_due = None
         self.reshard()
 
 
