@@ -18,6 +18,7 @@ Each is checked at import; ``compat_status()`` reports what is in use.
 
 from __future__ import annotations
 
+import importlib
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -67,8 +68,8 @@ _STATUS["post_backward_function"] = "torch" if _TORCH_POST_BACKWARD is not None 
 
 
 def _registry_tools() -> tuple[Any, Any] | None:
-    try:
-        from torch.distributed._composable import contract
+    try:  # the module (the package re-exports a function of the same name)
+        contract = importlib.import_module("torch.distributed._composable.contract")
     except ImportError:  # pragma: no cover
         return None
     key = getattr(contract, "REGISTRY_KEY", None)

@@ -361,6 +361,9 @@ class FSDPState:
                 state.post_backward()  # inputs that need no gradient: no autograd post-backward
             state.training_state = TrainingState.IDLE
             state._modules_to_run.clear()
+            for group in state.groups:
+                if group.unshard_handle is not None and group.state is ShardState.SHARDED:
+                    group.reshard()  # a prefetch nobody used (a mistargeted backward prefetch)
         if ctx.is_last_backward:
             for state in ctx.all_states:
                 for group in state.groups:

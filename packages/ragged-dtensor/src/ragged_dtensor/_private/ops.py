@@ -162,6 +162,22 @@ def _align_operands(
     return ref, out, moved
 
 
+def _plain_entry(op: torch._ops.OpOverload, group: Sequence[object]) -> DTensorSpec | None:
+    """The spec of a foreach entry none of whose operands is ragged: its DTensor operands must
+    share one placement (the result keeps it); None when it has no DTensor operand."""
+    specs = [s for s in group if isinstance(s, DTensorSpec)]
+    if not specs:
+        return None
+    first = specs[0]
+    for spec in specs[1:]:
+        if spec.placements != first.placements and spec.shape.numel() != 1:
+            raise RaggedOpError(
+                f"{op}: a foreach entry without a ragged operand mixes placements "
+                f"{first.placements} and {spec.placements}"
+            )
+    return first
+
+
 def _elementwise(schema: OpSchema, meta: object) -> OutputSharding:
     op = schema.op
     args = list(schema.args_schema)
@@ -184,6 +200,10 @@ def _elementwise(schema: OpSchema, meta: object) -> OutputSharding:
         for j in range(length):
             group = [args[i][j] for i in lists]  # type: ignore[index]
             ref, aligned, moved = _align_operands(op, group)
+            if ref is None:
+                # an entry with no ragged operand (e.g. a replicated parameter in the same
+                # optimizer list): elementwise on operands that share one placement
+                ref = _plain_entry(op, group)
             moved_any |= moved
             refs.append(ref)
             for i, value in zip(lists, aligned, strict=True):
@@ -198,7 +218,7 @@ def _elementwise(schema: OpSchema, meta: object) -> OutputSharding:
             for ref, m in zip(refs, meta, strict=True):
                 if ref is None:
                     raise _error(op, _first_ragged(schema), "mixed ragged/non-ragged foreach lists")
-                specs.append(_with_meta(ref, ref.placements, m))
+                specs.append(_with_meta(ref, ref.placements, m) if m is not None else None)
             out_spec = specs
     else:
         positions = [i for i, a in enumerate(args) if isinstance(a, DTensorSpec)]
