@@ -209,12 +209,13 @@ class FSDPModule:
     ) -> None:
         """fsdp_engine always reduces every trainable parameter of a group, unused ones as zeros
         ([Note: conditional compute]), so ranks that use different parameters never issue
-        mismatched collectives, whatever this says. ``True`` also keeps a ``.grad`` (zeros) on
-        parameters no rank used, like FSDP2's option; ``False`` (default) drops those
-        ([Note: gradient presence])."""
+        mismatched collectives, whatever this says; every trainable parameter of a reduced
+        group keeps a ``.grad`` (``True``, the engine's default). ``False``: parameters no rank
+        used lose their ``.grad`` (as with one process, or DDP's ``find_unused_parameters``),
+        at the cost of one small all-reduce per backward ([Note: gradient presence])."""
         for state in self._states(recurse):
             for group in state.groups:
-                group.keep_unused_grads = reduce_scatter_unused_params
+                group.exact_presence = not reduce_scatter_unused_params
 
     def set_reduce_scatter_max_input_buffers(
         self, max_input_buffers: int, *, recurse: bool = True

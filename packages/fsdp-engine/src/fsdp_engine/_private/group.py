@@ -250,7 +250,9 @@ class ParamGroup:
         self.custom_all_gather: Any = None
         self.custom_reduce_scatter: Any = None
         self.force_sum_reduction = False
-        self.keep_unused_grads = False  # set_reduce_scatter_unused_params(True)
+        # set_reduce_scatter_unused_params(False): drop the .grad of parameters no rank used,
+        # decided with one small all-reduce per backward ([Note: gradient presence])
+        self.exact_presence = False
         self.conversion_incomplete: list[str] | None = None
         self.register_sharded()
 
@@ -364,9 +366,9 @@ class ParamGroup:
         return params
 
     def _hook_used(self, i: int, param: nn.Parameter) -> None:
-        """Note that parameter ``i`` got a gradient on this rank (autograd accumulated into its
-        unsharded view); hooks exist only on tensors that require grad."""
-        if self._hooked[i] or not param.requires_grad:
+        """Exact presence only: note that parameter ``i`` got a gradient on this rank (autograd
+        accumulated into its unsharded view); hooks exist only on tensors that require grad."""
+        if not self.exact_presence or self._hooked[i] or not param.requires_grad:
             return
 
         def hook(_: torch.Tensor) -> None:
@@ -384,7 +386,7 @@ class ParamGroup:
         for i, (ref, sharded, param) in enumerate(zip(self.refs, self.sharded, params, strict=True)):
             if param.requires_grad != sharded.requires_grad:  # frozen/unfrozen since last time
                 param.requires_grad_(sharded.requires_grad)
-                self._hook_used(i, param)
+            self._hook_used(i, param)
             ref.register(param)
 
     def meta_indices(self) -> list[int]:
@@ -832,10 +834,10 @@ class ParamGroup:
         for param, view in zip(self.sharded, views, strict=True):
             if view is not None:
                 param.grad = view
-        self._presence_due = [g is not None for g in existing]
+        if self.exact_presence:
+            self._presence_due = [g is not None for g in existing]
         self._hooks_due = True
         if self.reduce_handle is None:
-            self._resolve_presence()
             self._run_post_accumulate_hooks()
 
     def _reduce_locally(self, source: DBuffer, grads: DBuffer, *, accumulate: bool) -> None:
@@ -914,38 +916,37 @@ class ParamGroup:
             self.grads, self._grad_views = grads, views
         return self._grad_views
 
-    def _resolve_presence(self) -> None:
+    def presence_flags(self) -> torch.Tensor | None:
+        """Exact presence, before the all-reduce: 1 for each parameter this rank used (or that
+        already had a ``.grad``), 0 otherwise; None when no reduction awaits its presence."""
+        had = self._presence_due
+        if had is None:
+            return None
+        used = [float(u or h) for u, h in zip(self._used, had, strict=True)]
+        return torch.tensor(used, dtype=torch.float32, device=self.params.device)
+
+    def apply_presence(self, used_anywhere: torch.Tensor) -> None:
         """[Note: gradient presence]
         Every trainable parameter is reduced (zeros where a rank did not use it), so values are
-        right whatever each rank's data did. Which parameters keep a ``.grad`` follows one
-        process's autograd: a parameter that no rank used has none (``None``, as FSDP2 and DDP
-        give, so optimizers skip it), one used anywhere has the reduced gradient. A rank knows
-        it used a parameter, or sees another rank's use as a nonzero value in its reduced
-        share; a parameter it did not use whose reduced share is exactly zero is taken as
-        unused (the only case a rank cannot tell apart from "no rank used it" without an extra
-        collective). ``set_reduce_scatter_unused_params(True)`` keeps every ``.grad`` instead.
-        One host read per group, only when some parameter had no gradient on this rank."""
-        had = self._presence_due
+        right whatever each rank's data did, and by default every trainable parameter of a
+        reduced group keeps a ``.grad``: the same presence on every rank by construction
+        (FSDP2's ``set_reduce_scatter_unused_params(True)``). A parameter no rank used then has
+        a zero gradient where one process would have none. With
+        ``set_reduce_scatter_unused_params(False)`` the engine tells the two apart like DDP's
+        ``find_unused_parameters``: the ranks' used-flags are summed by one small all-reduce
+        per backward (``used_anywhere``) and parameters no rank used lose their ``.grad``."""
         self._presence_due = None
-        if had is None or self.keep_unused_grads:
-            return
-        unknown = [
-            i
-            for i, p in enumerate(self.sharded)
-            if p.grad is not None and not had[i] and not self._used[i]
-        ]
-        if not unknown:
-            return
-        flags = torch.stack([self.sharded[i].grad._local_tensor.ne(0).any() for i in unknown])
-        for i, nonzero in zip(unknown, flags.tolist(), strict=True):
-            if not nonzero:
-                self.sharded[i].grad = None
+        for param, flag in zip(self.sharded, used_anywhere.tolist(), strict=True):
+            if not flag:
+                param.grad = None
+        if self.reduce_handle is None:  # else wait_for_reduce runs them
+            self._run_post_accumulate_hooks()
 
     def _run_post_accumulate_hooks(self) -> None:
         """Hooks registered on the sharded parameters (``register_post_accumulate_grad_hook``,
         e.g. an optimizer step in backward) run once their reduced gradient is ready."""
-        if not self._hooks_due:
-            return
+        if not self._hooks_due or self._presence_due is not None:
+            return  # exact presence: the hooks wait for it (see apply_presence)
         self._hooks_due = False
         for param in self.sharded:
             hooks = getattr(param, "_post_accumulate_grad_hooks", None)
@@ -965,7 +966,6 @@ class ParamGroup:
         if self.reduce_handle is not None:
             self.reduce_handle.wait()
             self.reduce_handle = None
-        self._resolve_presence()
         self._run_post_accumulate_hooks()
 
     def discard_iteration(self) -> None:

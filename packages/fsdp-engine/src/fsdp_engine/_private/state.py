@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
@@ -364,6 +365,7 @@ class FSDPState:
             for group in state.groups:
                 if group.unshard_handle is not None and group.state is ShardState.SHARDED:
                     group.reshard()  # a prefetch nobody used (a mistargeted backward prefetch)
+        _resolve_presence([g for state in ctx.all_states for g in state.groups])
         if ctx.is_last_backward:
             for state in ctx.all_states:
                 for group in state.groups:
@@ -389,6 +391,27 @@ class FSDPState:
         ctx.iter_forward_root = None
         ctx.final_callback_queued = False
         ctx.last_reduced = None
+
+
+def _resolve_presence(groups: Sequence[ParamGroup]) -> None:
+    """Exact gradient presence ([Note: gradient presence] in group.py): one all-reduce of
+    every waiting group's used-flags per mesh (per mesh axis), in a fixed order. Every rank
+    takes part: a group's presence is due on every rank or none (it follows its reduction)."""
+    by_mesh: dict[int, list[tuple[ParamGroup, torch.Tensor]]] = {}
+    for group in groups:
+        flags = group.presence_flags()
+        if flags is not None:
+            by_mesh.setdefault(id(group.mesh), []).append((group, flags))
+    for entries in by_mesh.values():
+        mesh = entries[0][0].mesh
+        total = torch.cat([flags for _, flags in entries])
+        for axis in range(mesh.ndim):
+            if mesh.size(axis) > 1:
+                dist.all_reduce(total, group=mesh.get_group(axis))
+        offset = 0
+        for group, flags in entries:
+            group.apply_presence(total[offset : offset + flags.numel()])
+            offset += flags.numel()
 
 
 def _grad_tensors(output: Any) -> list[torch.Tensor]:
