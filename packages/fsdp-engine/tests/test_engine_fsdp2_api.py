@@ -280,7 +280,7 @@ def test_reset_iter_state_recovers_after_an_exception_in_forward() -> None:
     assert all(run_threaded(_reset, 2))
 
 
-def _unused(rank: int, world: int, keep: bool) -> dict[str, bool]:
+def _unused(rank: int, world: int, keep: bool | None) -> Any:
     class Two(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -292,22 +292,37 @@ def _unused(rank: int, world: int, keep: bool) -> dict[str, bool]:
 
     model = make(Two)
     engine("ours").fully_shard(model)
-    model.set_reduce_scatter_unused_params(keep)  # type: ignore[operator]
-    model(data(rank)).sum().backward()
-    return {n: p.grad is not None for n, p in model.named_parameters()}
+    if keep is not None:
+        model.set_reduce_scatter_unused_params(keep)  # type: ignore[operator]
+    with counting() as counts:
+        model(data(rank)).sum().backward()
+    zeros = all(
+        bool((p.grad.to_local() == 0).all())
+        for n, p in model.named_parameters()
+        if n.startswith("unused") and p.grad is not None
+    )
+    return {n: p.grad is not None for n, p in model.named_parameters()}, dict(counts), zeros
 
 
-def test_parameters_no_rank_used_get_no_gradient_unless_asked() -> None:
-    """Like FSDP2 and one process, a parameter no rank used has no ``.grad``;
-    ``set_reduce_scatter_unused_params(True)`` keeps a zero one (FSDP2's conditional-compute
-    option). Either way the reduction covered it (fsdp_engine never hangs on unused ones)."""
-    assert run_threaded(_unused, 2, False)[0] == {
+def test_parameters_no_rank_used_keep_a_zero_gradient_unless_asked() -> None:
+    """The reduction always covers every trainable parameter (a rank that did not use one sends
+    zeros, so fsdp_engine never hangs on conditional compute). By default every trainable
+    parameter then keeps a ``.grad`` (zeros if no rank used it: the same presence on every
+    rank by construction, FSDP2's ``set_reduce_scatter_unused_params(True)``);
+    ``set_reduce_scatter_unused_params(False)`` gives one process's presence (None for
+    parameters no rank used) for one small all-reduce per backward."""
+    for keep in (None, True):
+        presence, counts, zeros = run_threaded(_unused, 2, keep)[0]
+        assert all(presence.values()) and zeros, presence
+        assert "all_reduce" not in counts, counts
+    presence, counts, _ = run_threaded(_unused, 2, False)[0]
+    assert presence == {
         "used.weight": True,
         "used.bias": True,
         "unused.weight": False,
         "unused.bias": False,
     }
-    assert all(run_threaded(_unused, 2, True)[0].values())
+    assert counts.get("all_reduce") == 1, counts
 
 
 def _replicated(rank: int, world: int, impl: str) -> Any:

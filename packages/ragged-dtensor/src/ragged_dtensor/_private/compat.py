@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -138,7 +139,11 @@ def _padded_view(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec)
     assert isinstance(placement, RaggedPaddedView)
     xs = x_shape(tuple(current.shape), current.mesh, current.placements)
     flat = placement.flat_range(xs, current.mesh.get_local_rank(axis))
-    full = torch.full(xs, placement.fill, dtype=local.dtype, device=local.device)
+    fill = placement.fill
+    if not local.dtype.is_floating_point and math.isinf(fill):  # integers: their extremes
+        info = torch.iinfo(local.dtype) if local.dtype != torch.bool else None
+        fill = (info.max if fill > 0 else info.min) if info is not None else float(fill > 0)
+    full = torch.full(xs, fill, dtype=local.dtype, device=local.device)
     full.view(-1)[flat.start : flat.stop] = local.reshape(-1)
     return full
 
@@ -320,7 +325,8 @@ def _install_random() -> None:
     random_ops = dispatcher._random_ops
 
     def slow_path(op_call: torch._ops.OpOverload, args: tuple[object, ...], op_info: Any) -> Any:
-        if op_call in random_ops and ragged_random.is_ragged_random(op_call, args):
+        random = op_call in random_ops or op_call in ops.RANDOM_OPS
+        if random and ragged_random.is_ragged_random(op_call, args):
             return ragged_random.ragged_random_op(op_call, args, op_info, _cut_share)
         return original(op_call, args, op_info)
 

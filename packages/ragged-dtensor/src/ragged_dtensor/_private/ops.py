@@ -8,7 +8,11 @@ element by element (or on whole-tensor reductions that combine across ranks). We
   one layout; a Replicate operand of the same shape is sliced to it (no communication), a Replicate
   scalar passes through;
 - ``sum`` over all elements -> Partial(sum); ``linalg_vector_norm`` / ``_foreach_norm`` over all
-  elements -> the p-norm partial torch uses for Shard, so ``clip_grad_norm_`` works unchanged.
+  elements -> the p-norm partial torch uses for Shard, so ``clip_grad_norm_`` works unchanged;
+  ``any``/``all``/``prod``/``max``/``min`` over all elements -> the matching Partial;
+- reductions over some dims (sum, mean, p-norms, amax, amin): a share of whole dim-0 slices
+  stays ragged over the kept rows (no communication); any other share is reduced padded to the
+  full shape into a Partial result (``_padded_partial``).
 Everything else (views, slicing, transposes, matmuls, reductions over some dims, means of uneven
 shares...) raises ``RaggedOpError`` naming the op and the placement, instead of returning wrong
 values.
@@ -64,16 +68,19 @@ _ELEMENTWISE_EXTRA = {
     aten.ones_like.default,
     aten.empty_like.default,
     aten.full_like.default,
-    aten.uniform_.default,
-    aten.normal_.default,
-    aten.bernoulli_.float,
     aten.to.dtype,
-    # random factories shaped like their input (values: see random.py)
-    aten.rand_like.default,
-    aten.randn_like.default,
-    aten.randint_like.default,
-    aten.randint_like.low_dtype,
 }
+# random ops: elementwise in layout; their values come from random.py, which dispatch reaches
+# only through its slow path (``_random_rule`` asks for it)
+_RANDOM_LIKE = {
+    op
+    for packet in (aten.rand_like, aten.randn_like, aten.randint_like)
+    for name in packet.overloads()
+    if not name.endswith("out") and "Tensor" not in name
+    for op in [getattr(packet, name)]
+}
+_RANDOM_FILLS = {aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float}
+RANDOM_OPS = _RANDOM_LIKE | _RANDOM_FILLS
 _FOREACH_REDUCTIONS = ("aten::_foreach_norm", "aten::_foreach_max")
 
 
@@ -374,11 +381,13 @@ def _partial_for(op: torch._ops.OpOverload, schema: OpSchema) -> tuple[float, Pl
             raise _error(op, _first_ragged(schema), f"a norm of order {ord_} over some dims")
         # padding must not change the result: +inf for the min-abs "norm", 0 otherwise
         return (math.inf if value == -math.inf else 0.0), _norm_partial(ord_)
-    if op is aten.amax.default:
+    if op in (aten.amax.default, aten.max.default):
         return float("-inf"), Partial("max")
-    if op is aten.amin.default:
+    if op in (aten.amin.default, aten.min.default):
         return float("inf"), Partial("min")
-    return 0.0, Partial("sum")  # sum, mean (each rank's sum / the full count)
+    if op in (aten.all.default, aten.prod.default):
+        return 1.0, Partial("product")
+    return 0.0, Partial("sum")  # sum, mean (each rank's sum / the full count), any
 
 
 def _padded_partial(
@@ -415,6 +424,25 @@ def _padded_partial(
     )
 
 
+# whole-tensor reductions, combined across ranks like torch combines Shard partials
+_WHOLE_REDUCTIONS = {
+    aten.any.default: "sum",
+    aten.all.default: "product",
+    aten.prod.default: "product",
+    aten.max.default: "max",
+    aten.min.default: "min",
+}
+
+
+def _padded_whole(schema: OpSchema, spec: DTensorSpec, meta: object) -> OutputSharding:
+    axes = [a for a, p in enumerate(spec.placements) if isinstance(p, RaggedShard)]
+    if not all(p.is_replicate() for a, p in enumerate(spec.placements) if a not in axes):
+        raise _error(schema.op, spec, "a whole-tensor reduction needs the other mesh axes replicated")
+    placement = spec.placements[axes[0]]
+    assert isinstance(placement, RaggedShard)
+    return _padded_partial(schema, spec, axes[0], placement, meta)
+
+
 def _reduction(schema: OpSchema, meta: object) -> OutputSharding | None:
     op = schema.op
     args = schema.args_schema
@@ -436,9 +464,18 @@ def _reduction(schema: OpSchema, meta: object) -> OutputSharding | None:
         ord_ = args[1] if len(args) > 1 else schema.kwargs_schema.get("ord", 2)
         dim = args[2] if len(args) > 2 else schema.kwargs_schema.get("dim")
         if _covers_all_dims(dim, spec.ndim):
+            if abs(float(ord_)) == math.inf:  # type: ignore[arg-type]
+                return _padded_whole(schema, spec, meta)  # no identity: an empty share fails
             placements = _reduced_placements(spec, lambda: _norm_partial(ord_))
             return OutputSharding(_with_meta(spec, placements, meta))
         raise _error(op, spec, f"norm over dims {dim} of a flat ragged share is not supported")
+    if op in _WHOLE_REDUCTIONS or (
+        op in (aten.amax.default, aten.amin.default)
+        and _covers_all_dims(_arg(schema, 1, "dim", None) or None, args[0].ndim)  # type: ignore[union-attr]
+    ):
+        spec = args[0]
+        assert isinstance(spec, DTensorSpec)
+        return _padded_whole(schema, spec, meta)
     if _op_name(op) == "aten::_foreach_norm":
         specs = args[0]
         assert isinstance(specs, list | tuple)
@@ -501,6 +538,19 @@ def _shape_arg_op(
     )
 
 
+def _random_rule(schema: OpSchema, meta: object) -> OutputSharding | None:
+    """A random op keeps its operand's layout; asking for a (no-op) redistribution sends
+    dispatch through its Python slow path, where random.py draws the values."""
+    if schema.op not in RANDOM_OPS:
+        return None
+    result = _elementwise(schema, meta)
+    return OutputSharding(
+        result.output_spec,
+        redistribute_schema=result.redistribute_schema or schema,
+        needs_redistribute=True,
+    )
+
+
 def propagate_ragged(
     schema: OpSchema,
     tensor_meta: Callable[[OpSchema], Any],
@@ -515,7 +565,8 @@ def propagate_ragged(
     op = schema.op
     meta = tensor_meta(schema)
     rules: tuple[Callable[[], OutputSharding | None], ...] = (
-        lambda: _rowwise(schema, meta, x_shape_of),  # first: it owns partial-dim reductions
+        lambda: _random_rule(schema, meta),
+        lambda: _rowwise(schema, meta, x_shape_of),  # it owns partial-dim reductions
         lambda: _reduction(schema, meta),
         lambda: _shape_arg_op(schema, meta, local_numel),
     )

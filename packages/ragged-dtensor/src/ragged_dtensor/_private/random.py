@@ -28,19 +28,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.utils import _pytree as pytree
 
-from ragged_dtensor._private.ops import RaggedOpError, has_ragged
+from ragged_dtensor._private.ops import RANDOM_OPS, RaggedOpError, has_ragged
 
 __all__ = ["LIKE_OPS", "ragged_random_op"]
 
 aten = torch.ops.aten
 
 INPLACE_OPS = {aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float}
-LIKE_OPS = {
-    aten.rand_like.default,
-    aten.randn_like.default,
-    aten.randint_like.default,
-    aten.randint_like.low_dtype,
-}
+LIKE_OPS = RANDOM_OPS - INPLACE_OPS
 
 Cut = Callable[[torch.Tensor, DTensorSpec], torch.Tensor]
 
