@@ -142,7 +142,12 @@ def _reference_grads(
         model.zero_grad(set_to_none=True)
         for m in range(micro):
             _loss(model, _batch(case, r, world, step, m), micro).backward()
-        per_rank.append({n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()})
+        per_rank.append(
+            {
+                n: (p.grad.clone() if p.grad is not None else None)
+                for n, p in model.named_parameters()
+            }
+        )
     out: dict[str, torch.Tensor | None] = {}
     for name, param in model.named_parameters():
         grads = [g[name] for g in per_rank]

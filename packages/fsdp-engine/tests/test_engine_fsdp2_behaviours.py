@@ -323,7 +323,9 @@ def _abs_terms(rank: int, world: int, forwards: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("how", ["non_reentrant", "reentrant", "wrapper", "composable"])
 @pytest.mark.parametrize("forwards", [1, 2])
-def test_activation_checkpointing_recompute_sees_unsharded_parameters(how: str, forwards: int) -> None:
+def test_activation_checkpointing_recompute_sees_unsharded_parameters(
+    how: str, forwards: int
+) -> None:
     """Recompute inside backward (torch.utils.checkpoint reentrant or not, checkpoint_wrapper,
     composable checkpoint), with fully_shard modules nested inside the checkpointed block and
     one or two forwards before backward: every gradient equals the run without checkpointing,
@@ -444,7 +446,9 @@ def _mixed(rank: int, world: int) -> dict[str, Any]:
             super().__init__()
             self.lin = nn.Linear(8, 8)
             self.table = nn.Parameter(torch.randn(16, 8).to(torch.float16), requires_grad=False)
-            self.codes = nn.Parameter(torch.zeros(32, 8, dtype=torch.float8_e4m3fn), requires_grad=False)
+            self.codes = nn.Parameter(
+                torch.zeros(32, 8, dtype=torch.float8_e4m3fn), requires_grad=False
+            )
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.lin(x) + self.table[:4].float() + self.codes[:4].float()
@@ -552,4 +556,3 @@ def test_parameters_assigned_after_fully_shard_are_adopted(how: str) -> None:
         for name in p2:
             assert torch.equal(p1[name], p2[name]), name
             assert torch.equal(g1[name], g2[name]), name  # type: ignore[arg-type]
-

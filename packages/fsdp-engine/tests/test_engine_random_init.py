@@ -44,7 +44,10 @@ class _Net(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(11, 5)
         self.conv = nn.Conv1d(5, 5, 3, padding=1)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(5), nn.Linear(5, 9), nn.GELU(), nn.Linear(9, 5)) for _ in range(2))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(5), nn.Linear(5, 9), nn.GELU(), nn.Linear(9, 5))
+            for _ in range(2)
+        )
         self.head = _Scaled()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

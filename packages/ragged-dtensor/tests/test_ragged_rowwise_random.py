@@ -32,16 +32,48 @@ def _gamma(n: int) -> float:
 
 # (name, op, exact?, bound scale): the bound is 2 * gamma_n * scale(x) with n the number of
 # reduced elements per output
-Case = tuple[str, Callable[[torch.Tensor], torch.Tensor], bool, Callable[[torch.Tensor], torch.Tensor]]
+Case = tuple[
+    str, Callable[[torch.Tensor], torch.Tensor], bool, Callable[[torch.Tensor], torch.Tensor]
+]
 CASES: list[Case] = [
     ("sum dim 1", lambda t: t.sum(dim=1), False, lambda x: x.abs().sum(dim=1)),
     ("sum dim 0", lambda t: t.sum(dim=0), False, lambda x: x.abs().sum(dim=0)),
-    ("mean dim 1 keepdim", lambda t: t.mean(dim=1, keepdim=True), False, lambda x: x.abs().mean(dim=1, keepdim=True)),
-    ("2-norm dim 1", lambda t: torch.linalg.norm(t, dim=1), False, lambda x: torch.linalg.norm(x, dim=1)),
-    ("1-norm dim 0", lambda t: torch.linalg.vector_norm(t, 1, dim=0), False, lambda x: x.abs().sum(dim=0)),
-    ("3-norm dim 1", lambda t: torch.linalg.vector_norm(t, 3, dim=1), False, lambda x: torch.linalg.vector_norm(x, 3, dim=1)),
-    ("inf-norm dim 1", lambda t: torch.linalg.vector_norm(t, float("inf"), dim=1), True, lambda x: x),
-    ("-inf-norm dim 1", lambda t: torch.linalg.vector_norm(t, float("-inf"), dim=1), True, lambda x: x),
+    (
+        "mean dim 1 keepdim",
+        lambda t: t.mean(dim=1, keepdim=True),
+        False,
+        lambda x: x.abs().mean(dim=1, keepdim=True),
+    ),
+    (
+        "2-norm dim 1",
+        lambda t: torch.linalg.norm(t, dim=1),
+        False,
+        lambda x: torch.linalg.norm(x, dim=1),
+    ),
+    (
+        "1-norm dim 0",
+        lambda t: torch.linalg.vector_norm(t, 1, dim=0),
+        False,
+        lambda x: x.abs().sum(dim=0),
+    ),
+    (
+        "3-norm dim 1",
+        lambda t: torch.linalg.vector_norm(t, 3, dim=1),
+        False,
+        lambda x: torch.linalg.vector_norm(x, 3, dim=1),
+    ),
+    (
+        "inf-norm dim 1",
+        lambda t: torch.linalg.vector_norm(t, float("inf"), dim=1),
+        True,
+        lambda x: x,
+    ),
+    (
+        "-inf-norm dim 1",
+        lambda t: torch.linalg.vector_norm(t, float("-inf"), dim=1),
+        True,
+        lambda x: x,
+    ),
     ("0-norm dim 1", lambda t: torch.linalg.vector_norm(t, 0, dim=1), True, lambda x: x),
     ("amax dim 1", lambda t: t.amax(dim=1), True, lambda x: x),
     ("amin dim 0", lambda t: t.amin(dim=0), True, lambda x: x),
@@ -99,7 +131,12 @@ def _placements_body(rank: int, world: int) -> list[str]:
 
 def test_partial_placements_are_torchs() -> None:
     got = run_threaded(_placements_body, 2)[0]
-    assert got == ["_NormPartial(2.0)", repr(Partial("sum")), repr(Partial("max")), repr(Partial("max"))]
+    assert got == [
+        "_NormPartial(2.0)",
+        repr(Partial("sum")),
+        repr(Partial("max")),
+        repr(Partial("max")),
+    ]
 
 
 def _random_body(rank: int, world: int, placement: RaggedShard) -> list[str]:

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard
 
 from dbuffer import LayoutMismatchError
+from fsdp_engine._private.compat import mark_fully_sharded
 from fsdp_engine._private.group import ParamGroup, ParamRef
 from fsdp_engine._private.policy import (
     BlockPolicy,
@@ -25,7 +26,6 @@ from fsdp_engine._private.policy import (
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
-from fsdp_engine._private.compat import mark_fully_sharded
 from fsdp_engine._private.state import STATE_ATTR, FSDPState, get_state
 from shard_planner import METHODS as PLANNER_METHODS
 from shard_planner import Plan
@@ -71,7 +71,7 @@ class FSDPModule:
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # A container's slicing (``layers[1:]``) builds ``type(self)(...)``: build the original
         # class, like FSDP2 (the new container is not a fully_shard module).
-        orig = cls.__mro__[2]
+        orig: Any = cls.__mro__[2]
         self = orig.__new__(orig)
         self.__init__(*args, **kwargs)
         return self
@@ -154,9 +154,7 @@ class FSDPModule:
         for state in self._states(recurse):
             state.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(
-        self, reshard_after_forward: bool, recurse: bool = True
-    ) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` at runtime (e.g. ``True`` on the root, or ``False``
         for evaluation). Explicit, so it also applies to the root."""
         if not isinstance(reshard_after_forward, bool):
@@ -274,7 +272,9 @@ class FSDPModule:
                     "with set_custom_all_gather / set_custom_reduce_scatter"
                 )
 
-    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
         raise NotImplementedError(
             "set_separate_reduce_scatter_group: fsdp_engine runs its all-gathers and "
             "reduce-scatters on the mesh's process groups"

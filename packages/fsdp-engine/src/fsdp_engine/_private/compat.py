@@ -41,12 +41,12 @@ class _OwnPostBackward(torch.autograd.Function):
     """Identity on the forward inputs; its backward runs ``state.post_backward()``."""
 
     @staticmethod
-    def forward(ctx: Any, state: Any, *inputs: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, state: Any, *inputs: torch.Tensor) -> Any:
         ctx.param_group = state
         return inputs
 
     @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Any) -> Any:
         ctx.param_group.post_backward()
         return (None, *grads)
 

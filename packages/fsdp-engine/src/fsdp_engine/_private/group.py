@@ -131,7 +131,9 @@ def build_plan(
     return plan(specs, world, _align_elements(dtype), method=method)
 
 
-Piece = tuple[int, int, int, int]  # (tensor index, start inside the tensor, length, start in segment)
+Piece = tuple[
+    int, int, int, int
+]  # (tensor index, start inside the tensor, length, start in segment)
 
 
 def compact_pieces(
@@ -383,14 +385,16 @@ class ParamGroup:
 
     def register_unsharded(self) -> None:
         params = self.unsharded_params()
-        for i, (ref, sharded, param) in enumerate(zip(self.refs, self.sharded, params, strict=True)):
+        for i, (ref, sharded, param) in enumerate(
+            zip(self.refs, self.sharded, params, strict=True)
+        ):
             if param.requires_grad != sharded.requires_grad:  # frozen/unfrozen since last time
                 param.requires_grad_(sharded.requires_grad)
             self._hook_used(i, param)
             ref.register(param)
 
     def meta_indices(self) -> list[int]:
-        return [i for i, p in enumerate(self.sharded) if p.to_local().is_meta]
+        return [i for i, p in enumerate(self.sharded) if _dtensor(p).to_local().is_meta]
 
     def _materialize(self) -> None:
         if self.materialized:
@@ -437,9 +441,8 @@ class ParamGroup:
             )
         ours = self.params.local_views()[i]
         local: torch.Tensor | None
-        if isinstance(value, DTensor) and tuple(value.placements) == tuple(
-            self.sharded[i].placements
-        ):
+        ours_placements = tuple(_dtensor(self.sharded[i]).placements)
+        if isinstance(value, DTensor) and tuple(value.placements) == ours_placements:
             local = value._local_tensor
         elif isinstance(value, DTensor):
             full = value.full_tensor()
@@ -462,7 +465,7 @@ class ParamGroup:
         if (
             isinstance(value, DTensor)
             and isinstance(value, nn.Parameter)
-            and tuple(value.placements) == tuple(self.sharded[i].placements)
+            and tuple(value.placements) == tuple(_dtensor(self.sharded[i]).placements)
         ):
             value._local_tensor = new_local
             param: nn.Parameter = value
@@ -1026,10 +1029,15 @@ def _tp_spec(ref: ParamRef, param: torch.Tensor, dp_mesh: DeviceMesh) -> TPSpec 
     )
 
 
+def _dtensor(param: nn.Parameter) -> DTensor:
+    """A sharded parameter as the DTensor it is (nn.Parameter to the type checker)."""
+    assert isinstance(param, DTensor)
+    return param
+
+
 def _is_view_of(tensor: torch.Tensor, local: torch.Tensor) -> bool:
     inner = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
     return bool(
         inner.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
         and inner.storage_offset() == local.storage_offset()
     )
-

@@ -83,7 +83,9 @@ class FSDPState:
         self.groups = tuple(groups)
         # ``None``: True, except that the root keeps its parameters after forward (lazy init)
         self.auto_reshard_after_forward = reshard_after_forward is None
-        self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
+        self.reshard_after_forward = (
+            True if reshard_after_forward is None else reshard_after_forward
+        )
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.unshard_in_backward = True
@@ -160,13 +162,13 @@ class FSDPState:
         if self.auto_reshard_after_forward:
             # the root's parameters are needed again at the start of backward
             self.reshard_after_forward = False
-        names = {id(p): n for n, p in root_module.named_parameters(remove_duplicate=False)}
+        fqns = {id(p): n for n, p in root_module.named_parameters(remove_duplicate=False)}
         for state in ctx.all_states:
             for group in state.groups:
                 group.to_sharded()
         for state in ctx.all_states:
             meta = [
-                names.get(id(g.sharded[i]), g.refs[i].fqn)
+                fqns.get(id(g.sharded[i]), g.refs[i].fqn)
                 for g in state.groups
                 for i in g.meta_indices()
             ]
@@ -295,7 +297,7 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         if torch.is_grad_enabled():
             for tensor in _grad_tensors(output):
-                tensor.register_hook(self._pre_backward)
+                tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
         return output
 
     def _cast_output(self, output: Any) -> Any:

@@ -306,7 +306,9 @@ def _cut_share(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     """This rank's share of a full-shape tensor laid out as ``spec`` (no communication)."""
     from ragged_dtensor._private.api import distribute_ragged
 
-    placed = distribute_ragged(full, spec.mesh, spec.placements, _TORCH_DISTRIBUTE, src_data_rank=None)
+    placed = distribute_ragged(
+        full, spec.mesh, spec.placements, _TORCH_DISTRIBUTE, src_data_rank=None
+    )
     return placed.to_local()
 
 
@@ -330,7 +332,7 @@ def _install_random() -> None:
             return ragged_random.ragged_random_op(op_call, args, op_info, _cut_share)
         return original(op_call, args, op_info)
 
-    dispatcher._dispatch_get_local_results_slow_path = slow_path
+    setattr(dispatcher, "_dispatch_get_local_results_slow_path", slow_path)  # noqa: B010
     _INSTALLED["random"] = True
 
 

@@ -75,7 +75,7 @@ _ELEMENTWISE_EXTRA = {
 _RANDOM_LIKE = {
     op
     for packet in (aten.rand_like, aten.randn_like, aten.randint_like)
-    for name in packet.overloads()
+    for name in packet.overloads()  # type: ignore[no-untyped-call]
     if not name.endswith("out") and "Tensor" not in name
     for op in [getattr(packet, name)]
 }
@@ -437,7 +437,9 @@ _WHOLE_REDUCTIONS = {
 def _padded_whole(schema: OpSchema, spec: DTensorSpec, meta: object) -> OutputSharding:
     axes = [a for a, p in enumerate(spec.placements) if isinstance(p, RaggedShard)]
     if not all(p.is_replicate() for a, p in enumerate(spec.placements) if a not in axes):
-        raise _error(schema.op, spec, "a whole-tensor reduction needs the other mesh axes replicated")
+        raise _error(
+            schema.op, spec, "a whole-tensor reduction needs the other mesh axes replicated"
+        )
     placement = spec.placements[axes[0]]
     assert isinstance(placement, RaggedShard)
     return _padded_partial(schema, spec, axes[0], placement, meta)
@@ -469,13 +471,15 @@ def _reduction(schema: OpSchema, meta: object) -> OutputSharding | None:
             placements = _reduced_placements(spec, lambda: _norm_partial(ord_))
             return OutputSharding(_with_meta(spec, placements, meta))
         raise _error(op, spec, f"norm over dims {dim} of a flat ragged share is not supported")
-    if op in _WHOLE_REDUCTIONS or (
-        op in (aten.amax.default, aten.amin.default)
-        and _covers_all_dims(_arg(schema, 1, "dim", None) or None, args[0].ndim)  # type: ignore[union-attr]
+    first = args[0] if args else None
+    if isinstance(first, DTensorSpec) and (
+        op in _WHOLE_REDUCTIONS
+        or (
+            op in (aten.amax.default, aten.amin.default)
+            and _covers_all_dims(_arg(schema, 1, "dim", None) or None, first.ndim)
+        )
     ):
-        spec = args[0]
-        assert isinstance(spec, DTensorSpec)
-        return _padded_whole(schema, spec, meta)
+        return _padded_whole(schema, first, meta)
     if _op_name(op) == "aten::_foreach_norm":
         specs = args[0]
         assert isinstance(specs, list | tuple)

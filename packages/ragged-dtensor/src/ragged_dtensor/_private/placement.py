@@ -189,6 +189,5 @@ class RaggedPaddedView(RaggedShard):
 
     def __repr__(self) -> str:
         return (
-            f"RaggedPaddedView(dims={self.dims}, local_units={self.local_units}, "
-            f"fill={self.fill})"
+            f"RaggedPaddedView(dims={self.dims}, local_units={self.local_units}, fill={self.fill})"
         )
