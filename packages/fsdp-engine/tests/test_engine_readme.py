@@ -14,3 +14,8 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 @pytest.mark.multiprocess
 def test_readme_example_runs() -> None:
     assert run_markdown_example(README).strip().endswith("ok")
+
+
+@pytest.mark.multiprocess
+def test_readme_conditional_compute_example_runs() -> None:
+    assert run_markdown_example(README, index=1).strip().endswith("ok")
