@@ -161,3 +161,36 @@ def test_conditional_compute_never_mismatches_collectives(keep: bool) -> None:
 
     presence = run_threaded(body, 2)
     assert presence[0] == presence[1] and all(presence[0].values()), presence
+
+
+def _float8(rank: int, world: int) -> list[str]:
+    class Quantized(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            gen = torch.Generator().manual_seed(0)
+            codes = torch.randn(64, 8, generator=gen).to(torch.float8_e4m3fn)
+            self.codes = nn.Parameter(codes, requires_grad=False)
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + self.codes[:2].float()
+
+    model = Quantized()
+    full = model.codes.detach().clone()
+    engine("ours").fully_shard(model)
+    model(torch.randn(2, 8)).sum().backward()
+    model.unshard()  # type: ignore[operator]
+    same = torch.equal(model.codes.view(torch.uint8), full.view(torch.uint8))
+    return [str(model.codes.dtype), str(same)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_float8_parameters_travel_as_bytes_on_gloo() -> None:
+    """gloo has no float8 collectives: a float8 group's buffer is the same bytes as uint8
+    ([Note: bit-cast storage]); the parameters keep their dtype and exact bits. Slow (one gloo
+    launch, ~20 s): run with ``-m slow``."""
+    from ragged_dtensor.testing import run_processes
+
+    for result in run_processes(_float8, 2, timeout=180):
+        assert result == ["torch.float8_e4m3fn", "True"], result

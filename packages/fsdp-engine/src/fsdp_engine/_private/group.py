@@ -217,7 +217,7 @@ class ParamGroup:
             self.plan,
             [tuple(p.shape) for p in originals],
             mesh,
-            dtype=self.dtype,
+            dtype=_storage_dtype(self.dtype),
             names=[r.fqn for r in refs],
             shard_axis=shard_axis,
             check=True,
@@ -261,10 +261,13 @@ class ParamGroup:
     def _set_dtypes(self) -> None:
         """Compute and reduce dtypes from the policy and the parameters' dtype; (re)make the
         storages whose dtype depends on them."""
-        floating = self.dtype.is_floating_point
+        floating = self.dtype.is_floating_point and _storage_dtype(self.dtype) == self.dtype
         self.compute_dtype: torch.dtype = (self.mp_policy.param_dtype if floating else None) or (
             self.dtype
         )
+        # what the all-gather moves: the compute dtype, or the same bytes as integers for the
+        # dtypes collectives do not carry (float8: [Note: bit-cast storage])
+        self.gather_dtype = self.params.dtype if self.params.dtype != self.dtype else self.compute_dtype
         self.reduce_dtype: torch.dtype = (
             self.mp_policy.reduce_dtype if floating else None
         ) or self.compute_dtype
@@ -298,15 +301,17 @@ class ParamGroup:
         """The whole mesh is one rank: no collective at all (FSDP2 issues none either)."""
         return self.mesh.size() == 1
 
+    def _local(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s share of the shard storage, in the parameter's dtype (a view)."""
+        return self.params.local_views()[i].view(self.dtype)
+
     def _load_full(self, i: int, tensor: torch.Tensor) -> None:
         slot = self.params.slots[i]
         flat = tensor.reshape(-1)
-        self.params.local_views()[i].copy_(
-            flat[slot.tensor_start : slot.tensor_start + slot.local_numel]
-        )
+        self._local(i).copy_(flat[slot.tensor_start : slot.tensor_start + slot.local_numel])
 
     def _local_or_meta(self, i: int, original: torch.Tensor) -> torch.Tensor:
-        local = self.params.local_views()[i]
+        local = self._local(i)
         if original.is_meta:
             return torch.empty(local.shape, dtype=local.dtype, device="meta")
         return local
@@ -350,13 +355,11 @@ class ParamGroup:
         if params is None:
             if self._views_are_the_shard():
                 views: Sequence[torch.Tensor] = [
-                    local.view(slot.shape)
-                    for local, slot in zip(
-                        self.params.local_views(), self.params.slots, strict=True
-                    )
+                    self._local(i).view(slot.shape) for i, slot in enumerate(self.params.slots)
                 ]
             else:
-                views = self.params.full_views(self.compute_dtype, allow_released=True)
+                full = self.params.full_views(self.gather_dtype, allow_released=True)
+                views = [v.view(self.compute_dtype) for v in full]
             params = [
                 nn.Parameter(self._unsharded_view(i, v), requires_grad=p.requires_grad)
                 for i, (v, p) in enumerate(zip(views, self.sharded, strict=True))
@@ -439,7 +442,7 @@ class ParamGroup:
                 f"parameter {ref.fqn!r}: the assigned value has shape {tuple(value.shape)}, "
                 f"fully_shard manages it with shape {tuple(self.sharded[i].shape)}"
             )
-        ours = self.params.local_views()[i]
+        ours = self._local(i)
         local: torch.Tensor | None
         ours_placements = tuple(_dtensor(self.sharded[i]).placements)
         if isinstance(value, DTensor) and tuple(value.placements) == ours_placements:
@@ -503,14 +506,14 @@ class ParamGroup:
         new_dtype = dtypes.pop()
         grads = [c.grad for c in currents]
         if new_dtype != self.dtype:
-            self.params = self.params.new_like(new_dtype)
+            self.params = self.params.new_like(_storage_dtype(new_dtype))
             if not self.materialized:
                 self.params.shard.untyped_storage().resize_(0)
             self.dtype = new_dtype
             self._set_dtypes()
         with torch.no_grad():
             for i, current in enumerate(currents):
-                ours = self.params.local_views()[i]
+                ours = self._local(i)
                 local = current._local_tensor
                 if current.device.type == "meta":
                     new_local = torch.empty(ours.shape, dtype=ours.dtype, device="meta")
@@ -569,8 +572,8 @@ class ParamGroup:
             self.state = ShardState.UNSHARDED
             return
         if self.world == 1:  # mixed precision on one rank: a cast, no collective
-            flat = self.params.alloc_unsharded(dtype=self.compute_dtype)
-            unsharded = self.params.unsharded_flat(self.compute_dtype)
+            flat = self.params.alloc_unsharded(dtype=self.gather_dtype)
+            unsharded = self.params.unsharded_flat(self.gather_dtype)
             with torch.no_grad(), _unsafe_preserve_version_counter(unsharded):
                 unsharded.copy_(self.params.shard)
             del flat
@@ -579,7 +582,7 @@ class ParamGroup:
         if self.custom_all_gather is not None:
             self._custom_unshard()
             return
-        self.unshard_handle = self.params.unshard(dtype=self.compute_dtype, async_op=async_op)
+        self.unshard_handle = self.params.unshard(dtype=self.gather_dtype, async_op=async_op)
         if not async_op:
             self.wait_for_unshard()
 
@@ -587,11 +590,11 @@ class ParamGroup:
         """A user all-gather (``set_custom_all_gather``) into our unsharded storage; it runs
         synchronously. Its ``allocate`` is not used: the engine's buffers are planned and
         persistent, and the collective writes straight into them."""
-        self.params.alloc_unsharded(dtype=self.compute_dtype)
-        out = self.params.unsharded_flat(self.compute_dtype)
+        self.params.alloc_unsharded(dtype=self.gather_dtype)
+        out = self.params.unsharded_flat(self.gather_dtype)
         source = self.params.shard
-        if source.dtype != self.compute_dtype:
-            source = source.to(self.compute_dtype)
+        if source.dtype != self.gather_dtype:
+            source = source.to(self.gather_dtype)
         group = self.mesh.get_group(self.shard_axis)
         with _unsafe_preserve_version_counter(out):
             work = self.custom_all_gather(
@@ -643,7 +646,7 @@ class ParamGroup:
     def reshard_to_subgroup(self) -> None:
         """Post-forward: keep this rank's 1/k part of the unsharded buffer, free the rest."""
         self.wait_for_unshard()
-        flat = self.params.unsharded_flat(self.compute_dtype)
+        flat = self.params.unsharded_flat(self.gather_dtype)
         part = flat.numel() // self.subgroup_size
         start = self.subgroup_index * part
         chunk = flat[start : start + part].clone()
@@ -653,8 +656,8 @@ class ParamGroup:
     def _unshard_from_chunk(self) -> None:
         chunk = self.post_forward_chunk
         assert chunk is not None
-        self.params.alloc_unsharded(dtype=self.compute_dtype)
-        flat = self.params.unsharded_flat(self.compute_dtype)
+        self.params.alloc_unsharded(dtype=self.gather_dtype)
+        flat = self.params.unsharded_flat(self.gather_dtype)
         with _unsafe_preserve_version_counter(flat):
             dist.all_gather_single(flat, chunk, group=self.subgroup)
         self.post_forward_chunk = None
@@ -701,6 +704,12 @@ class ParamGroup:
         reduction = self._reduction_for(self.trainable())
         if reduction.kind == "none" or self.pending:
             return
+        if self.params.dtype != self.dtype:
+            names = [r.fqn for r, rg in zip(self.refs, reduction.mask, strict=True) if rg]
+            raise NotImplementedError(
+                f"fully_shard: trainable {self.dtype} parameters {names}: gradients of this "
+                "dtype cannot be reduced; keep them frozen (requires_grad=False)"
+            )
         if not self.accum_pending:
             self._used = [False] * len(self.refs)
         if reduction.kind == "full":
@@ -1033,6 +1042,25 @@ def _dtensor(param: nn.Parameter) -> DTensor:
     """A sharded parameter as the DTensor it is (nn.Parameter to the type checker)."""
     assert isinstance(param, DTensor)
     return param
+
+
+# [Note: bit-cast storage]
+# Collectives do not carry every dtype (gloo rejects float8). A group of such a dtype stores its
+# buffer as the same bytes in an integer dtype of the same width: the collectives move those
+# bytes, and every parameter view reinterprets them (``Tensor.view(dtype)``, no copy). Such a
+# group is not cast to ``param_dtype`` and cannot reduce gradients.
+_BITCAST = {
+    dtype: torch.uint8
+    for dtype in (
+        getattr(torch, name, None)
+        for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    )
+    if dtype is not None
+}
+
+
+def _storage_dtype(dtype: torch.dtype) -> torch.dtype:
+    return _BITCAST.get(dtype, dtype)
 
 
 def _is_view_of(tensor: torch.Tensor, local: torch.Tensor) -> bool:
