@@ -267,7 +267,8 @@ class ParamGroup:
         )
         # what the all-gather moves: the compute dtype, or the same bytes as integers for the
         # dtypes collectives do not carry (float8: [Note: bit-cast storage])
-        self.gather_dtype = self.params.dtype if self.params.dtype != self.dtype else self.compute_dtype
+        bitcast = self.params.dtype != self.dtype
+        self.gather_dtype = self.params.dtype if bitcast else self.compute_dtype
         self.reduce_dtype: torch.dtype = (
             self.mp_policy.reduce_dtype if floating else None
         ) or self.compute_dtype
