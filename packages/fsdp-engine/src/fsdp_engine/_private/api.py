@@ -91,7 +91,7 @@ class FSDPModule:
         unsharded. Not recursive."""
         state = self._engine_state()
         for group in state.groups:
-            group.to_sharded()
+            group.adopt_registered()  # parameters assigned since fully_shard (no-op if unsharded)
             group.unshard(async_op=async_op)
         handle = UnshardHandle(state)
         if async_op:
