@@ -52,6 +52,15 @@ class BranchNet(nn.Module):
         return self.head(self.block(torch.tanh(self.inp(x)), use_branch))
 
 
+class TwiceNet(BranchNet):
+    """The block runs twice per forward: its group reduces twice in one backward (the second
+    reduction must not start before the first has released the storage it reads)."""
+
+    def forward(self, x: torch.Tensor, use_branch: bool) -> torch.Tensor:
+        y = self.block(torch.tanh(self.inp(x)), use_branch)
+        return self.head(self.block(y, not use_branch))
+
+
 class Expert(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -108,7 +117,7 @@ def _batch(case: str, rank: int, world: int, step: int, micro: int) -> tuple[Any
     gen = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
     x = torch.randn(6, DIM, generator=gen)
     target = torch.randn(6, 1, generator=gen)
-    if case == "branch":
+    if case in ("branch", "twice"):
         # the branch runs on rank 0 always, on the other ranks at step 1 of the first
         # microbatch only: rank 1 skips it at step 0 (and everyone but rank 0 at micro 1)
         return x, target, rank == 0 or (step == 1 and micro == 0)
@@ -117,12 +126,12 @@ def _batch(case: str, rank: int, world: int, step: int, micro: int) -> tuple[Any
 
 def _build(case: str) -> nn.Module:
     torch.manual_seed(0)  # each process: the same initial weights on every rank
-    return BranchNet() if case == "branch" else MoENet()
+    return {"branch": BranchNet, "twice": TwiceNet, "moe": MoENet}[case]()
 
 
 def _shard(case: str, model: nn.Module, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
-    inner = model.block if case == "branch" else model.moe  # type: ignore[union-attr]
+    inner = model.moe if case == "moe" else model.block  # type: ignore[union-attr]
     fully_shard(inner, mesh=mesh)
     fully_shard(model, mesh=mesh)
 

@@ -1,6 +1,7 @@
 """Conditional compute on real gloo processes: a branch skipped on some ranks, a mixture of
-experts whose experts get tokens on some ranks only (experts without tokens are skipped), each
-for two steps, with and without gradient accumulation, at world sizes 2 and 4.
+experts whose experts get tokens on some ranks only (experts without tokens are skipped), and a
+block that runs twice per forward (its group reduces twice in one backward), each for two steps,
+with and without gradient accumulation, at world sizes 2 and 4.
 
 A rank that does not use a parameter contributes zeros to its group's reduction ([Note:
 conditional compute] in fsdp_engine's group.py), so every rank issues the same collectives and
@@ -32,7 +33,7 @@ def _all_cases(rank: int, world: int) -> dict[str, object]:
         for case in ("branch", "moe")
         for micro in (1, 2)
         for exact in (False, True)
-    }
+    } | {"twice/micro1/kept": run_case(rank, world, "twice", 1, False)}
 
 
 @pytest.mark.multiprocess

@@ -705,6 +705,9 @@ class ParamGroup:
         reduction = self._reduction_for(self.trainable())
         if reduction.kind == "none" or self.pending:
             return
+        # a module used twice in one backward: its first reduction may still read the storage
+        # about to be zeroed for the second
+        self.wait_for_reduce()
         if self.params.dtype != self.dtype:
             names = [r.fqn for r, rg in zip(self.refs, reduction.mask, strict=True) if rg]
             raise NotImplementedError(
