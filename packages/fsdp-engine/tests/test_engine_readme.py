@@ -1,4 +1,4 @@
-"""The README's example runs as written."""
+"""The README's examples are the files they name, and those files run."""
 
 from __future__ import annotations
 
@@ -6,16 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from ragged_dtensor.testing import run_markdown_example
+from ragged_dtensor.testing import run_readme_example
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-@pytest.mark.multiprocess
-def test_readme_example_runs() -> None:
-    assert run_markdown_example(README).strip().endswith("ok")
+PACKAGE = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.multiprocess
-def test_readme_conditional_compute_example_runs() -> None:
-    assert run_markdown_example(README, index=1).strip().endswith("ok")
+def test_readme_example_is_the_file_and_runs() -> None:
+    out = run_readme_example(PACKAGE / "README.md", PACKAGE / "examples" / "quickstart.py")
+    assert out.strip().endswith("ok")
+
+
+@pytest.mark.multiprocess
+def test_readme_conditional_compute_example_is_the_file_and_runs() -> None:
+    example = PACKAGE / "examples" / "conditional_compute.py"
+    out = run_readme_example(PACKAGE / "README.md", example, index=1)
+    assert out.strip().endswith("ok")
