@@ -24,6 +24,8 @@ from engine_conditional import run_case
 
 from ragged_dtensor.testing import run_processes
 
+pytestmark = pytest.mark.numerics
+
 
 def _all_cases(rank: int, world: int) -> dict[str, object]:
     return {

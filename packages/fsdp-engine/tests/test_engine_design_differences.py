@@ -17,6 +17,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
 from ragged_dtensor import RaggedShard
 from ragged_dtensor.testing import run_threaded
 
+pytestmark = pytest.mark.numerics
+
 
 def _layout(rank: int, world: int) -> dict[str, Any]:
     model = make(lambda: Mlp(dim=10, hidden=40, bias=False))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import pytest
 import torch
 from engine_fsdp2 import (
     ALL_GATHER,
@@ -27,6 +28,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
 from ragged_dtensor.testing import run_threaded
+
+pytestmark = pytest.mark.numerics
 
 ENGINES = ["ours", "fsdp2"]
 

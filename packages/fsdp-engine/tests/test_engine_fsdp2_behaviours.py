@@ -33,6 +33,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ragged_dtensor.testing import run_threaded
 
+pytestmark = pytest.mark.numerics
+
 ENGINES = ["ours", "fsdp2"]
 
 

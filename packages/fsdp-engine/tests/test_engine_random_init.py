@@ -23,6 +23,8 @@ from torch.distributed.tensor import init_device_mesh
 from fsdp_engine import fully_shard
 from ragged_dtensor.testing import run_processes, run_threaded
 
+pytestmark = pytest.mark.numerics
+
 
 class _Scaled(nn.Module):
     """A module with its own init (truncated normal, as ViT/GPT-style code does)."""

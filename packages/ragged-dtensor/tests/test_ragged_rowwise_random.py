@@ -23,6 +23,8 @@ from torch.distributed.tensor.placement_types import Partial, Replicate
 from ragged_dtensor import RaggedOpError, RaggedShard
 from ragged_dtensor.testing import count_collectives, run_threaded
 
+pytestmark = pytest.mark.numerics
+
 EPS = 2.0**-24
 
 
