@@ -9,6 +9,7 @@ thread (threaded process group: the ranks are threads) through ``torch.distribut
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -60,7 +61,7 @@ class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.layers = nn.ModuleList(
-            nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in zip(DIMS, DIMS[1:], strict=False)
+            nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in itertools.pairwise(DIMS)
         )
         self.head = nn.Linear(DIMS[-1], 1)
 

@@ -46,6 +46,12 @@ def _twice(mesh: Any) -> object:
     return fully_shard(layer, mesh=mesh)
 
 
+def _with_scalar() -> nn.Module:
+    layer = _linear()
+    layer.register_parameter("scale", nn.Parameter(torch.tensor(1.0)))
+    return layer
+
+
 def _sharded(mesh: Any) -> Any:
     model = nn.Sequential(_linear(), _linear())
     fully_shard(model, mesh=mesh)
@@ -84,9 +90,28 @@ ARGUMENT_CASES: dict[str, Case] = {
         ("reshard_after_forward", "str"),
     ),
     "shard_placement_fn with Shard(1)": (
-        lambda mesh: fully_shard(_linear(), mesh=mesh, shard_placement_fn=lambda p: Shard(1)),
+        lambda mesh: fully_shard(
+            _linear(), mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.dim() > 1 else None
+        ),
         NotImplementedError,
-        ("shard_placement_fn", "Shard(dim=1)", "'weight'"),
+        ("shard_placement_fn", "'weight': Shard(1)", "dim > 0"),
+    ),
+    "shard_placement_fn with a dim the parameter lacks (FSDP2's AssertionError)": (
+        lambda mesh: fully_shard(_linear(), mesh=mesh, shard_placement_fn=lambda p: Shard(1)),
+        AssertionError,
+        ("Shard dim 1 is invalid for 1D tensor", "(4,)"),
+    ),
+    "a scalar parameter (FSDP2's ValueError)": (
+        lambda mesh: fully_shard(_with_scalar(), mesh=mesh),
+        ValueError,
+        ("scalar parameters", "Change scale to a 1D tensor"),
+    ),
+    "a non-contiguous parameter (FSDP2's NotImplementedError)": (
+        lambda mesh: fully_shard(
+            nn.Conv2d(2, 2, 3).to(memory_format=torch.channels_last), mesh=mesh
+        ),
+        NotImplementedError,
+        ("non-contiguous parameters", "'weight'"),
     ),
     "the same module twice in a list": (
         _listed_twice,
@@ -113,12 +138,12 @@ ARGUMENT_CASES: dict[str, Case] = {
     "3-D mesh": (
         lambda mesh: fully_shard(_linear(), mesh=init_device_mesh("cpu", (2, 1, 1))),
         ValueError,
-        ("1-D (FSDP) or 2-D (HSDP)", "3-D"),
+        ("fully_shard expects a 1D or 2D DeviceMesh",),
     ),
-    "parameters of different dtypes in one group": (
-        lambda mesh: fully_shard(nn.Sequential(_linear(), _linear().double()), mesh=mesh),
-        ValueError,
-        ("one dtype per group", "0.weight: torch.float32", "1.weight: torch.float64"),
+    "2-D mesh without dim names (FSDP2's AssertionError)": (
+        lambda mesh: fully_shard(_linear(), mesh=init_device_mesh("cpu", (1, 2))),
+        AssertionError,
+        ("mesh_dim_names",),
     ),
     "divide factor 0": (
         lambda mesh: _sharded(mesh).set_reduce_scatter_divide_factor(0),

@@ -44,11 +44,11 @@ CASES: dict[str, Case] = {
     ),
     "transpose": (lambda mesh: _ragged(mesh).t(), RaggedOpError, ("aten.t", "RaggedShard")),
     "slicing": (lambda mesh: _ragged(mesh)[1:3], RaggedOpError, ("aten.slice", "RaggedShard")),
-    "sum across the ragged rows": (
-        # (a sum over trailing dims keeps rows whole and is supported)
-        lambda mesh: _ragged(mesh).sum(dim=0),
+    "a product over some dims": (
+        # (sums, means, norms, amax/amin over any dims are supported: partial results)
+        lambda mesh: _ragged(mesh).prod(dim=0),
         RaggedOpError,
-        ("aten.sum.dim_IntList", "dims [0]"),
+        ("aten.prod", "RaggedShard"),
     ),
     "view to another shape": (
         lambda mesh: _ragged(mesh).view(4, 8),
