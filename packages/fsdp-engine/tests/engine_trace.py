@@ -31,7 +31,7 @@ _INSTALLED = False
 _LOCK = threading.Lock()
 
 
-def _log() -> list[tuple[str, int]] | None:
+def _log() -> list[tuple[str, int, bool]] | None:
     return getattr(_LOCAL, "log", None)
 
 
@@ -40,7 +40,7 @@ def _wrap(short: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         log = _log()
         if log is not None:
             tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
-            log.append((short, min(t.numel() for t in tensors)))
+            log.append((short, min(t.numel() for t in tensors), bool(kwargs.get("async_op"))))
         return fn(*args, **kwargs)
 
     return traced
@@ -88,8 +88,16 @@ def _per_rank_sizes(engine: str, model: Net, world: int) -> dict[int, str]:
     return sizes
 
 
-def trace(engine: str, rank: int, world: int, iterations: int = 2) -> list[list[str]]:
-    """Each iteration's events (forward + backward), for ``engine`` in this rank's thread."""
+def trace(
+    engine: str,
+    rank: int,
+    world: int,
+    iterations: int = 2,
+    reshard_after_forward: bool | int = True,
+    mark_async: bool = False,
+) -> list[list[str]]:
+    """Each iteration's events (forward + backward), for ``engine`` in this rank's thread;
+    ``mark_async`` appends ``~`` to collectives issued with ``async_op=True``."""
     import torch.distributed.fsdp as torch_fsdp
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -101,10 +109,15 @@ def trace(engine: str, rank: int, world: int, iterations: int = 2) -> list[list[
     mesh = init_device_mesh("cpu", (world,))
     model = Net()
     for layer in model.layers:
-        api.fully_shard(layer, mesh=mesh)
+        api.fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
     api.fully_shard(model, mesh=mesh)
     sizes = _per_rank_sizes(engine, model, world)
-    events: list[tuple[str, int] | str] = []
+    if not isinstance(reshard_after_forward, bool):  # the sub-group regathers move m*S/k
+        k = reshard_after_forward
+        for size, name in list(sizes.items()):
+            if name != "root":
+                sizes[size * world // k] = f"{name}/{k}"
+    events: list[tuple[str, int, bool] | str] = []
     for k, layer in enumerate(model.layers):
         first = layer[0]
         first.register_forward_pre_hook(lambda m, a, k=k: events.append(f"F:L{k}"))
@@ -119,8 +132,9 @@ def trace(engine: str, rank: int, world: int, iterations: int = 2) -> list[list[
             named = []
             for event in events:
                 if isinstance(event, tuple):
-                    kind, numel = event
-                    named.append(f"{kind}:{sizes.get(numel, numel)}")
+                    kind, numel, is_async = event
+                    mark = "~" if mark_async and is_async else ""
+                    named.append(f"{kind}:{sizes.get(numel, numel)}{mark}")
                 else:
                     named.append(event)
             out.append(named)

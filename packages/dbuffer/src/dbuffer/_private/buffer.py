@@ -18,9 +18,10 @@ tensors' version counters do not move and backward accepts the saved views.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import torch
@@ -32,7 +33,14 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from dbuffer._private.agreement import check_agreement
-from dbuffer._private.collectives import Handle, ReduceOp, all_gather_flat, reduce_scatter_flat
+from dbuffer._private.collectives import (
+    Handle,
+    ReduceOp,
+    all_gather_flat,
+    note_free,
+    order_all_gather,
+    reduce_scatter_flat,
+)
 from dbuffer._private.layout import BufferLayout, TensorSlot, slots_for
 from dbuffer._private.refs import Claim
 
@@ -66,6 +74,11 @@ def _dtensor_view(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     """A DTensor over ``local`` (no copy: its local tensor *is* ``local``), as DTensor's own
     no-autograd constructors build it."""
     return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+
+
+def _on(stream: torch.Stream | None) -> contextlib.AbstractContextManager[object]:
+    """``stream`` as the current stream for the block (nothing on CPU)."""
+    return contextlib.nullcontext() if stream is None else stream
 
 
 def _free(tensor: torch.Tensor) -> None:
@@ -335,6 +348,9 @@ class DBuffer:
         released now and re-allocated by the next ``unshard``/``alloc_unsharded``. A collective
         still in flight on this buffer is waited for first (never free memory under it)."""
         self.wait()
+        if any(entry.allocated for entry in self._unsharded.values()):
+            # the all-gather stream's next allocation waits for every read issued so far
+            note_free(self.device)
         for entry in self._unsharded.values():
             _free(entry.flat)
             if entry.cast_shard is not None:
@@ -350,12 +366,17 @@ class DBuffer:
         self._grad_owners = []
 
     # -- the shard storage between uses (see [Note: releasing a storage ...] in refs.py) ---------
-    def claim_views(self, extra: Sequence[torch.Tensor] = ()) -> None:
+    def claim_views(self, extra: Iterable[torch.Tensor] = ()) -> None:
         """Record the references to the shard storage and to its views that exist now as this
-        buffer's own: the shard, its local and sharded views, and ``extra`` (tensors the caller
-        built over the shard and keeps). Call once they are all made and none is handed out;
-        ``release_shard`` then frees in place only while no other reference was added."""
-        claim = Claim(self.shard, (self.shard, *self._local_views, *self.sharded_views(), *extra))
+        buffer's own: the shard, its local views, its sharded views if made, and ``extra``
+        (tensors the caller built over the shard and keeps). Call once they are all made and
+        none is handed out; ``release_shard`` then frees in place only while no other reference
+        was added. ``extra`` is consumed here: pass a generator (or a temporary), not a list the
+        caller keeps, so that the count holds only the references that last."""
+        objects = (self.shard, *self._local_views, *(self._sharded_views or ()), *extra)
+        del extra
+        claim = Claim(self.shard, objects)
+        del objects
         claim.mark()  # here, not in Claim(): the arguments of that call hold references
         self._claim = claim
 
@@ -395,12 +416,22 @@ class DBuffer:
     def _group(self, axis: int) -> dist.ProcessGroup:
         return self.mesh.get_group(axis)
 
-    def unshard(self, *, dtype: torch.dtype | None = None, async_op: bool = False) -> Handle:
+    def unshard(
+        self,
+        *,
+        dtype: torch.dtype | None = None,
+        async_op: bool = False,
+        ready: torch.Event | None = None,
+    ) -> Handle:
         """All-gather the shard into the unsharded storage: one collective for the group.
 
         With ``dtype`` different from the buffer's (mixed precision), the shard is cast once into
         a temporary low-precision shard (released when the gather completes) and the cast is
         gathered into a low-precision unsharded storage; ``full_views(dtype)`` read it.
+        On an accelerator the output is allocated and the cast run on the all-gather stream,
+        which waits for ``ready`` (the event marking the shard's last write; default: the
+        caller's stream now) and for the last free ([Note: streams and frees without
+        record_stream] in collectives.py).
         """
         if dtype is not None and dtype.is_floating_point != self.dtype.is_floating_point:
             raise ValueError(
@@ -408,14 +439,17 @@ class DBuffer:
                 f"truncate values; mixed precision needs a floating dtype"
             )
         self._require_shard("unshard")
+        self.wait()
         entry = self._unsharded_of(dtype)
-        _allocate(entry.flat)
-        source = self.shard
+        stream = order_all_gather(self.device, ready)
         cast = entry.cast_shard
-        if cast is not None:
-            _allocate(cast)
-            cast.copy_(self.shard)
-            source = cast
+        with _on(stream):
+            _allocate(entry.flat)
+            source = self.shard
+            if cast is not None:
+                _allocate(cast)
+                cast.copy_(self.shard)
+                source = cast
         # An async gloo all-gather bumps its output's version counter when it completes, in the
         # background (seen on real processes): the counter is put back when the handle is
         # waited, not only around the issue (see [Note: version counters]).
@@ -426,10 +460,54 @@ class DBuffer:
                 _free(cast)
             guard.__exit__(None, None, None)
 
-        self.wait()
         with guard:
             handle = all_gather_flat(
-                entry.flat, source, self._group(self.shard_axis), async_op=async_op, finish=finish
+                entry.flat,
+                source,
+                self._group(self.shard_axis),
+                async_op=async_op,
+                finish=finish,
+                ordered=stream is not None,
+            )
+        return self._track(handle)
+
+    def gather_into(
+        self,
+        source: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        dtype: torch.dtype | None = None,
+        async_op: bool = False,
+        ready: torch.Event | None = None,
+    ) -> Handle:
+        """All-gather ``source`` over ``group`` into the unsharded storage of ``dtype`` (its size
+        times the group's must be m * S), e.g. a part kept after forward regathered within a
+        sub-group. Like ``unshard``: output allocated on the all-gather stream after ``ready``
+        (the event marking ``source``'s last write); ``source`` is held until the handle
+        completes."""
+        self.wait()
+        entry = self._unsharded_of(dtype)
+        if source.dtype != entry.flat.dtype:
+            raise ValueError(
+                f"DBuffer.gather_into: source is {source.dtype}, the storage {entry.flat.dtype}"
+            )
+        stream = order_all_gather(self.device, ready)
+        with _on(stream):
+            _allocate(entry.flat)
+        guard = _unsafe_preserve_version_counter(entry.flat)
+
+        def finish() -> None:
+            guard.__exit__(None, None, None)
+
+        with guard:
+            handle = all_gather_flat(
+                entry.flat,
+                source,
+                group,
+                async_op=async_op,
+                finish=finish,
+                keep=(source,),
+                ordered=stream is not None,
             )
         return self._track(handle)
 

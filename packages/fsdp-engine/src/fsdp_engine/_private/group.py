@@ -244,6 +244,10 @@ class ParamGroup:
         self.unshard_handle: Handle | None = None
         self.reduce_handle: Handle | None = None
         self.post_forward_chunk: torch.Tensor | None = None
+        self._chunk_ready: torch.Event | None = None
+        # the event marking the shards' last write this iteration (accelerators; set and
+        # cleared by the root), which all-gathers wait on instead of the compute stream
+        self.inputs_ready: torch.Event | None = None
         self.subgroup_size = 1
         self.subgroup: dist.ProcessGroup | None = None
         self.subgroup_index = 0
@@ -283,6 +287,9 @@ class ParamGroup:
         # their (refcounted) storage alive; nothing is freed under them.
         self.unsharded_grads = self.params.new_like(self.compute_dtype)
         self.unsharded_grads.shard.untyped_storage().resize_(0)  # only its unsharded part is used
+        self._unsharded_grad_views: list[torch.Tensor] | None = None
+        # sharded gradients: the buffer and its views are kept across zero_grad(set_to_none=
+        # True); only their memory is released and re-allocated (release_dropped_gradients)
         self.grads: DBuffer | None = None
         self._grad_views: list[DTensor | None] | None = None
         self._reduction: _Reduction | None = None
@@ -560,6 +567,10 @@ class ParamGroup:
 
     # -- unshard / reshard -------------------------------------------------------------------
     def unshard(self, *, async_op: bool = False) -> None:
+        """All-gather the group (``async_op``: issue it, ``wait_for_unshard`` completes it). On
+        an accelerator the all-gather waits for ``inputs_ready`` (set by the root for an
+        iteration: the shards' last write) instead of everything the compute stream has queued,
+        so a prefetch overlaps the compute before it."""
         if self.state is ShardState.UNSHARDED or self.unshard_handle is not None:
             if not async_op:
                 self.wait_for_unshard()
@@ -577,7 +588,7 @@ class ParamGroup:
                 "dict with assign=True) before running forward"
             )
         if self.post_forward_chunk is not None:
-            self._unshard_from_chunk()
+            self._unshard_from_chunk(async_op=async_op)
             return
         if self._views_are_the_shard():
             self.state = ShardState.UNSHARDED
@@ -593,7 +604,9 @@ class ParamGroup:
         if self.custom_all_gather is not None:
             self._custom_unshard()
             return
-        self.unshard_handle = self.params.unshard(dtype=self.gather_dtype, async_op=async_op)
+        self.unshard_handle = self.params.unshard(
+            dtype=self.gather_dtype, async_op=async_op, ready=self.inputs_ready
+        )
         if not async_op:
             self.wait_for_unshard()
 
@@ -663,16 +676,24 @@ class ParamGroup:
         chunk = flat[start : start + part].clone()
         self.reshard()
         self.post_forward_chunk = chunk
+        self._chunk_ready = _event_now(chunk.device)
 
-    def _unshard_from_chunk(self) -> None:
+    def _unshard_from_chunk(self, *, async_op: bool) -> None:
+        """Rebuild the unsharded buffer from the kept parts: one all-gather inside the
+        sub-group, asynchronous like any unshard, so backward prefetches it too."""
         chunk = self.post_forward_chunk
-        assert chunk is not None
-        self.params.alloc_unsharded(dtype=self.gather_dtype)
-        flat = self.params.unsharded_flat(self.gather_dtype)
-        with _unsafe_preserve_version_counter(flat):
-            dist.all_gather_single(flat, chunk, group=self.subgroup)
-        self.post_forward_chunk = None
-        self.state = ShardState.UNSHARDED
+        assert chunk is not None and self.subgroup is not None
+        self.post_forward_chunk = None  # the handle holds it until the gather completes
+        self.unshard_handle = self.params.gather_into(
+            chunk,
+            self.subgroup,
+            dtype=self.gather_dtype,
+            async_op=async_op,
+            ready=self._chunk_ready,
+        )
+        self._chunk_ready = None
+        if not async_op:
+            self.wait_for_unshard()
 
     # -- gradients ---------------------------------------------------------------------------
     def _reduction_for(self, mask: tuple[bool, ...]) -> _Reduction:
@@ -728,9 +749,15 @@ class ParamGroup:
             self._used = [False] * len(self.refs)
         if reduction.kind == "full":
             self.unsharded_grads.alloc_unsharded(zero=True)
-            views = self.unsharded_grads.full_views()
-            for i, param in enumerate(self.unsharded_params()):
-                param.grad = self._unsharded_view(i, views[i])
+            if self._unsharded_grad_views is None:  # made once (a DTensor each for TP)
+                full = self.unsharded_grads.full_views()
+                self._unsharded_grad_views = [
+                    self._unsharded_view(i, v) for i, v in enumerate(full)
+                ]
+            for param, view in zip(
+                self.unsharded_params(), self._unsharded_grad_views, strict=True
+            ):
+                param.grad = view
         self.pending = True
 
     def reduce(self, *, sync: bool, async_op: bool) -> None:
@@ -930,17 +957,31 @@ class ParamGroup:
                 )
                 views: list[DTensor | None] = [None] * len(self.refs)
                 for i, _start, length, dst in reduction.pieces[self.params.rank]:
-                    views[i] = self._dtensor_of(i, grads.shard[dst : dst + length])
+                    views[i] = self._grad_dtensor(i, grads.shard[dst : dst + length])
             else:
                 grads = self.params.new_like(self.dtype)
                 views = [
-                    self._dtensor_of(i, local) if rg else None
+                    self._grad_dtensor(i, local) if rg else None
                     for i, (local, rg) in enumerate(
                         zip(grads.local_views(), reduction.mask, strict=True)
                     )
                 ]
             self.grads, self._grad_views = grads, views
+            # What the engine itself keeps over the storage; a generator, so that no container
+            # of this frame holds the tensors while the claim counts them
+            grads.claim_views(t for v in views if v is not None for t in (v, v._local_tensor))
+        self.grads.alloc_shard()  # memory again after release_dropped_gradients (same views)
         return self._grad_views
+
+    def _grad_dtensor(self, i: int, local: torch.Tensor) -> DTensor:
+        """Parameter ``i``'s sharded gradient over ``local``: the sharded parameter's own spec
+        (same shape, placements and dtype) when it has no tensor parallelism, so no per-rank
+        check runs again (``from_local`` checks every rank's units)."""
+        spec = _dtensor(self.sharded[i])._spec
+        meta = spec.tensor_meta
+        if self.tp_specs[i] is None and meta is not None and meta.dtype == local.dtype:
+            return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+        return self._dtensor_of(i, local)
 
     def presence_flags(self) -> torch.Tensor | None:
         """Exact presence, before the all-reduce: 1 for each parameter this rank used (or that
@@ -984,7 +1025,9 @@ class ParamGroup:
         """Let the sharded gradient buffer go once no parameter's .grad refers to it."""
         if self.grads is None or self.pending or self.reduce_handle is not None:
             return
-        if all(p.grad is None for p in self.sharded):
+        if all(p.grad is None for p in self.sharded) and not self.grads.release_shard():
+            # a view is still held (a user kept ``p.grad``): it keeps its storage, a new
+            # buffer is made at the next reduction
             self.grads = None
             self._grad_views = None
 
@@ -1071,6 +1114,15 @@ _BITCAST = {
     )
     if dtype is not None
 }
+
+
+def _event_now(device: torch.device) -> torch.Event | None:
+    """An event marking how far ``device``'s current stream has got (None on CPU)."""
+    if device.type in {"cpu", "meta"}:
+        return None
+    event = torch.Event(device=device)
+    event.record(torch.accelerator.current_stream(device))
+    return event
 
 
 def _storage_dtype(dtype: torch.dtype) -> torch.dtype:

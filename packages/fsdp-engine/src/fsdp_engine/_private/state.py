@@ -64,6 +64,10 @@ class IterationContext:
         self.is_last_backward = True
         self.post_optim_event: torch.Event | None = None
         self.last_reduced: ParamGroup | None = None  # at most one reduction in flight
+        # [Note: implicit forward prefetch]
+        self.pre_forward_order: list[FSDPState] = []  # this iteration, with multiplicity
+        self.forward_next: dict[int, list[FSDPState | None]] = {}  # last iteration's successors
+        self.forward_seen: dict[int, int] = {}  # occurrences of each state so far
 
 
 class FSDPState:
@@ -206,10 +210,38 @@ class FSDPState:
             group.register_unsharded()
         if first_in_pass:
             args, kwargs = self._register_post_backward(args, kwargs)
-            for other in self.forward_prefetch or ():
+            for other in self._forward_prefetch_targets():
                 for group in other.groups:
                     group.unshard(async_op=True)
         return args, kwargs
+
+    def _forward_prefetch_targets(self) -> Sequence[FSDPState]:
+        """[Note: implicit forward prefetch]
+        Without ``set_modules_to_forward_prefetch``, the module that ran forward after this one
+        in the previous iteration (the same occurrence of this module) is all-gathered now,
+        asynchronously, right after this module's own all-gather and before its compute: the
+        next group's communication overlaps this group's compute on every backend (gloo runs it
+        on its own threads; on accelerators it runs on the all-gather stream, which waits only
+        for the shards' last write and for memory to be free, not for this compute). FSDP2 issues
+        that all-gather in the next module's pre-forward, after this compute was issued; ours is
+        issued earlier, deliberately (the issue-order test documents it). The order is the one
+        every rank ran (FSDP's contract: the same modules in the same order on every rank), so
+        the collective order stays identical on every rank. A prediction that does not come true
+        (the order changed) costs one unused all-gather, freed at the end of the forward. The
+        first iteration has no previous order: no prefetch, like FSDP2 on CPU."""
+        if self.forward_prefetch is not None:
+            return self.forward_prefetch
+        ctx = self.ctx
+        if in_backward():
+            return ()
+        occurrence = ctx.forward_seen.get(id(self), 0)
+        ctx.forward_seen[id(self)] = occurrence + 1
+        ctx.pre_forward_order.append(self)
+        successors = ctx.forward_next.get(id(self), [])
+        target = successors[occurrence] if occurrence < len(successors) else None
+        if target is None or target is self or not target.groups:
+            return ()
+        return (target,)
 
     def _cast_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -237,6 +269,24 @@ class FSDPState:
                 state._post_forward_indices.clear()
             ctx.post_forward_order.clear()
             ctx.final_callback_queued = False
+            self._start_forward_order()
+            ready = _event_now(ctx.all_states)
+            for state in ctx.all_states:
+                for group in state.groups:
+                    group.inputs_ready = ready
+
+    def _start_forward_order(self) -> None:
+        """Root, new iteration: the last iteration's pre-forward order becomes the prediction
+        ([Note: implicit forward prefetch]), and a new one is recorded."""
+        ctx = self.ctx
+        if ctx.pre_forward_order:
+            order = ctx.pre_forward_order
+            nxt: dict[int, list[FSDPState | None]] = {}
+            for i, state in enumerate(order):
+                nxt.setdefault(id(state), []).append(order[i + 1] if i + 1 < len(order) else None)
+            ctx.forward_next = nxt
+        ctx.pre_forward_order = []
+        ctx.forward_seen = {}
 
     def _register_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -279,6 +329,16 @@ class FSDPState:
                     # a group of several modules whose forward ran only some of them
                     state._modules_to_run.clear()
                     output = state._finish_forward(output)
+            ran = {id(s) for s in ctx.pre_forward_order}
+            for state in ctx.all_states:
+                if id(state) not in ran and state is not self:
+                    for group in state.groups:
+                        if group.unshard_handle is not None and group.state is ShardState.SHARDED:
+                            group.reshard()  # a forward prefetch that did not come true
+            if not torch.is_grad_enabled():  # no backward of this forward
+                for state in ctx.all_states:
+                    for group in state.groups:
+                        group.inputs_ready = None
         return self._cast_output(output)
 
     def _finish_forward(self, output: Any) -> Any:
@@ -378,6 +438,9 @@ class FSDPState:
         ctx.final_callback_queued = False
         ctx.last_reduced = None
         ctx.iter_forward_root = None
+        for state in ctx.all_states:
+            for group in state.groups:
+                group.inputs_ready = None
 
     def reset_iteration(self) -> None:
         """Root only: recover after an exception in forward or backward (the failed
@@ -393,6 +456,25 @@ class FSDPState:
         ctx.iter_forward_root = None
         ctx.final_callback_queued = False
         ctx.last_reduced = None
+        ctx.pre_forward_order = []
+        ctx.forward_seen = {}
+        for state in ctx.all_states:
+            for group in state.groups:
+                group.inputs_ready = None
+
+
+def _event_now(states: Sequence[FSDPState]) -> torch.Event | None:
+    """An event on the current stream of the states' accelerator (None on CPU): what every
+    all-gather of this iteration waits for (the optimizer's writes are before it)."""
+    for state in states:
+        for group in state.groups:
+            device = group.params.device
+            if device.type in {"cpu", "meta"}:
+                return None
+            event = torch.Event(device=device)
+            event.record(torch.accelerator.current_stream(device))
+            return event
+    return None
 
 
 def _resolve_presence(groups: Sequence[ParamGroup]) -> None:
