@@ -212,7 +212,8 @@ def test_state_reshards_across_world_sizes_and_interchanges_with_torch_adamw(
     root = str(tmp_path)
     want = run_threaded(_ckpt, 2, root, "flat", None, "w2", timeout=120)[0]["snapshot"]
     assert any(k.endswith(".step") for k in want)
-    for world, kind, src, dst in ((4, "flat", "w2", "w4"), (3, "torch", "w4", "w3"), (1, "flat", "w3", None)):
+    phases = ((4, "flat", "w2", "w4"), (3, "torch", "w4", "w3"), (1, "flat", "w3", None))
+    for world, kind, src, dst in phases:
         for got in run_threaded(_ckpt, world, root, kind, src, dst, timeout=120):
             _assert_same(got["snapshot"], want)
     flat = run_threaded(_ckpt, 2, root, "flat", "w4", None, timeout=120)

@@ -155,9 +155,7 @@ class _FlatAdamMixin(torch.optim.Optimizer):
     # -- layout and state --------------------------------------------------------------------
 
     def _current_layout(self) -> _Layout:
-        key = tuple(
-            (id(p), _local(p).data_ptr()) for g in self.param_groups for p in g["params"]
-        )
+        key = tuple((id(p), _local(p).data_ptr()) for g in self.param_groups for p in g["params"])
         if self._layout is None or key != self._layout_key:
             layout = _make_layout(self.param_groups)
             if self._layout is not None and layout.sizes != self._layout.sizes:
