@@ -266,8 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     lines.append(
         "Ours: per bucket one all-to-all to the owners and one back, pipelined against "
         "Newton-Schulz (the plan and its agreement all-gather happen once, in the first step; "
-        "steps shown are after it). torch.optim.Muon's collectives are the DTensor functional collectives seen by a "
-        "dispatch mode. Gather-to-all runs every Newton-Schulz on every rank."
+        "steps shown are after it). torch.optim.Muon's collectives are the DTensor functional "
+        "collectives seen by a dispatch mode. Gather-to-all runs every Newton-Schulz on every "
+        "rank."
     )
     (out / "distributed_muon.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
