@@ -339,12 +339,12 @@ def _steady_state_reads(rank: int, world: int, kind: str) -> dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (world,))
     gen = torch.Generator().manual_seed(0)
-    shapes = [(64, 96), (40, 50), (4, 12, 20), (33,), (16,)]
+    shapes = [(64, 96), (40, 50), (4, 12, 20), (33,) if kind == "muon" else (48,), (16,)]
+    unit = 1 if kind == "muon" else 16  # AdamW8bit: block-aligned shards (its block policy)
+    specs = [ragged_spec(s, world, unit, seed=i) for i, s in enumerate(shapes)]
     params = [
-        torch.nn.Parameter(
-            shard(torch.randn(s, generator=gen), mesh, ragged_spec(s, world, 1, seed=i))
-        )
-        for i, s in enumerate(shapes)
+        torch.nn.Parameter(shard(torch.randn(s, generator=gen), mesh, sp))
+        for s, sp in zip(shapes, specs, strict=True)
     ]
     opt: torch.optim.Optimizer = (
         ob.Muon(params, ns_dtype=torch.float32, bucket_cap_mb=0.01)
@@ -353,9 +353,8 @@ def _steady_state_reads(rank: int, world: int, kind: str) -> dict[str, Any]:
     )
     original_tolist = torch.Tensor.tolist
     for step in range(5):
-        for p, s, i in zip(params, shapes, range(len(shapes)), strict=True):
-            full = torch.randn(s, generator=gen)
-            p.grad = shard(full, mesh, ragged_spec(s, world, 1, seed=i))
+        for p, s, sp in zip(params, shapes, specs, strict=True):
+            p.grad = shard(torch.randn(s, generator=gen), mesh, sp)
         if step < 2:
             opt.step()
             continue
@@ -375,6 +374,12 @@ def test_steady_state_muon_step_reads_nothing_from_the_device() -> None:
     for out in run_threaded(_steady_state_reads, 3, "muon"):
         assert out["reads"] == []
         assert out["collectives"] and set(out["collectives"]) == {"all_to_all_single"}
+
+
+def test_steady_state_adamw8bit_step_reads_nothing_from_the_device() -> None:
+    """AdamW8bit on block-aligned shards: no host read and no collective at all."""
+    for out in run_threaded(_steady_state_reads, 3, "adamw8bit"):
+        assert out["reads"] == [] and out["collectives"] == []
 
 
 def _missing_grad(rank: int, world: int, mode: str) -> list[torch.Tensor]:
