@@ -22,6 +22,8 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 from fsdp_engine import FlatAdam, FlatAdamW, fully_shard, load_checkpoint, save_checkpoint
 from ragged_dtensor.testing import run_threaded
 
+pytestmark = pytest.mark.numerics
+
 STEPS = 4
 
 
@@ -232,12 +234,9 @@ def test_unsupported_flags_are_refused_by_name() -> None:
 
 
 @pytest.mark.multiprocess
-def test_readme_flat_adamw_example_runs() -> None:
-    import re
+def test_readme_flat_adamw_example_is_the_file_and_runs() -> None:
+    from ragged_dtensor.testing import run_readme_example
 
-    from ragged_dtensor.testing import run_markdown_example
-
-    readme = Path(__file__).resolve().parents[1] / "README.md"
-    blocks = re.findall(r"```python\n(.*?)```", readme.read_text(), flags=re.S)
-    index = next(i for i, b in enumerate(blocks) if "FlatAdamW(" in b or "FlatAdamW if" in b)
-    assert run_markdown_example(readme, index=index).strip().endswith("ok")
+    package = Path(__file__).resolve().parents[1]
+    out = run_readme_example(package / "README.md", package / "examples" / "flat_adamw.py", index=1)
+    assert out.strip().endswith("ok")
