@@ -233,6 +233,7 @@ def test_unsupported_flags_are_refused_by_name() -> None:
         FlatAdam([p], differentiable=True)
 
 
+@pytest.mark.slow  # ~10 s idle, 30 s loaded (two gloo processes): beside quickstart's, not in CI
 @pytest.mark.multiprocess
 def test_readme_flat_adamw_example_is_the_file_and_runs() -> None:
     from ragged_dtensor.testing import run_readme_example
