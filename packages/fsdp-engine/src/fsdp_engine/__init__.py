@@ -29,7 +29,7 @@ from fsdp_engine._private.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from fsdp_engine._private.flat_optim import FlatShardOptimizer
+from fsdp_engine._private.flat_optim import FlatAdam, FlatAdamW
 from fsdp_engine._private.policy import (
     BlockPolicy,
     CPUOffloadPolicy,
@@ -44,7 +44,8 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "fully_shard",
-    "FlatShardOptimizer",
+    "FlatAdamW",
+    "FlatAdam",
     "FSDPModule",
     "UnshardHandle",
     "register_fsdp_forward_method",
