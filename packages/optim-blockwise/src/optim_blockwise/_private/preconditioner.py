@@ -169,6 +169,15 @@ class BlockPreconditioner(ShardedOptimizer):
         """Apply this rank's flat fp32 ``update`` of a preconditioned parameter."""
         raise NotImplementedError
 
+    def _restore_layout(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """A loaded block tensor in the memory layout the step keeps it in (default: rows).
+
+        Strides select the matmul kernel, hence the rounding: a state tensor must come back
+        from a checkpoint with the strides it had, or the continued run differs in the last
+        bits from an uninterrupted one.
+        """
+        return value
+
     def _elementwise(self, item: BlockItem, step: int) -> None:
         raise NotImplementedError
 
@@ -486,7 +495,7 @@ class BlockPreconditioner(ShardedOptimizer):
                                 f"shape {shape} (was the checkpoint saved with another "
                                 f"max_preconditioner_dim?)"
                             )
-                        state[key] = value.view(shape)
+                        state[key] = self._restore_layout(name, value.view(shape))
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -134,7 +134,7 @@ class SOAP(BlockPreconditioner):
                 if basis is None:  # keep the identity: plain Adam on this side
                     self.root_fallbacks += 1
                     n = state[f"GG_{side}"].shape[0]
-                    basis = torch.eye(n, dtype=pd, device=grad.device)
+                    basis = torch.eye(n, dtype=pd, device=grad.device).t()  # column-major
                 state[f"Q_{side}"] = basis
             return torch.zeros_like(grad)
         beta1, beta2 = group["betas"]
@@ -159,6 +159,10 @@ class SOAP(BlockPreconditioner):
                 else:
                     state[f"Q_{side}"], state["exp_avg_sq"] = fresh
         return update
+
+    def _restore_layout(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        # eigh and QR return column-major bases (LAPACK): keep them so after a reload too.
+        return value.t().contiguous().t() if name in ("Q_L", "Q_R") else value
 
     # -- this rank's elements ------------------------------------------------------------------
     @staticmethod
