@@ -5,8 +5,10 @@ No tests here; module-level functions so that spawned gloo processes can import 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -66,6 +68,22 @@ def make_optimizer(kind: str, params: list[Any], kwargs: dict[str, Any]) -> torc
     raise ValueError(kind)
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Intra-op threads pinned to 1 for the block, then restored.
+
+    Bitwise comparisons are "same arithmetic" tests: every side must run the same kernels with
+    the same thread count (a GEMM's reduction split depends on it). Ranks run with 1 thread
+    (``run_processes`` sets it, ``dist_run_steps`` sets it on threaded ranks); so do references.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_steps(
     mesh: DeviceMesh | None,
     kind: str,
@@ -76,7 +94,23 @@ def run_steps(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> list[dict[str, torch.Tensor]]:
-    """Run ``steps`` steps on seeded data; per param: local param and every state tensor."""
+    """Run ``steps`` steps on seeded data; per param: local param and every state tensor.
+
+    With 1 intra-op thread (see ``one_thread``), on every side of a comparison."""
+    with one_thread():
+        return _run_steps(mesh, kind, shapes, specs, steps, kwargs, dtype, seed)
+
+
+def _run_steps(
+    mesh: DeviceMesh | None,
+    kind: str,
+    shapes: list[tuple[int, ...]],
+    specs: list[Spec],
+    steps: int,
+    kwargs: dict[str, Any],
+    dtype: torch.dtype,
+    seed: int,
+) -> list[dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     fulls = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
     params = [torch.nn.Parameter(shard(f, mesh, sp)) for f, sp in zip(fulls, specs, strict=True)]

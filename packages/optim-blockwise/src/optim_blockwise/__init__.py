@@ -18,7 +18,9 @@ from optim_blockwise._private.newton_schulz import (
     assign_roots,
     newton_schulz,
     ns_flops,
+    ns_root_bytes,
 )
+from optim_blockwise._private.owners import assign_owners
 from optim_blockwise._private.policy import AdamW8bitBlockPolicy, MuonBlockPolicy
 from optim_blockwise._private.roots import inverse_root
 from optim_blockwise._private.shampoo import Shampoo
@@ -58,7 +60,9 @@ __all__ = [
     "newton_schulz",
     "adjust_lr",
     "ns_flops",
+    "ns_root_bytes",
     "assign_roots",
+    "assign_owners",
     "inverse_root",
     "dynamic_map",
     "block_absmax",

@@ -6,15 +6,18 @@ rank that keeps all of the tile's state (statistics, roots or eigenbases, moment
 its update direction ``U`` from the tile's whole gradient. Per step:
 
 1. tiles whole on this rank (all of them under the optimizers' block policy) are computed here
-   from the local gradient, with no communication;
-2. tiles cut by a rank boundary: one uneven all-to-all per process group (all tiles of all
-   parameters batched) carries each rank's pieces to the owners (``exchange.py``, tiles in the
-   place of matrices); while it flies, step 1 and the elementwise parameters proceed;
-3. the owners compute ``U`` of their cut tiles and one more all-to-all returns each rank its
-   pieces of ``U``;
-4. every rank applies its local piece of ``U`` (learning rate, weight decay) elementwise.
+   from the local gradient, with no communication, while the first buckets of step 2 fly;
+2. tiles cut by a rank boundary go through the owner exchange (``exchange.run``: tiles are its
+   units; per process group, all cut tiles of all parameters in buckets of ``bucket_cap_mb``,
+   two buckets in flight against the owners' math): each rank's pieces to the owner, the
+   owner's ``U`` back;
+3. every rank applies its local piece of ``U`` (learning rate, weight decay) elementwise.
 
 No tile is ever gathered on more than its owner: traffic is at most 2x the cut tiles' fp32 bytes.
+The exchange plan covers every trainable preconditioned parameter whether or not it has a
+gradient this step, so it is made (and agreed between ranks, one small all-gather) only when the
+parameter set changes; a gradient present on some ranks only travels as a presence flag and
+raises on every rank (``exchange``'s presence note): no per-step host synchronization.
 A tile's math sees a fresh contiguous fp32 copy of its gradient wherever it runs, and the
 elementwise steps use only correctly rounded ops, so results are bit-identical to one device.
 
@@ -112,15 +115,20 @@ class BlockItem:
 class BlockPreconditioner(ShardedOptimizer):
     """Base of ``Shampoo`` and ``SOAP``: see the module notes. Subclasses give the math."""
 
-    _ELEMENTWISE_KIND = "elementwise"
-
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
         self.check_consistency = True
         self._layouts: dict[torch.Tensor, ParamLayout] = {}
         self._blocks: dict[torch.Tensor, _Blocks] = {}
         self._load: dict[object, list[int]] = {}
-        self._plans: dict[tuple[object, ...], tuple[exchange.ExchangePlan, int]] = {}
+        self._plan_key: tuple[object, ...] | None = None
+        self._exchanges: list[
+            tuple[dist.ProcessGroup, tuple[tuple[BlockItem, int], ...], exchange.ExchangePlan]
+        ] = []
+        self.bucket_cap_mb = 1.0
+        """Payload of one bucket of the owner exchange (buckets pipeline against the math)."""
+        self.in_flight = 2
+        """Gathers kept ahead of the owners' compute."""
         self.root_fallbacks = 0
         """Root / eigenbasis computations that failed in float32 and float64 (previous kept)."""
         self.last_step_stats: dict[str, int] = {}
@@ -243,6 +251,7 @@ class BlockPreconditioner(ShardedOptimizer):
                 pos += n
 
     def _items(self) -> list[BlockItem]:
+        """Every parameter with a gradient, in group order (tiles attached when preconditioned)."""
         self._ensure_blocks()
         out = []
         for group, name, param in self._params_with_grads():
@@ -255,7 +264,7 @@ class BlockPreconditioner(ShardedOptimizer):
         if "step" not in state:
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
         state["step"] += 1
-        return int(state["step"].item())
+        return int(state["step"].item())  # a CPU scalar: no device synchronization
 
     def _tile_state(self, item: BlockItem, t: int, device: torch.device) -> dict[str, Any]:
         state = cast(dict[str, Any], self.state[item.param])
@@ -268,9 +277,7 @@ class BlockPreconditioner(ShardedOptimizer):
                 state[block_key(t, k)] = v
         return {k: state[block_key(t, k)] for k in spec}
 
-    def _compute(
-        self, item: BlockItem, t: int, grad: torch.Tensor, step: int
-    ) -> torch.Tensor:
+    def _compute(self, item: BlockItem, t: int, grad: torch.Tensor, step: int) -> torch.Tensor:
         """``U`` of tile ``t`` (flat fp32) on its owner; the tile's state is updated."""
         assert item.blocks is not None
         tile = item.blocks.tiles[t]
@@ -281,6 +288,58 @@ class BlockPreconditioner(ShardedOptimizer):
             state[block_key(t, k)] = v
         return out.reshape(-1)
 
+    # -- the exchange plan ---------------------------------------------------------------------
+    def _key(self) -> tuple[object, ...]:
+        """Everything the exchange plans depend on; cheap, reads nothing from the device."""
+        key: list[object] = [self.bucket_cap_mb, self.check_consistency]
+        for group in self.param_groups:
+            key.append((group["use_preconditioner"], group["max_preconditioner_dim"]))
+            key.extend((id(p), p.requires_grad) for p in group["params"])
+        return tuple(key)
+
+    def _make_plans(self) -> None:
+        """One exchange per process group over the cut tiles of every trainable preconditioned
+        parameter (present or not in a given step, see exchange's presence note); the ranks
+        check once, here, that they planned the same exchange."""
+        self._ensure_blocks()
+        by_pg: dict[dist.ProcessGroup, list[tuple[BlockItem, int]]] = {}
+        for group in self.param_groups:
+            for index, param in enumerate(group["params"]):
+                blocks = self._blocks.get(param)
+                if blocks is None or not param.requires_grad:
+                    continue
+                name = self._name(group, index, param)
+                layout = self._layout(param, name)
+                if not layout.is_sharded:
+                    continue
+                item = BlockItem(param, name, group, layout, blocks)
+                assert layout.group is not None
+                for t in range(len(blocks.tiles)):
+                    if blocks.is_cut(t):
+                        by_pg.setdefault(layout.group, []).append((item, t))
+        plans = []
+        for pg, units in by_pg.items():
+            coord = units[0][0].layout.coord
+            ranges, owners, costs = [], [], []
+            for item, t in units:
+                assert item.blocks is not None
+                ranges.append(item.blocks.ranges[t])
+                owners.append(item.blocks.owners[t])
+                costs.append(root_cost(item.blocks.tiles[t]))
+            total = 4 * sum(item.blocks.tiles[t].numel for item, t in units if item.blocks)
+            most = max(owners.count(k) for k in set(owners))
+            count = max(1, min(most, math.ceil(total / (self.bucket_cap_mb * 2**20))))
+            plan = exchange.plan_exchange(coord, ranges, owners, buckets=count, weights=costs)
+            if self.check_consistency:
+                digest = fingerprint(
+                    [(i.layout.global_shape, t, i.blocks.ranges[t] if i.blocks else ()) for i, t in units]
+                )
+                device = local_flat(units[0][0].param, units[0][0].name).device
+                names = sorted({i.name for i, _ in units})
+                check_agreement(pg, digest, len(units), device, type(self).__name__, names)
+            plans.append((pg, tuple(units), plan))
+        self._exchanges = plans
+
     # -- the step ------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -288,114 +347,104 @@ class BlockPreconditioner(ShardedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        key = self._key()
+        if key != self._plan_key:
+            self._make_plans()
+            self._plan_key = key
         items = self._items()
-        steps = [self._step_count(item) for item in items]
+        steps = {item.param: self._step_count(item) for item in items}
         stats = {"collectives": 0, "bytes_sent": 0, "local_tiles": 0, "exchanged_tiles": 0}
         fallbacks_before = self.root_fallbacks
-        updates: dict[int, torch.Tensor] = {}
-        grads: dict[int, torch.Tensor] = {}
-        by_pg: dict[object, list[tuple[int, int]]] = {}  # pg -> (item, tile) of cut tiles
-        local_tasks: list[tuple[int, int]] = []
-        for i, item in enumerate(items):
-            if item.blocks is None:
-                continue
-            assert item.param.grad is not None
-            grads[i] = local_flat(item.param.grad, item.name)
-            updates[i] = torch.empty(
-                item.layout.local_numel, dtype=torch.float32, device=grads[i].device
+        updates: dict[torch.Tensor, torch.Tensor] = {}
+        grads: dict[torch.Tensor, torch.Tensor] = {}
+        for item in items:
+            if item.blocks is not None:
+                assert item.param.grad is not None
+                grads[item.param] = local_flat(item.param.grad, item.name)
+                updates[item.param] = torch.empty(
+                    item.layout.local_numel, dtype=torch.float32, device=grads[item.param].device
+                )
+
+        def overlap() -> None:
+            # Whole local tiles and elementwise parameters: no owner elsewhere needed.
+            for item in items:
+                if item.blocks is None:
+                    self._elementwise(item, steps[item.param])
+                    continue
+                coord = item.layout.coord if item.layout.is_sharded else 0
+                for t in range(len(item.blocks.tiles)):
+                    if item.blocks.whole_on(t, coord):
+                        piece = item.blocks.pieces[t]
+                        g = read_piece(grads[item.param], piece, torch.float32)
+                        u = self._compute(item, t, g, steps[item.param])
+                        write_piece(updates[item.param], piece, u)
+                        stats["local_tiles"] += 1
+
+        if not self._exchanges:
+            overlap()
+        for n, (pg, units, plan) in enumerate(self._exchanges):
+            run = exchange.run(
+                plan,
+                pg,
+                dtype=torch.float32,
+                device=local_flat(units[0][0].param, units[0][0].name).device,
+                piece=lambda i, units=units: self._piece(units[i], grads),
+                compute=lambda bucket, fulls, units=units: {
+                    i: self._owner_compute(units[i], full, steps) for i, full in fulls.items()
+                },
+                apply=lambda bucket, pieces, units=units: self._receive(units, pieces, updates),
+                present=(
+                    [item.param.grad is not None for item, _ in units]
+                    if self.check_consistency
+                    else None
+                ),
+                overlap=overlap if n == 0 else None,
+                in_flight=self.in_flight,
+                what=type(self).__name__,
+                names=lambda i, units=units: f"{units[i][0].name} tile {units[i][1]}",
             )
-            coord = item.layout.coord if item.layout.is_sharded else 0
-            for t in range(len(item.blocks.tiles)):
-                if item.blocks.whole_on(t, coord):
-                    local_tasks.append((i, t))
-                elif item.blocks.is_cut(t):
-                    by_pg.setdefault(item.layout.group, []).append((i, t))
-
-        # 1. start the gathers of the cut tiles (one all-to-all per process group).
-        pending = []
-        for pg, tasks in by_pg.items():
-            assert isinstance(pg, dist.ProcessGroup)
-            plan, digest = self._plan(pg, items, tasks)
-            device = grads[tasks[0][0]].device
-            if self.check_consistency:
-                names = sorted({items[i].name for i, _ in tasks})
-                check_agreement(pg, digest, len(tasks), device, type(self).__name__, names)
-                stats["collectives"] += 1
-            pieces = []
-            for i, t in tasks:
-                blocks = items[i].blocks
-                assert blocks is not None
-                pieces.append(read_piece(grads[i], blocks.pieces[t], torch.float32))
-            work, recv = exchange.gather_to_roots(plan, pieces, pg)
-            stats["collectives"] += 1
-            stats["bytes_sent"] += plan.moved_elements * 4
+            stats["collectives"] += run.collectives
+            stats["bytes_sent"] += run.bytes_sent
             stats["exchanged_tiles"] += len(plan.mine)
-            pending.append((pg, tasks, plan, work, recv))
-
-        # Overlap: whole local tiles and elementwise parameters while the gathers fly.
-        for i, t in local_tasks:
-            blocks = items[i].blocks
-            assert blocks is not None
-            g = read_piece(grads[i], blocks.pieces[t], torch.float32)
-            u = self._compute(items[i], t, g, steps[i])
-            write_piece(updates[i], blocks.pieces[t], u)
-            stats["local_tiles"] += 1
-        for i, item in enumerate(items):
-            if item.blocks is None:
-                self._elementwise(item, steps[i])
-
-        # 2. the owners compute their cut tiles; 3. scatter the directions back.
-        scatters = []
-        for pg, tasks, plan, work, recv in pending:
-            if work is not None:
-                work.wait()
-            full = exchange.assemble(plan, recv)
-            results = {
-                j: self._compute(items[tasks[j][0]], tasks[j][1], full[j], steps[tasks[j][0]])
-                for j in plan.mine
-            }
-            like = grads[tasks[0][0]].new_empty(0, dtype=torch.float32)
-            work2, recv2 = exchange.scatter_from_roots(plan, results, like, pg)
-            stats["collectives"] += 1
-            stats["bytes_sent"] += plan.moved_elements * 4
-            scatters.append((tasks, plan, work2, recv2))
-        for tasks, plan, work2, recv2 in scatters:
-            if work2 is not None:
-                work2.wait()
-            back = exchange.split_scattered(plan, recv2)
-            for j, (i, t) in enumerate(tasks):
-                blocks = items[i].blocks
-                assert blocks is not None
-                write_piece(updates[i], blocks.pieces[t], back[j])
-
-        # 4. apply.
-        for i, update in updates.items():
-            self._apply(items[i], update, steps[i])
+        for item in items:
+            if item.param in updates:
+                self._apply(item, updates[item.param], steps[item.param])
         stats["root_fallbacks"] = self.root_fallbacks - fallbacks_before
         self.last_step_stats = stats
         return loss
 
-    def _plan(
-        self, pg: dist.ProcessGroup, items: list[BlockItem], tasks: list[tuple[int, int]]
-    ) -> tuple[exchange.ExchangePlan, int]:
-        key = (pg, *((items[i].param, t) for i, t in tasks))
-        cached = self._plans.get(key)
-        if cached is not None:
-            return cached
-        coord = items[tasks[0][0]].layout.coord
-        ranges = []
-        owners = []
-        described = []
-        for i, t in tasks:
-            blocks = items[i].blocks
-            assert blocks is not None
-            ranges.append(blocks.ranges[t])
-            owners.append(blocks.owners[t])
-            described.append((items[i].layout.global_shape, t, blocks.ranges[t]))
-        plan = exchange.plan_exchange(coord, ranges, owners)
-        cached = (plan, fingerprint(described))
-        self._plans[key] = cached
-        return cached
+    def _piece(
+        self, unit: tuple[BlockItem, int], grads: dict[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """This rank's fp32 piece of a cut tile's gradient (zeros without a gradient)."""
+        item, t = unit
+        assert item.blocks is not None
+        piece = item.blocks.pieces[t]
+        grad = grads.get(item.param)
+        if grad is None:
+            device = local_flat(item.param, item.name).device
+            return torch.zeros(piece.numel, dtype=torch.float32, device=device)
+        return read_piece(grad, piece, torch.float32)
+
+    def _owner_compute(
+        self, unit: tuple[BlockItem, int], full: torch.Tensor, steps: dict[torch.Tensor, int]
+    ) -> torch.Tensor:
+        item, t = unit
+        if item.param not in steps:  # no gradient (on every rank, or the exchange raises)
+            return torch.zeros_like(full)
+        return self._compute(item, t, full, steps[item.param])
+
+    def _receive(
+        self,
+        units: tuple[tuple[BlockItem, int], ...],
+        pieces: dict[int, torch.Tensor],
+        updates: dict[torch.Tensor, torch.Tensor],
+    ) -> None:
+        for i, back in pieces.items():
+            item, t = units[i]
+            if item.param in updates:
+                assert item.blocks is not None
+                write_piece(updates[item.param], item.blocks.pieces[t], back)
 
     # -- state dict ----------------------------------------------------------------------------
     def _pairs(self, saved_groups: list[dict[str, Any]]) -> list[tuple[Any, dict[str, Any], Any]]:
