@@ -37,7 +37,12 @@ KWARGS: dict[str, dict[str, Any]] = {
         "precondition_frequency": 2,
         "start_preconditioning_step": 2,
     },
-    "soap": {"lr": 1e-2, "weight_decay": 0.1, "max_preconditioner_dim": 16, "precondition_frequency": 2},
+    "soap": {
+        "lr": 1e-2,
+        "weight_decay": 0.1,
+        "max_preconditioner_dim": 16,
+        "precondition_frequency": 2,
+    },
 }
 
 
@@ -204,8 +209,13 @@ def test_grafting_takes_the_direction_of_shampoo_and_the_size_of_the_graft() -> 
     for grafting in ("adam", "sgd"):
         w = torch.nn.Parameter(torch.zeros(8, 12))
         opt = ob.Shampoo(
-            [w], lr=1.0, betas=(0.0, 1.0), grafting=grafting, precondition_frequency=1,
-            start_preconditioning_step=1, epsilon=1e-6,
+            [w],
+            lr=1.0,
+            betas=(0.0, 1.0),
+            grafting=grafting,
+            precondition_frequency=1,
+            start_preconditioning_step=1,
+            epsilon=1e-6,
         )
         g = torch.randn(8, 12, generator=gen, dtype=torch.float64)
         w.grad = g.float()
@@ -370,8 +380,11 @@ def test_use_preconditioner_false_is_the_graft_alone() -> None:
     w0 = torch.randn(6, 10, generator=gen)
     a, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
     ours = ob.Shampoo(
-        [{"params": [a], "use_preconditioner": False}], lr=1e-2, betas=(0.9, 1.0),
-        grafting_beta2=0.999, grafting_epsilon=1e-8,
+        [{"params": [a], "use_preconditioner": False}],
+        lr=1e-2,
+        betas=(0.9, 1.0),
+        grafting_beta2=0.999,
+        grafting_epsilon=1e-8,
     )
     ref = torch.optim.Adam([b], lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
     for _ in range(5):

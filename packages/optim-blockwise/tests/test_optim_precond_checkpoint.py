@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_optim_precond_support import check_equal_to_single, make, run
+from test_optim_precond_support import check_equal_to_single, make
 from test_optim_support import local_of, ragged_spec, shard
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -19,10 +19,19 @@ from ragged_dtensor.testing import run_threaded
 
 SHAPES = [(40, 50), (7,), (33, 16)]
 KWARGS: dict[str, dict[str, Any]] = {
-    "shampoo": {"lr": 1e-2, "weight_decay": 0.1, "max_preconditioner_dim": 16,
-                "precondition_frequency": 2, "start_preconditioning_step": 2},
-    "soap": {"lr": 1e-2, "weight_decay": 0.1, "max_preconditioner_dim": 16,
-             "precondition_frequency": 2},
+    "shampoo": {
+        "lr": 1e-2,
+        "weight_decay": 0.1,
+        "max_preconditioner_dim": 16,
+        "precondition_frequency": 2,
+        "start_preconditioning_step": 2,
+    },
+    "soap": {
+        "lr": 1e-2,
+        "weight_decay": 0.1,
+        "max_preconditioner_dim": 16,
+        "precondition_frequency": 2,
+    },
 }
 
 
@@ -64,7 +73,8 @@ def _load_continue(rank: int, world: int, kind: str, how: str, path: str) -> dic
     specs = _specs(world, how)
     _, grads = _data()
     params = [
-        torch.nn.Parameter(shard(torch.zeros(s), mesh, sp)) for s, sp in zip(SHAPES, specs, strict=True)
+        torch.nn.Parameter(shard(torch.zeros(s), mesh, sp))
+        for s, sp in zip(SHAPES, specs, strict=True)
     ]
     opt = make(kind, params, KWARGS[kind])
     for p in params:  # materialize the state so that the template has every key

@@ -113,9 +113,10 @@ def _shampoo_bound(
         xl, dl = _root_error(left, eps)
         xr, dr = _root_error(right, eps)
         gn = float(torch.linalg.vector_norm(g))
-        dp = dl * gn * float(torch.linalg.matrix_norm(xr, 2)) + float(
-            torch.linalg.matrix_norm(xl, 2)
-        ) * gn * dr
+        dp = (
+            dl * gn * float(torch.linalg.matrix_norm(xr, 2))
+            + float(torch.linalg.matrix_norm(xl, 2)) * gn * dr
+        )
         if grafted:
             p_norm = float(torch.linalg.vector_norm(xl @ g @ xr))
             dp = 2 * dp * gn / p_norm
@@ -171,5 +172,7 @@ def test_shampoo_trajectory_matches_pytorch_optimizer(variant: str) -> None:
     bound = _shampoo_bound(grads, eps, beta2, start, grafting != "none", lr, history)
     diff = float((a.detach() - b.detach()).abs().max())
     moved = float((b.detach() - w0).abs().max())
-    assert diff <= bound, f"{variant}: max |ours - reference| {diff:.3g} > derived bound {bound:.3g}"
+    assert diff <= bound, (
+        f"{variant}: max |ours - reference| {diff:.3g} > derived bound {bound:.3g}"
+    )
     assert bound < 0.05 * moved, f"{variant}: bound {bound:.3g} vs movement {moved:.3g}"

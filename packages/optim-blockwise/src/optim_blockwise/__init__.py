@@ -22,16 +22,16 @@ from optim_blockwise._private.newton_schulz import (
 )
 from optim_blockwise._private.owners import assign_owners
 from optim_blockwise._private.policy import AdamW8bitBlockPolicy, MuonBlockPolicy
-from optim_blockwise._private.roots import inverse_root
-from optim_blockwise._private.shampoo import Shampoo
-from optim_blockwise._private.soap import SOAP
-from optim_blockwise._private.tiles import PreconditionerBlockPolicy
 from optim_blockwise._private.quant import (
     block_absmax,
     dequantize_blockwise,
     dynamic_map,
     quantize_blockwise,
 )
+from optim_blockwise._private.roots import inverse_root
+from optim_blockwise._private.shampoo import Shampoo
+from optim_blockwise._private.soap import SOAP
+from optim_blockwise._private.tiles import PreconditionerBlockPolicy
 
 
 def _version() -> str:

@@ -44,7 +44,7 @@ from torch.distributed.tensor.placement_types import Placement
 from optim_blockwise._private import exchange
 from optim_blockwise._private.agree import check_agreement, fingerprint
 from optim_blockwise._private.base import ShardedOptimizer
-from optim_blockwise._private.layout import ParamLayout, describe, local_flat
+from optim_blockwise._private.layout import ParamLayout, local_flat
 from optim_blockwise._private.state import restore_state_dtypes, sharded_state_dict
 from optim_blockwise._private.tiles import (
     Piece,
@@ -163,7 +163,9 @@ class BlockPreconditioner(ShardedOptimizer):
     def _block_spec(self, group: dict[str, Any], tile: Tile) -> StateSpec:
         raise NotImplementedError
 
-    def _init_block(self, group: dict[str, Any], tile: Tile, device: torch.device) -> dict[str, Any]:
+    def _init_block(
+        self, group: dict[str, Any], tile: Tile, device: torch.device
+    ) -> dict[str, Any]:
         spec = self._block_spec(group, tile)
         return {k: torch.zeros(s, dtype=d, device=device) for k, (s, d) in spec.items()}
 
@@ -200,7 +202,9 @@ class BlockPreconditioner(ShardedOptimizer):
         Owners must not depend on which parameters have gradients this step: the owner keeps
         the tile's state. New parameters are assigned on top of the load already owned.
         """
-        new: dict[object, list[tuple[torch.Tensor, ParamLayout, tuple[int, int], int]]] = {}
+        new: dict[
+            dist.ProcessGroup | None, list[tuple[torch.Tensor, ParamLayout, tuple[int, int], int]]
+        ] = {}
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
                 if param in self._blocks or not self._preconditioned(group, param):
@@ -332,7 +336,10 @@ class BlockPreconditioner(ShardedOptimizer):
             plan = exchange.plan_exchange(coord, ranges, owners, buckets=count, weights=costs)
             if self.check_consistency:
                 digest = fingerprint(
-                    [(i.layout.global_shape, t, i.blocks.ranges[t] if i.blocks else ()) for i, t in units]
+                    [
+                        (i.layout.global_shape, t, i.blocks.ranges[t] if i.blocks else ())
+                        for i, t in units
+                    ]
                 )
                 device = local_flat(units[0][0].param, units[0][0].name).device
                 names = sorted({i.name for i, _ in units})
@@ -383,26 +390,8 @@ class BlockPreconditioner(ShardedOptimizer):
         if not self._exchanges:
             overlap()
         for n, (pg, units, plan) in enumerate(self._exchanges):
-            run = exchange.run(
-                plan,
-                pg,
-                dtype=torch.float32,
-                device=local_flat(units[0][0].param, units[0][0].name).device,
-                piece=lambda i, units=units: self._piece(units[i], grads),
-                compute=lambda bucket, fulls, units=units: {
-                    i: self._owner_compute(units[i], full, steps) for i, full in fulls.items()
-                },
-                apply=lambda bucket, pieces, units=units: self._receive(units, pieces, updates),
-                present=(
-                    [item.param.grad is not None for item, _ in units]
-                    if self.check_consistency
-                    else None
-                ),
-                overlap=overlap if n == 0 else None,
-                in_flight=self.in_flight,
-                what=type(self).__name__,
-                names=lambda i, units=units: f"{units[i][0].name} tile {units[i][1]}",
-            )
+            first = overlap if n == 0 else None  # runs once the first gathers are in flight
+            run = self._run_exchange(pg, units, plan, grads, steps, updates, first)
             stats["collectives"] += run.collectives
             stats["bytes_sent"] += run.bytes_sent
             stats["exchanged_tiles"] += len(plan.mine)
@@ -412,6 +401,46 @@ class BlockPreconditioner(ShardedOptimizer):
         stats["root_fallbacks"] = self.root_fallbacks - fallbacks_before
         self.last_step_stats = stats
         return loss
+
+    def _run_exchange(
+        self,
+        pg: dist.ProcessGroup,
+        units: tuple[tuple[BlockItem, int], ...],
+        plan: exchange.ExchangePlan,
+        grads: dict[torch.Tensor, torch.Tensor],
+        steps: dict[torch.Tensor, int],
+        updates: dict[torch.Tensor, torch.Tensor],
+        overlap: Callable[[], None] | None = None,
+    ) -> exchange.ExchangeStats:
+        def piece(i: int) -> torch.Tensor:
+            return self._piece(units[i], grads)
+
+        def compute(
+            bucket: exchange.Bucket, fulls: dict[int, torch.Tensor]
+        ) -> dict[int, torch.Tensor]:
+            return {i: self._owner_compute(units[i], full, steps) for i, full in fulls.items()}
+
+        def apply(bucket: exchange.Bucket, pieces: dict[int, torch.Tensor]) -> None:
+            self._receive(units, pieces, updates)
+
+        def name(i: int) -> str:
+            return f"{units[i][0].name} tile {units[i][1]}"
+
+        present = [item.param.grad is not None for item, _ in units]
+        return exchange.run(
+            plan,
+            pg,
+            dtype=torch.float32,
+            device=local_flat(units[0][0].param, units[0][0].name).device,
+            piece=piece,
+            compute=compute,
+            apply=apply,
+            present=present if self.check_consistency else None,
+            overlap=overlap,
+            in_flight=self.in_flight,
+            what=type(self).__name__,
+            names=name,
+        )
 
     def _piece(
         self, unit: tuple[BlockItem, int], grads: dict[torch.Tensor, torch.Tensor]
@@ -505,7 +534,9 @@ class BlockPreconditioner(ShardedOptimizer):
                 axis = next(
                     a for a, p in enumerate(param.placements) if not isinstance(p, Replicate)
                 )
-                onehot = tuple(int(k == blocks.owners[t]) for k in range(param.device_mesh.size(axis)))
+                onehot = tuple(
+                    int(k == blocks.owners[t]) for k in range(param.device_mesh.size(axis))
+                )
                 placements: list[Placement] = [Replicate()] * len(param.placements)
                 placements[axis] = RaggedShard((), onehot)
                 out[key] = DTensor.from_local(

@@ -103,10 +103,12 @@ def refresh_eigenbasis(
 def project(g: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """``Q_L^T G Q_R`` as two ``tensordot``s (the original SOAP's op order)."""
     g = torch.tensordot(g, left, dims=[[0], [0]])
-    return torch.tensordot(g, right, dims=[[0], [0]])
+    out: torch.Tensor = torch.tensordot(g, right, dims=[[0], [0]])
+    return out
 
 
 def project_back(g: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """``Q_L G Q_R^T``, the inverse rotation of ``project``."""
     g = torch.tensordot(g, left, dims=[[0], [1]])
-    return torch.tensordot(g, right, dims=[[0], [1]])
+    out: torch.Tensor = torch.tensordot(g, right, dims=[[0], [1]])
+    return out

@@ -48,7 +48,7 @@ GRAFTINGS = ("adam", "sgd", "none")
 
 
 def _check_unit(name: str, value: float, closed: bool = False) -> None:
-    ok = isinstance(value, int | float) and math.isfinite(value) and 0.0 <= value
+    ok = isinstance(value, int | float) and math.isfinite(value) and value >= 0.0
     ok = ok and (value <= 1.0 if closed else value < 1.0)
     if not ok:
         raise ValueError(f"{name} must be in [0, 1{']' if closed else ')'}, got {value}")
@@ -101,8 +101,10 @@ class Shampoo(BlockPreconditioner):
         check_nonnegative("weight_decay", weight_decay)
         _check_positive_int("max_preconditioner_dim", max_preconditioner_dim)
         _check_positive_int("precondition_frequency", precondition_frequency)
-        start = precondition_frequency if start_preconditioning_step is None else (
-            start_preconditioning_step
+        start = (
+            precondition_frequency
+            if start_preconditioning_step is None
+            else (start_preconditioning_step)
         )
         _check_positive_int("start_preconditioning_step", start)
         if grafting not in GRAFTINGS:
@@ -141,7 +143,9 @@ class Shampoo(BlockPreconditioner):
             spec["exp_avg_sq"] = ((h, w), torch.float32)
         return spec
 
-    def _init_block(self, group: dict[str, Any], tile: Tile, device: torch.device) -> dict[str, Any]:
+    def _init_block(
+        self, group: dict[str, Any], tile: Tile, device: torch.device
+    ) -> dict[str, Any]:
         state = super()._init_block(group, tile, device)
         for key in ("L_inv_root", "R_inv_root"):  # identity until the first root
             state[key] = torch.eye(state[key].shape[0], dtype=state[key].dtype, device=device)
@@ -175,7 +179,9 @@ class Shampoo(BlockPreconditioner):
         precond = (state["L_inv_root"] @ moment.to(pd) @ state["R_inv_root"]).to(torch.float32)
         if group["grafting"] == "none":
             return precond
-        return precond.mul_(torch.linalg.vector_norm(graft) / (torch.linalg.vector_norm(precond) + 1e-16))
+        return precond.mul_(
+            torch.linalg.vector_norm(graft) / (torch.linalg.vector_norm(precond) + 1e-16)
+        )
 
     @staticmethod
     def _filtered(
@@ -203,7 +209,8 @@ class Shampoo(BlockPreconditioner):
         v = state["exp_avg_sq"]
         v.mul_(beta).add_(grad * grad * (1.0 - beta))
         denom = (v / (1.0 - beta**step)).sqrt_().add_(group["grafting_epsilon"])
-        return moment / denom
+        out: torch.Tensor = moment / denom
+        return out
 
     # -- this rank's elements ------------------------------------------------------------------
     def _apply(self, item: BlockItem, update: torch.Tensor, step: int) -> None:

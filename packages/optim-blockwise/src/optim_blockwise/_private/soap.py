@@ -116,7 +116,9 @@ class SOAP(BlockPreconditioner):
             "Q_R": ((w, w), pd),
         }
 
-    def _statistics(self, group: dict[str, Any], state: dict[str, torch.Tensor], g: torch.Tensor) -> None:
+    def _statistics(
+        self, group: dict[str, Any], state: dict[str, torch.Tensor], g: torch.Tensor
+    ) -> None:
         beta = group["shampoo_beta"]
         beta = group["betas"][1] if beta is None else beta
         for key, dims in (("GG_L", [[1], [1]]), ("GG_R", [[0], [0]])):

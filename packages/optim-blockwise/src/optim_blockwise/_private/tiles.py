@@ -7,13 +7,13 @@ rows (the last band shorter), columns likewise, and every ``rows x cols`` tile k
 and right statistics (``rows x rows`` and ``cols x cols``), as Meta's distributed Shampoo does.
 Tiles are numbered band by band, left to right.
 
-A rank holds one flat row-major range ``[s, e)`` of ``W``. Tile element ``q`` (row-major inside the
-tile, ``i = q // w``, ``j = q % w``) sits at flat index ``(r0 + i) C + c0 + j``, which increases with
-``q``; so the tile elements a rank holds are one contiguous range of the tile's own row-major
-storage, and the ranks' ranges tile it in rank order. That is exactly the geometry the batched
-owner exchange (``exchange.py``) needs, with tiles in the place of matrices. Inside the local shard
-the piece is at most three strided parts: a partial first row, whole rows (stride ``C``), a
-partial last row.
+A rank holds one flat row-major range ``[s, e)`` of ``W``. Tile element ``q`` (row-major inside
+the tile, ``i = q // w``, ``j = q % w``) sits at flat index ``(r0 + i) C + c0 + j``, which
+increases with ``q``; so the tile elements a rank holds are one contiguous range of the tile's
+own row-major storage, and the ranks' ranges tile it in rank order. That is exactly the geometry
+of the owner exchange (``exchange.py``), with tiles as its units. Inside the local shard the piece
+is at most three strided parts: a partial first row, whole rows (stride ``C``), a partial last
+row.
 
 Owners: a tile that lies whole on one rank is computed there (no traffic); a tile cut by a rank
 boundary goes to an owner chosen greedily, largest eigendecomposition cost first, onto the rank
@@ -170,7 +170,9 @@ def write_piece(flat: torch.Tensor, piece: Piece, values: torch.Tensor) -> None:
     pos = 0
     for offset, rows, width in piece.parts:
         n = rows * width
-        _view(flat, offset, rows, width, piece.stride).copy_(values[pos : pos + n].view(rows, width))
+        _view(flat, offset, rows, width, piece.stride).copy_(
+            values[pos : pos + n].view(rows, width)
+        )
         pos += n
 
 
