@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import optim_blockwise as ob
 from optim_blockwise._private import tiles as tl
 from ragged_dtensor import RaggedShard
-from ragged_dtensor.testing import DistributedFailure, run_threaded
+from ragged_dtensor.testing import DistributedFailure, run_processes, run_threaded
 
 # max_preconditioner_dim 16 below: several tiles per matrix, ragged last bands and columns.
 SHAPES = [(40, 50), (7,), (33, 16), (16, 8), (1, 30), (3, 4, 5)]
@@ -254,6 +254,27 @@ def test_fsdp2_shard0_equals_single_device(kind: str, world: int) -> None:
     per_rank = run_threaded(dist_run, world, kind, SHAPES, specs, 5, KWARGS[kind], timeout=120)
     single = run(None, kind, SHAPES, PLAIN, 5, KWARGS[kind])
     check_equal_to_single(per_rank, single, SHAPES, specs)
+
+
+def _gloo_cases(rank: int, world: int) -> bytes:
+    from test_optim_support import to_bytes
+
+    specs = [ragged_spec(s, world, 1, seed=world * 7 + i) for i, s in enumerate(SHAPES)]
+    return to_bytes([dist_run(rank, world, k, SHAPES, specs, 4, KWARGS[k]) for k in KWARGS])
+
+
+@pytest.mark.multiprocess
+def test_gloo_processes_equal_single_device() -> None:
+    """Real gloo processes, 4 ranks, uneven layouts with cut tiles: bit-identical."""
+    from test_optim_support import from_bytes
+
+    world = 4
+    per_rank = [from_bytes(b) for b in run_processes(_gloo_cases, world, timeout=240)]
+    specs = [ragged_spec(s, world, 1, seed=world * 7 + i) for i, s in enumerate(SHAPES)]
+    for c, kind in enumerate(KWARGS):
+        single = run(None, kind, SHAPES, PLAIN, 4, KWARGS[kind])
+        check_equal_to_single([r[c] for r in per_rank], single, SHAPES, specs)
+        assert any(s["exchanged_tiles"] for r in per_rank for s in r[c]["stats"])
 
 
 def _policy_specs(shapes: list[tuple[int, ...]], world: int) -> list[tuple[Any, ...]]:
