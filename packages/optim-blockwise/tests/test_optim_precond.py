@@ -352,6 +352,67 @@ def test_ranks_disagreeing_on_grads_raise_instead_of_hanging() -> None:
         run_threaded(_disagree, 2, timeout=30)
 
 
+def _hsdp(rank: int, world: int, kind: str) -> list[torch.Tensor]:
+    """2-D mesh (replicate x shard): RaggedShard on axis 1, Replicate on axis 0."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    coord = mesh.get_local_rank(1)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(40, 50), (48,)]
+    placements = [RaggedShard((0, 1), (777, 1223)), RaggedShard((0,), (1, 2))]
+
+    def make(full: torch.Tensor, pl: RaggedShard) -> DTensor:
+        r = pl.flat_range(full.shape, coord)
+        local = full.reshape(-1)[r.start : r.stop].clone()
+        return DTensor.from_local(
+            local, mesh, [Replicate(), pl], shape=full.shape, stride=full.stride(), run_check=False
+        )
+
+    fulls = [torch.randn(s, generator=gen) for s in shapes]
+    params = [torch.nn.Parameter(make(f, pl)) for f, pl in zip(fulls, placements, strict=True)]
+    opt = (ob.Shampoo if kind == "shampoo" else ob.SOAP)(params, **KWARGS[kind])
+    for _ in range(4):
+        for p, s, pl in zip(params, shapes, placements, strict=True):
+            p.grad = make(torch.randn(s, generator=gen), pl)
+        opt.step()
+    return [p.detach().to_local().clone() for p in params]
+
+
+@pytest.mark.parametrize("kind", ["shampoo", "soap"])
+def test_hsdp_two_dim_mesh_equals_single_device(kind: str) -> None:
+    """Replicas compute identical results; the shard axis equals one device bit for bit."""
+    out = run_threaded(_hsdp, 4, kind, timeout=120)
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(40, 50), (48,)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    opt = (ob.Shampoo if kind == "shampoo" else ob.SOAP)(params, **KWARGS[kind])
+    for _ in range(4):
+        for p, s in zip(params, shapes, strict=True):
+            p.grad = torch.randn(s, generator=gen)
+        opt.step()
+    for rank in range(4):
+        first = rank - rank % 2
+        for i, p in enumerate(params):
+            whole = torch.cat([out[first][i], out[first + 1][i]])
+            assert torch.equal(whole, p.detach().reshape(-1)), f"rank {rank} param {i}"
+
+
+def test_gradient_sharded_unlike_the_parameter_is_refused_by_name() -> None:
+    with pytest.raises(DistributedFailure, match=r"'layer.w'.*sharded like the parameter"):
+        run_threaded(_bad_grad, 2, timeout=30)
+
+
+def _bad_grad(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    spec = ("ragged", (0, 1), (40, 8))  # rank 0: 40 elements, rank 1: 8; Shard(0) gives 24 each
+    w = torch.nn.Parameter(shard(torch.randn(8, 6), mesh, spec))
+    w.grad = shard(torch.randn(8, 6), mesh, ("chunk",))
+    ob.Shampoo([{"params": [w], "param_names": ["layer.w"]}]).step()
+
+
 # -- arguments -------------------------------------------------------------------------------
 
 

@@ -260,6 +260,14 @@ class BlockPreconditioner(ShardedOptimizer):
         out = []
         for group, name, param in self._params_with_grads():
             layout = self._layout(param, name)
+            assert param.grad is not None
+            grad = local_flat(param.grad, name)
+            if grad.numel() != layout.local_numel:
+                raise ValueError(
+                    f"parameter {name!r}: its local gradient has {grad.numel()} elements but "
+                    f"the parameter's local shard ({layout.placement}) has "
+                    f"{layout.local_numel}; the gradient must be sharded like the parameter"
+                )
             out.append(BlockItem(param, name, group, layout, self._blocks.get(param)))
         return out
 
