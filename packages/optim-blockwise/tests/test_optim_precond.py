@@ -478,3 +478,13 @@ def test_use_preconditioner_false_is_the_graft_alone() -> None:
     # Adam's update is <= lr per element and its ops round to ~4 ulps of the update each step
     assert float((a - b).detach().abs().max()) <= 5 * 8 * 2.0**-24 * (1e-2 + float(w0.abs().max()))
     assert math.isfinite(float(a.detach().sum()))
+
+
+def test_changing_max_preconditioner_dim_after_the_first_step_is_refused() -> None:
+    w = torch.nn.Parameter(torch.zeros(8, 8))
+    opt = ob.SOAP([{"params": [w], "param_names": ["w"]}], max_preconditioner_dim=8)
+    w.grad = torch.ones(8, 8)
+    opt.step()
+    opt.param_groups[0]["max_preconditioner_dim"] = 4
+    with pytest.raises(ValueError, match=r"'w': max_preconditioner_dim changed from 8 to 4"):
+        opt.step()

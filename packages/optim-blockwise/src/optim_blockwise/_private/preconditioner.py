@@ -89,6 +89,7 @@ def block_key(tile: int, name: str) -> str:
 class _Blocks:
     """A preconditioned parameter's tiles, their per-rank ranges, owners and this rank's pieces."""
 
+    max_dim: int
     cols: int
     tiles: tuple[Tile, ...]
     ranges: tuple[tuple[tuple[int, int], ...], ...]
@@ -207,9 +208,18 @@ class BlockPreconditioner(ShardedOptimizer):
         ] = {}
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
-                if param in self._blocks or not self._preconditioned(group, param):
+                if not self._preconditioned(group, param):
                     continue
                 name = self._name(group, index, param)
+                known = self._blocks.get(param)
+                if known is not None:
+                    if known.max_dim != int(group["max_preconditioner_dim"]):
+                        raise ValueError(
+                            f"parameter {name!r}: max_preconditioner_dim changed from "
+                            f"{known.max_dim} to {group['max_preconditioner_dim']} after its "
+                            f"tiles were made; the tiles hold its state (make a new optimizer)"
+                        )
+                    continue
                 layout = self._layout(param, name)
                 shape2 = matrix_shape(layout.global_shape)
                 assert shape2 is not None
@@ -242,7 +252,7 @@ class BlockPreconditioner(ShardedOptimizer):
                 load,
             )
             pos = 0
-            for e, (param, layout, shape2, _max) in enumerate(entries):
+            for e, (param, layout, shape2, max_dim) in enumerate(entries):
                 tiles = per_entry[e]
                 n = len(tiles)
                 coord = layout.coord if key is not None else 0
@@ -251,7 +261,9 @@ class BlockPreconditioner(ShardedOptimizer):
                 pieces = tuple(
                     piece_of(tile, shape2[1], start, *rr[t][coord]) for t, tile in enumerate(tiles)
                 )
-                self._blocks[param] = _Blocks(shape2[1], tiles, rr, owners[pos : pos + n], pieces)
+                self._blocks[param] = _Blocks(
+                    max_dim, shape2[1], tiles, rr, owners[pos : pos + n], pieces
+                )
                 pos += n
 
     def _items(self) -> list[BlockItem]:
