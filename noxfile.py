@@ -225,3 +225,5 @@ def bench(session: nox.Session) -> None:
     )
     for script in scripts:
         session.run("python", str(script), "--out", str(ROOT / "results"), *session.posargs)
+    # the README's tables, written from the JSON the benchmarks just wrote (never by hand)
+    session.run("python", str(ROOT / "benchmarks" / "readme_tables.py"))

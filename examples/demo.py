@@ -149,7 +149,12 @@ def build(
     betas = (0.9, 0.95)
     opt: Any
     if args.optimizer == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=betas, weight_decay=0.1)
+        # weight decay on matrices, none on norms; ours steps flat runs of each group's shard
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        adamw = fsdp_engine.FlatAdamW if args.engine == "ours" else torch.optim.AdamW
+        opt = adamw(groups, lr=args.lr, betas=betas)
     elif args.optimizer == "adamw8bit":
         opt = ob.AdamW8bit(model.parameters(), lr=args.lr, betas=betas, weight_decay=0.1)
     elif args.optimizer in ("shampoo", "soap"):

@@ -20,7 +20,7 @@ from fsdp_engine._private.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from fsdp_engine._private.flat_optim import FlatShardOptimizer
+from fsdp_engine._private.flat_optim import FlatAdam, FlatAdamW
 from fsdp_engine._private.policy import (
     BlockPolicy,
     CPUOffloadPolicy,
@@ -35,7 +35,8 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "fully_shard",
-    "FlatShardOptimizer",
+    "FlatAdamW",
+    "FlatAdam",
     "FSDPModule",
     "UnshardHandle",
     "MixedPrecisionPolicy",

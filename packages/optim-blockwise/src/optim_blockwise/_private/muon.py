@@ -98,7 +98,9 @@ class Muon(ShardedOptimizer):
 
     Parameters may be plain tensors, ``RaggedShard`` DTensors or FSDP2 ``Shard(0)`` DTensors:
     see the module note for the distributed algorithm. ``bucket_cap_mb`` is the payload of one
-    exchange bucket, ``in_flight`` how many gathers run ahead of the NS. ``check_consistency``
+    exchange bucket, ``in_flight`` how many gathers run ahead of the NS, ``expert_group_flops``
+    the NS work of one batched group of experts of a 3-D parameter (smaller groups spread a
+    parameter's experts over more owners). ``check_consistency``
     (default on) checks, when a plan is made, that every rank made the same one, and in every
     step that every rank has the same gradients (flags inside the exchange, no extra
     collective). ``state_dict()`` holds each rank's local state (fp32 momentum / moments of its
@@ -124,6 +126,7 @@ class Muon(ShardedOptimizer):
         check_consistency: bool = True,
         bucket_cap_mb: float = 1.0,
         in_flight: int = 2,
+        expert_group_flops: int = 2**24,
     ) -> None:
         check_nonnegative("lr", lr)
         if not (math.isfinite(momentum) and 0.0 <= momentum < 1.0):
@@ -142,6 +145,10 @@ class Muon(ShardedOptimizer):
             raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
         if not (isinstance(in_flight, int) and in_flight >= 1):
             raise ValueError(f"in_flight must be an integer >= 1, got {in_flight!r}")
+        if not (isinstance(expert_group_flops, int) and expert_group_flops >= 1):
+            raise ValueError(
+                f"expert_group_flops must be an integer >= 1, got {expert_group_flops!r}"
+            )
         adjust_lr(1.0, adjust_lr_fn, (1, 1))  # validates the convention
         defaults = {
             "lr": lr,
@@ -161,6 +168,7 @@ class Muon(ShardedOptimizer):
         self.check_consistency = check_consistency
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.in_flight = in_flight
+        self.expert_group_flops = expert_group_flops
         self._layouts = {}
         self._plan_key: tuple[object, ...] | None = None
         self._plans: list[GroupPlan] = []
@@ -203,7 +211,7 @@ class Muon(ShardedOptimizer):
 
     def _key(self) -> tuple[object, ...]:
         """Everything the plan depends on (see muon_plan's note); cheap, no device access."""
-        key: list[object] = [self.bucket_cap_mb, self.check_consistency]
+        key: list[object] = [self.bucket_cap_mb, self.check_consistency, self.expert_group_flops]
         for group in self.param_groups:
             key.append((group["use_muon"], group["ns_dtype"], group["ns_steps"]))
             key.extend((id(p), p.requires_grad) for p in group["params"])
@@ -245,6 +253,7 @@ class Muon(ShardedOptimizer):
                     pg,
                     dtype,
                     bucket_cap_mb=self.bucket_cap_mb,
+                    expert_group_flops=self.expert_group_flops,
                     check=self.check_consistency,
                 )
             )
@@ -352,20 +361,19 @@ class Muon(ShardedOptimizer):
         return update[lo:hi]
 
     def _compute(self, gp: GroupPlan, fulls: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Newton-Schulz on the owner: one batched call per shape and NS setting."""
-        batches: dict[tuple[object, ...], list[int]] = {}
-        for i in fulls:
+        """Newton-Schulz on the owner: a matrix on its own, an expert group as one batch."""
+        out: dict[int, torch.Tensor] = {}
+        for i, full in fulls.items():
             unit = gp.units[i]
             g = gp.items[unit.item].group
-            key = (unit.shape, tuple(g["ns_coefficients"]), g["ns_steps"], g["eps"])
-            batches.setdefault(key, []).append(i)
-        out: dict[int, torch.Tensor] = {}
-        for (shape, coefficients, steps, eps), indices in batches.items():
-            assert isinstance(shape, tuple)
-            stack = torch.stack([fulls[i].view(shape) for i in indices])
-            ortho = newton_schulz(stack, coefficients, steps, eps, gp.dtype)  # type: ignore[arg-type]
-            for j, i in enumerate(indices):
-                out[i] = ortho[j].reshape(-1)
+            ortho = newton_schulz(
+                full.view(unit.view_shape),
+                tuple(g["ns_coefficients"]),  # type: ignore[arg-type]
+                g["ns_steps"],
+                g["eps"],
+                gp.dtype,
+            )
+            out[i] = ortho.reshape(-1)
         return out
 
     def _apply_pieces(self, gp: GroupPlan, pieces: dict[int, torch.Tensor]) -> None:
@@ -386,13 +394,13 @@ class Muon(ShardedOptimizer):
         for i, unit in enumerate(gp.units):
             update = self._update(gp, unit.item, updates)
             if update is not None:
-                lo = unit.expert * unit.numel
-                fulls[i] = update[lo : lo + unit.numel]
+                lo, hi = unit.local
+                fulls[i] = update[lo:hi]
         for i, ortho in self._compute(gp, fulls).items():
             unit = gp.units[i]
             item = gp.items[unit.item]
-            lo = unit.expert * unit.numel
-            self._apply(item, unit, local_flat(item.param, item.name)[lo : lo + unit.numel], ortho)
+            lo, hi = unit.local
+            self._apply(item, unit, local_flat(item.param, item.name)[lo:hi], ortho)
 
     def _apply(self, item: MuonItem, unit: Unit, target: torch.Tensor, ortho: torch.Tensor) -> None:
         scaled = adjust_lr(item.group["lr"], item.group["adjust_lr_fn"], unit.shape)
@@ -456,4 +464,4 @@ class Muon(ShardedOptimizer):
 def _unit_name(gp: GroupPlan, i: int) -> str:
     unit = gp.units[i]
     name = gp.items[unit.item].name
-    return f"{name}[{unit.expert}]" if len(gp.items[unit.item].layout.global_shape) == 3 else name
+    return f"{name}[{unit.expert}:{unit.expert + unit.count}]" if unit.batched else name

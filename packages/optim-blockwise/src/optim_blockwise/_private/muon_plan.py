@@ -2,12 +2,17 @@
 
 [Note: units]
 A 2-D parameter is one unit. A 3-D parameter ``(E, m, n)`` is a stack of ``E`` expert matrices
-(MoE weights): each ``[e]`` is its own unit of shape ``(m, n)``, orthogonalized on its own with
-its own learning-rate scale, exactly as if the experts were ``E`` separate 2-D parameters, and
-the experts of one parameter are spread over owners like any other matrices. Expert ``e`` is the
-global flat range ``[e m n, (e + 1) m n)``; rank ``k`` holding ``[a_k, b_k)`` of the parameter
-holds ``[clamp(a_k - e m n), clamp(b_k - e m n))`` of it (clamped to ``[0, m n]``), a tiling of
-the unit because the parameter's ranges tile the parameter.
+(MoE weights), each orthogonalized on its own (its own norm) with its own learning-rate scale,
+as if the experts were ``E`` separate 2-D parameters. Its units are *groups* of ``g``
+consecutive experts, orthogonalized as one batched NS ``(g, m, n)`` on their owner, and the
+groups of one parameter are spread over owners like any other units. ``g`` depends on the expert
+shape only (about ``expert_group_flops`` of NS per group, at most ``E``), never on the world size or
+on which rank owns what, so every world size, one device included, batches exactly the same
+matrices together: a batched GEMM's result for one matrix may depend on what else is in the
+batch on some backends, never on anything else. Group ``j`` is the global flat range
+``[j g m n, min(E, (j + 1) g) m n)``; rank ``k`` holding ``[a_k, b_k)`` of the parameter holds
+that range clamped to it, a tiling of the unit because the parameter's ranges tile the
+parameter.
 
 [Note: when the plan is made, and agreement]
 The plan depends only on the parameters of the Muon path, their global shapes and layouts, and
@@ -39,7 +44,7 @@ from optim_blockwise._private.layout import ParamLayout
 from optim_blockwise._private.newton_schulz import ns_flops, ns_root_bytes
 from optim_blockwise._private.owners import assign_owners
 
-__all__ = ["MuonItem", "Unit", "GroupPlan", "make_units", "plan_group"]
+__all__ = ["MuonItem", "Unit", "GroupPlan", "expert_group", "make_units", "plan_group"]
 
 
 @attrs.frozen(eq=False)
@@ -54,12 +59,16 @@ class MuonItem:
 
 @attrs.frozen
 class Unit:
-    """One matrix to orthogonalize: parameter ``item`` (index into the plan's items), matrix
-    ``expert`` of it (0 for a 2-D parameter)."""
+    """Matrices to orthogonalize together: parameter ``item`` (index into the plan's items),
+    experts ``[expert, expert + count)`` of it (``batched`` for a 3-D parameter; a 2-D
+    parameter is one unbatched matrix)."""
 
     item: int
     expert: int
+    count: int
+    batched: bool
     shape: tuple[int, int]
+    """One matrix's shape."""
     local: tuple[int, int]
     """``[lo, hi)`` of this rank's local flat parameter that holds its piece of the unit."""
     ranges: tuple[tuple[int, int], ...]
@@ -67,7 +76,17 @@ class Unit:
 
     @property
     def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
+        return self.count * self.shape[0] * self.shape[1]
+
+    @property
+    def view_shape(self) -> tuple[int, ...]:
+        return (self.count, *self.shape) if self.batched else self.shape
+
+
+def expert_group(shape: tuple[int, int], experts: int, steps: int, flops: int) -> int:
+    """Experts per batched unit of a 3-D parameter: about ``flops`` of NS (at least 1, at most
+    ``experts``); a function of the shape and settings alone (see the units note)."""
+    return max(1, min(experts, flops // max(ns_flops(shape, steps), 1)))
 
 
 @attrs.frozen(eq=False)
@@ -82,23 +101,26 @@ class GroupPlan:
     """``None`` for unsharded parameters: each rank orthogonalizes them itself."""
 
 
-def make_units(items: tuple[MuonItem, ...]) -> tuple[Unit, ...]:
+def make_units(items: tuple[MuonItem, ...], group_flops: int) -> tuple[Unit, ...]:
     """The units of ``items`` (see the note), in parameter order then expert order."""
     units = []
     for index, item in enumerate(items):
         shape = item.layout.global_shape
-        experts, m, n = (1, *shape) if len(shape) == 2 else shape
-        size = m * n
+        batched = len(shape) == 3
+        experts, m, n = shape if batched else (1, *shape)
+        steps = item.group["ns_steps"]
+        group = expert_group((m, n), experts, steps, group_flops) if batched else 1
         a, b = item.layout.start, item.layout.stop
-        for e in range(experts):
-            base = e * size
+        for e in range(0, experts, group):
+            count = min(group, experts - e)
+            base, size = e * m * n, count * m * n
             ranges = tuple(
                 (min(max(lo - base, 0), size), min(max(hi - base, 0), size))
                 for lo, hi in item.layout.ranges
             )
             lo, hi = max(a, base) - a, min(b, base + size) - a
             local = (lo, hi) if hi > lo else (0, 0)
-            units.append(Unit(index, e, (m, n), local, ranges))
+            units.append(Unit(index, e, count, batched, (m, n), local, ranges))
     return tuple(units)
 
 
@@ -114,11 +136,12 @@ def plan_group(
     dtype: torch.dtype,
     *,
     bucket_cap_mb: float,
+    expert_group_flops: int,
     check: bool,
 ) -> GroupPlan:
     """Units, owners and buckets for ``items`` sharded over ``group`` (``None``: unsharded);
     with ``check``, every rank of ``group`` must have made the same plan (one all-gather)."""
-    units = make_units(items)
+    units = make_units(items, expert_group_flops)
     if group is None:
         return GroupPlan(items, units, None, dtype, None)
     first = items[0].layout
@@ -130,7 +153,10 @@ def plan_group(
             )
     size = torch.empty(0, dtype=dtype).element_size()
     costs = [
-        (ns_flops(u.shape, items[u.item].group["ns_steps"]), ns_root_bytes(u.shape, size))
+        (
+            u.count * ns_flops(u.shape, items[u.item].group["ns_steps"]),
+            u.count * ns_root_bytes(u.shape, size),
+        )
         for u in units
     ]
     shares = [[hi - lo for lo, hi in u.ranges] for u in units]
@@ -146,7 +172,7 @@ def plan_group(
                 (i.layout.global_shape, i.layout.ranges, str(dtype), i.group["ns_steps"])
                 for i in items
             ]
-            + [bucket_cap_mb]
+            + [bucket_cap_mb, expert_group_flops]
         )
         device = _device_of(items[0].param)
         check_agreement(group, digest, len(items), device, "Muon", [i.name for i in items])
