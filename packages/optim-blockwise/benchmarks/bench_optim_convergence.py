@@ -158,9 +158,10 @@ def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 WD = 0.1
 BETAS = (0.9, 0.95)
-# Tuned by a sweep (1 seed, 600 steps): see the README's Shampoo / SOAP table for the values.
-SHAMPOO_LR = 1e-2
-SOAP_LR = 1e-2
+# Sweep (1 seed, 600 steps, val loss): Shampoo lr {3e-3, 1e-2, 2e-2, 4e-2} gave
+# {1.516, 1.396, 1.395, 1.424}; SOAP the same lrs {1.543, 1.389, 1.385, 1.412}.
+SHAMPOO_LR = 2e-2
+SOAP_LR = 2e-2
 
 
 def make_optimizers(
