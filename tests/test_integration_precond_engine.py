@@ -22,6 +22,8 @@ import optim_blockwise as ob
 from fsdp_engine import fully_shard
 from ragged_dtensor.testing import run_processes, run_threaded
 
+pytestmark = pytest.mark.numerics
+
 STEPS = 4
 MAX_DIM = 32  # divides 64, 96 and 160: every matrix's bands divide its rows
 _LOCK = threading.RLock()

@@ -22,6 +22,8 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 from fsdp_engine import FlatAdam, FlatAdamW, fully_shard, load_checkpoint, save_checkpoint
 from ragged_dtensor.testing import run_threaded
 
+pytestmark = pytest.mark.numerics
+
 STEPS = 4
 
 

@@ -26,6 +26,8 @@ from optim_blockwise._private import tiles as tl
 from ragged_dtensor import RaggedShard
 from ragged_dtensor.testing import DistributedFailure, run_processes, run_threaded
 
+pytestmark = pytest.mark.numerics
+
 # max_preconditioner_dim 16 below: several tiles per matrix, ragged last bands and columns.
 SHAPES = [(40, 50), (7,), (33, 16), (16, 8), (1, 30), (3, 4, 5)]
 PLAIN = [("plain",)] * len(SHAPES)

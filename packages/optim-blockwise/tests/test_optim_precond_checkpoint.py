@@ -17,6 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ragged_dtensor.testing import run_threaded
 
+pytestmark = pytest.mark.numerics
+
 SHAPES = [(40, 50), (7,), (33, 16)]
 KWARGS: dict[str, dict[str, Any]] = {
     "shampoo": {

@@ -35,6 +35,8 @@ import torch
 
 import optim_blockwise as ob
 
+pytestmark = pytest.mark.numerics
+
 U = 2.0**-24
 
 
