@@ -19,14 +19,21 @@ eigenbasis refresh every ``precondition_frequency`` steps), the step as a share 
 forward+backward, collectives per optimizer step, and the optimizer state in bytes per parameter
 (all ranks' local state tensors over the model's parameter count).
 
+Writes ``bench_optim_precond.md`` and ``.json`` into ``--out``. ``--readme`` then fills the
+marked table of the optim-blockwise README from that JSON and the convergence benchmark's
+``convergence.json`` (``--convergence``); ``--from-json`` only regenerates the table:
+
     python benchmarks/bench_optim_precond.py [--out results] [--worlds 2 4] [--steps 20]
+    python benchmarks/bench_optim_precond.py --from-json --readme packages/optim-blockwise/README.md
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -158,6 +165,75 @@ def worker(rank: int, world: int, model_name: str, steps: int, warmup: int) -> d
     return out
 
 
+CONVERGENCE_NAMES = {
+    "AdamW": "torch AdamW",
+    "Muon": "ours Muon",
+    "Shampoo": "ours Shampoo",
+    "SOAP": "ours SOAP",
+}
+MARK = "shampoo_soap"
+
+
+def readme_section(data: dict[str, Any], convergence: dict[str, Any] | None) -> str:
+    """The README table: validation loss (convergence benchmark) beside the costs on fully_shard."""
+    conv = {r["name"]: r for r in (convergence or {}).get("rows", [])}
+    worlds = [int(w) for w in data["rows"]]
+    steps = convergence["args"]["steps"] if convergence else "?"
+    head = f"| optimizer | val loss, {steps} steps (mean; min / max) |"
+    rule = "|---|---|"
+    for w in worlds:
+        head += f" step ms, ws {w} (median / mean) | step / fwd+bwd, ws {w} |"
+        rule += "---|---|"
+    head += " collectives / step | state bytes / param |"
+    rule += "---|---|"
+    lines = []
+    if convergence is not None:
+        a = convergence["args"]
+        lines.append(
+            f"Validation loss: `benchmarks/bench_optim_convergence.py` (tiny LLaMA-like char model "
+            f"on `pydoc_data.topics`, {a['steps']} steps, {a['seeds']} seeds, 1 thread, lr tuned "
+            f"per optimizer: AdamW {a['lr']}, Muon matrices {a['muon_lr']}, Shampoo "
+            f"{a['shampoo_lr']}, SOAP {a['soap_lr']}; load average at the end "
+            f"{convergence['load']})."
+        )
+    lines.append(
+        f"Costs: `benchmarks/bench_optim_precond.py` on our `fully_shard` (demo model preset "
+        f"{data['args']['model']!r}, gloo, 1 thread per rank, {data['args']['steps']} timed steps, "
+        f"preconditioners refreshed every {FREQ} steps, so the mean carries the refresh; "
+        f"{data['info']}). State: all ranks' optimizer state over the parameter count."
+    )
+    lines += ["", head, rule]
+    for kind in KINDS:
+        c = conv.get(CONVERGENCE_NAMES.get(kind, ""))
+        loss = (
+            f"{c['final_mean']:.3f} ({min(c['finals']):.3f} / {max(c['finals']):.3f})"
+            if c
+            else ("as Shampoo" if kind.startswith("Shampoo") else "-")
+        )
+        row = f"| {kind} | {loss} |"
+        for w in worlds:
+            r = data["rows"][str(w)][kind]
+            row += (
+                f" {r['step_ms']:.1f} / {r['step_mean_ms']:.1f} "
+                f"| {r['step_mean_ms'] / r['fwd_bwd_ms']:.2f} |"
+            )
+        col = " / ".join(str(data["rows"][str(w)][kind]["collectives"]) for w in worlds)
+        first = data["rows"][str(worlds[0])][kind]
+        row += f" {col} | {first['state_bytes'] / first['n_params']:.2f} |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def write_readme(path: Path, section: str) -> None:
+    text = path.read_text()
+    begin = f"<!-- generated: {MARK} (benchmarks/bench_optim_precond.py --readme) -->"
+    end = f"<!-- end generated: {MARK} -->"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"{path}: markers {begin!r} ... {end!r} not found")
+    path.write_text(pattern.sub(lambda _: f"{begin}\n{section}\n{end}", text))
+
+
 def main(argv: list[str] | None = None) -> None:
     from ragged_dtensor.testing import run_processes
 
@@ -168,43 +244,68 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed steps (>= 2 root refreshes)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument("--from-json", action="store_true", help="reuse --out's JSON, run nothing")
+    p.add_argument("--readme", default=None, help="README whose marked table to write")
+    p.add_argument(
+        "--convergence",
+        default=str(
+            ROOT / "packages/optim-blockwise/benchmarks/results/shampoo_soap/convergence.json"
+        ),
+    )
     args = p.parse_args(argv)
-    rows: dict[int, dict[str, Any]] = {}
-    for world in args.worlds:
-        start = time.perf_counter()
-        per_rank = run_processes(
-            worker, world, args.model, args.steps, args.warmup, timeout=args.timeout
-        )
-        res = per_rank[0]
-        for kind in KINDS:
-            res[kind]["state_bytes"] = sum(r[kind]["state_bytes"] for r in per_rank)
-        rows[world] = res
-        print(f"world {world}: {time.perf_counter() - start:.0f} s", flush=True)
-    load = "?"
-    with contextlib.suppress(OSError):
-        load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    lines = [
-        f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}; {os.cpu_count()} CPUs, torch "
-        f"{torch.__version__}, gloo, fp32, 1 thread per rank; model preset {args.model!r}; "
-        f"{args.steps} timed steps after {args.warmup}; precondition_frequency {FREQ}; load "
-        f"average at the end {load}. `python benchmarks/bench_optim_precond.py`.",
-        "",
-        "| optimizer | world | fwd+bwd (ms) | step median (ms) | step mean (ms) | step / fwd+bwd "
-        "| collectives / step | state (bytes/param) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for world, res in rows.items():
-        for kind in KINDS:
-            r = res[kind]
-            lines.append(
-                f"| {kind} | {world} | {r['fwd_bwd_ms']:.1f} | {r['step_ms']:.1f} "
-                f"| {r['step_mean_ms']:.1f} | {r['step_mean_ms'] / r['fwd_bwd_ms']:.2f} "
-                f"| {r['collectives']} | {r['state_bytes'] / r['n_params']:.2f} |"
-            )
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_optim_precond.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if args.from_json:
+        data = json.loads((out / "bench_optim_precond.json").read_text())
+    else:
+        rows: dict[str, dict[str, Any]] = {}
+        for world in args.worlds:
+            start = time.perf_counter()
+            per_rank = run_processes(
+                worker, world, args.model, args.steps, args.warmup, timeout=args.timeout
+            )
+            res = per_rank[0]
+            for kind in KINDS:
+                res[kind]["state_bytes"] = sum(r[kind]["state_bytes"] for r in per_rank)
+            rows[str(world)] = res
+            print(f"world {world}: {time.perf_counter() - start:.0f} s", flush=True)
+        load = "?"
+        with contextlib.suppress(OSError):
+            load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+        info = (
+            f"{datetime.now(UTC):%Y-%m-%d %H:%M UTC}, {os.cpu_count()} CPUs, torch "
+            f"{torch.__version__}, load average at the end {load}"
+        )
+        data = {
+            "args": {"model": args.model, "steps": args.steps, "warmup": args.warmup},
+            "info": info,
+            "rows": rows,
+        }
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_optim_precond.json").write_text(json.dumps(data, indent=1) + "\n")
+        lines = [
+            f"{info}; gloo, fp32, 1 thread per rank; model preset {args.model!r}; {args.steps} "
+            f"timed steps after {args.warmup}; precondition_frequency {FREQ}. "
+            "`python benchmarks/bench_optim_precond.py`.",
+            "",
+            "| optimizer | world | fwd+bwd (ms) | step median (ms) | step mean (ms) "
+            "| step / fwd+bwd | collectives / step | state (bytes/param) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for world, res in rows.items():
+            for kind in KINDS:
+                r = res[kind]
+                lines.append(
+                    f"| {kind} | {world} | {r['fwd_bwd_ms']:.1f} | {r['step_ms']:.1f} "
+                    f"| {r['step_mean_ms']:.1f} | {r['step_mean_ms'] / r['fwd_bwd_ms']:.2f} "
+                    f"| {r['collectives']} | {r['state_bytes'] / r['n_params']:.2f} |"
+                )
+        (out / "bench_optim_precond.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+    if args.readme:
+        conv_path = Path(args.convergence)
+        convergence = json.loads(conv_path.read_text()) if conv_path.exists() else None
+        write_readme(Path(args.readme), readme_section(data, convergence))
+        print(f"wrote the {MARK} table of {args.readme}")
 
 
 if __name__ == "__main__":

@@ -10,9 +10,10 @@ and ``optim_blockwise.SOAP`` (every parameter; vectors take their elementwise pa
 ``torch.optim.Muon`` (+ AdamW for the rest), torchao ``AdamW8bit`` and bitsandbytes ``AdamW8bit``
 when installed (skipped otherwise, and said so in the table).
 
-Writes ``convergence.png`` and ``convergence.md`` (table: final val loss mean over seeds, step
-time median, optimizer state bytes per parameter) into the results folder (default
-``results/``). About two minutes on one CPU thread with the defaults.
+Writes ``convergence.png``, ``convergence.md`` (table: final val loss mean over seeds, step
+time median, optimizer state bytes per parameter) and ``convergence.json`` (the same figures)
+into the results folder (default ``results/``). About two minutes on one CPU thread with the
+defaults.
 
     python bench_optim_convergence.py [results] [--steps 600] [--seeds 1] [--lr 1e-2]
 """
@@ -20,6 +21,7 @@ time median, optimizer state bytes per parameter) into the results folder (defau
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -368,6 +370,27 @@ def main(argv: list[str] | None = None) -> None:
     lines.append("")
     lines.append(f"Wall time {time.perf_counter() - wall:.0f} s.")
     (out / "convergence.md").write_text("\n".join(lines) + "\n")
+    summary = {
+        "args": vars(args),
+        "torch": torch.__version__,
+        "load": " ".join(Path("/proc/loadavg").read_text().split()[:3])
+        if Path("/proc/loadavg").exists()
+        else "?",
+        "rows": [
+            {
+                "name": name,
+                "final_mean": statistics.mean(r["final"] for r in results if r["name"] == name),
+                "finals": [r["final"] for r in results if r["name"] == name],
+                "step_ms": statistics.median(r["step_ms"] for r in results if r["name"] == name),
+                "state_bytes_per_param": next(
+                    r["state_bytes_per_param"] for r in results if r["name"] == name
+                ),
+            }
+            for name in names
+        ],
+        "skipped": skipped,
+    }
+    (out / "convergence.json").write_text(json.dumps(summary, indent=1) + "\n")
     print("\n".join(lines))
     try:
         import matplotlib
