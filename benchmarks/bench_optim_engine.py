@@ -278,7 +278,7 @@ def _measured(r: Runner, tokens: torch.Tensor) -> dict[str, Any]:
         "transient_bytes": live.peak - start,
         "local_elements": local,
         "ops": count.count,
-        "params": sum(1 for _ in r.model.parameters()),
+        "n_params": sum(1 for _ in r.model.parameters()),
         "collectives": dict(tally.calls),
         "collective_bytes": dict(tally.bytes),
     }
@@ -427,7 +427,7 @@ def summarize(
                     "step_ms": 1e3 * statistics.median(total),
                     "transient_per_element": e["transient_bytes"] / max(e["local_elements"], 1),
                     "transient_mib": e["transient_bytes"] / 2**20,
-                    "ops_per_param": e["ops"] / max(e["params"], 1),
+                    "ops_per_param": e["ops"] / max(e["n_params"], 1),
                     "collectives": sum(e["collectives"].values()),
                     "collective_kinds": e["collectives"],
                     "collective_mib": sum(e["collective_bytes"].values()) / 2**20,

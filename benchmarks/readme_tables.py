@@ -153,7 +153,14 @@ def render(readme: str, results: Path) -> str:
         source = results / f"{name}.json"
         if not source.exists():
             raise SystemExit(f"{source} is missing: run benchmarks/{name}.py first")
-        block = f"{begin}\n{make(json.loads(source.read_text()))}\n{end}"
+        data = json.loads(source.read_text())
+        try:
+            block = f"{begin}\n{make(data)}\n{end}"
+        except KeyError as exc:
+            raise SystemExit(
+                f"{source} lacks {exc}: it was written by an older benchmark; rerun "
+                f"benchmarks/{name}.py"
+            ) from exc
         readme = pattern.sub(lambda _m, block=block: block, readme)
     return readme
 

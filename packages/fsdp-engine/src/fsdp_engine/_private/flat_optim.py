@@ -39,7 +39,6 @@ import attrs
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as adam_functional
-from torch.optim.optimizer import _get_scalar_dtype
 
 __all__ = ["FlatAdam", "FlatAdamW"]
 
@@ -77,7 +76,7 @@ class _Layout:
 def _slot(param: torch.Tensor) -> _Slot:
     local = _local(param)
     key = (local.untyped_storage().data_ptr(), local.dtype, local.device)
-    return _Slot(key, local.storage_offset(), local.numel(), local.is_contiguous())
+    return _Slot(key, int(local.storage_offset()), local.numel(), local.is_contiguous())
 
 
 def _make_layout(groups: list[dict[str, Any]]) -> _Layout:
@@ -95,18 +94,15 @@ def _make_layout(groups: list[dict[str, Any]]) -> _Layout:
             slots[pid] = attrs.evolve(slots[pid], state_offset=pos)
             pos += slots[pid].numel
         sizes[key] = pos
-    order = tuple(
-        tuple(
-            sorted(
-                range(len(g["params"])),
-                key=lambda i, g=g: (
-                    slots[id(g["params"][i])].storage[0],
-                    slots[id(g["params"][i])].offset,
-                ),
-            )
-        )
-        for g in groups
-    )
+
+    def storage_order(params: list[torch.Tensor]) -> tuple[int, ...]:
+        def where(i: int) -> tuple[int, int]:
+            slot = slots[id(params[i])]
+            return (slot.storage[0], slot.offset)
+
+        return tuple(sorted(range(len(params)), key=where))
+
+    order = tuple(storage_order(g["params"]) for g in groups)
     return _Layout(slots, order, sizes)
 
 
@@ -200,11 +196,12 @@ class _FlatAdamMixin(torch.optim.Optimizer):
         self._counts[id(p)] = 0
 
     def _new_step(self, group: dict[str, Any], p: torch.Tensor, count: int) -> torch.Tensor:
-        # torch's rule: the step lives on the CPU unless fused (then on the parameter's device)
+        # torch's rule (``torch.optim.optimizer._get_scalar_dtype``): fused keeps an fp32 step
+        # on the parameter's device, otherwise a CPU scalar in the default dtype (fp64 or fp32)
         if group["fused"]:
-            dtype = _get_scalar_dtype(is_fused=True)
-            return torch.full((), float(count), dtype=dtype, device=_local(p).device)
-        return torch.tensor(float(count), dtype=_get_scalar_dtype(), device="cpu")
+            return torch.full((), float(count), dtype=torch.float32, device=_local(p).device)
+        wide = torch.get_default_dtype() == torch.float64
+        return torch.tensor(float(count), dtype=torch.float64 if wide else torch.float32)
 
     def _count(self, p: torch.Tensor) -> int:
         count = self._counts.get(id(p))
@@ -332,7 +329,10 @@ class _FlatAdamMixin(torch.optim.Optimizer):
             runs = self._runs(layout, gi, group)
             if not runs:
                 continue
-            params, grads, moments, steps = [], [], {k: [] for k in _MOMENTS}, []
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            moments: dict[str, list[torch.Tensor]] = {k: [] for k in _MOMENTS}
+            steps: list[torch.Tensor] = []
             maxes: list[torch.Tensor] = []
             for run, numel in runs:
                 # the run's data starts at its first non-empty parameter

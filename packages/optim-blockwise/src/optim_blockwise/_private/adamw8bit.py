@@ -92,6 +92,14 @@ def _moments(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta1: float, be
     v.mul_(beta2).add_(g.mul(g).mul_(1.0 - beta2))
 
 
+def _moments_into(
+    m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta1: float, beta2: float, tmp: torch.Tensor
+) -> None:
+    """``_moments`` with its temporaries in ``tmp`` (scratch): the same ops, in the same order."""
+    m.mul_(beta1).add_(torch.mul(g, 1.0 - beta1, out=tmp))
+    v.mul_(beta2).add_(torch.mul(g, g, out=tmp).mul_(1.0 - beta2))
+
+
 @attrs.frozen(eq=False)
 class _Item:
     """One parameter's view for one step."""
@@ -231,10 +239,11 @@ class AdamW8bit(ShardedOptimizer):
             blocks.append(-(-(head + n) // block) if (eight and n) else 0)
         places: dict[int, _Place] = {}
         for eight in (True, False):
+            # 8-bit and fp32 state live in separate buffers: compact each kind on its own
             chosen = [i for i, k in enumerate(kinds) if k == eight]
-            sub = [attrs.evolve(slots[i], storage=(*slots[i].storage, eight)) for i in chosen]
-            offsets, _ = compact(sub)  # type: ignore[arg-type]
-            block_offsets, _ = compact(sub, [blocks[i] for i in chosen])  # type: ignore[arg-type]
+            sub = [slots[i] for i in chosen]
+            offsets = compact(sub)
+            block_offsets = compact(sub, [blocks[i] for i in chosen])
             for j, i in enumerate(chosen):
                 places[id(everything[i][2])] = _Place(
                     slots[i], eight, heads[i], blocks[i], offsets[j], block_offsets[j]
@@ -619,8 +628,8 @@ class AdamW8bit(ShardedOptimizer):
             m = views["exp_avg"][lo:hi]
             v = views["exp_avg_sq"][lo:hi]
         p32.mul_(1.0 - lr * wd)
-        _moments(m, v, g, beta1, beta2)
         denom = f[2][:n]
+        _moments_into(m, v, g, beta1, beta2, denom)
         torch.sqrt(v, out=denom)
         denom.div_(bias2_sqrt).add_(eps)
         torch.div(m, denom, out=denom)

@@ -27,6 +27,7 @@ Traffic: each matrix is moved at most once each way, except the owner's own piec
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -222,7 +223,7 @@ class Muon(ShardedOptimizer):
         return param.dim() in (2, 3) if use is None else bool(use)
 
     def _make_plans(self) -> None:
-        by_key: dict[tuple[object, ...], list[MuonItem]] = {}
+        by_key: dict[tuple[dist.ProcessGroup | None, torch.dtype], list[MuonItem]] = {}
         adamw: list[MuonItem] = []
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
@@ -245,8 +246,6 @@ class Muon(ShardedOptimizer):
                 by_key.setdefault((pg, dtype), []).append(MuonItem(param, name, group, layout))
         plans = []
         for (pg, dtype), items in by_key.items():
-            assert pg is None or isinstance(pg, dist.ProcessGroup)
-            assert isinstance(dtype, torch.dtype)
             plans.append(
                 plan_group(
                     tuple(items),
@@ -301,9 +300,9 @@ class Muon(ShardedOptimizer):
                 gp.group,
                 dtype=gp.dtype,
                 device=local_flat(gp.items[0].param, gp.items[0].name).device,
-                piece=lambda i, gp=gp: self._piece(gp, i, updates),
-                compute=lambda bucket, fulls, gp=gp: self._compute(gp, fulls),
-                apply=lambda bucket, pieces, gp=gp: self._apply_pieces(gp, pieces),
+                piece=functools.partial(self._piece, gp, updates=updates),
+                compute=functools.partial(self._compute_bucket, gp),
+                apply=functools.partial(self._apply_bucket, gp),
                 present=(
                     [gp.items[u.item].param.grad is not None for u in gp.units]
                     if self.check_consistency
@@ -312,14 +311,16 @@ class Muon(ShardedOptimizer):
                 overlap=overlap if n == 0 else None,
                 in_flight=self.in_flight,
                 what="Muon",
-                names=lambda i, gp=gp: _unit_name(gp, i),
+                names=functools.partial(_unit_name, gp),
             )
             stats["collectives"] += run.collectives
             stats["bytes_sent"] += run.bytes_sent
         self.last_step_stats = stats
         return loss
 
-    def _update(self, gp: GroupPlan, index: int, updates: dict[int, torch.Tensor | None]) -> Any:
+    def _update(
+        self, gp: GroupPlan, index: int, updates: dict[int, torch.Tensor | None]
+    ) -> torch.Tensor | None:
         """Item ``index``'s flat update in ``ns_dtype`` (``None`` without a gradient), made once
         per step: momentum ``M <- b M + (1-b) G``, Nesterov ``(1-b) G + b M``."""
         item = gp.items[index]
@@ -351,7 +352,19 @@ class Muon(ShardedOptimizer):
         updates[key] = out
         return out
 
-    def _piece(self, gp: GroupPlan, i: int, updates: dict[int, torch.Tensor | None]) -> Any:
+    def _compute_bucket(
+        self, gp: GroupPlan, bucket: exchange.Bucket, fulls: dict[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        return self._compute(gp, fulls)
+
+    def _apply_bucket(
+        self, gp: GroupPlan, bucket: exchange.Bucket, pieces: dict[int, torch.Tensor]
+    ) -> None:
+        self._apply_pieces(gp, pieces)
+
+    def _piece(
+        self, gp: GroupPlan, i: int, *, updates: dict[int, torch.Tensor | None]
+    ) -> torch.Tensor:
         unit = gp.units[i]
         update = self._update(gp, unit.item, updates)
         lo, hi = unit.local
@@ -368,7 +381,7 @@ class Muon(ShardedOptimizer):
             g = gp.items[unit.item].group
             ortho = newton_schulz(
                 full.view(unit.view_shape),
-                tuple(g["ns_coefficients"]),  # type: ignore[arg-type]
+                tuple(g["ns_coefficients"]),
                 g["ns_steps"],
                 g["eps"],
                 gp.dtype,

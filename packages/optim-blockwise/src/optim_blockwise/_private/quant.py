@@ -289,23 +289,26 @@ def quantize_into(
     nxt = nxt_buf[:n]
     torch.index_select(padded_mid, 0, base, out=nxt)
     flag = scratch.b[:n]
+    # [Note: comparisons without temporaries] int32 + bool allocates a promoted copy of the
+    # bool operand, so every comparison goes bool -> copy into the free int32 buffer -> int op.
+    count = bucket  # the bucket index is consumed: its buffer holds 0/1 counts from here on
+    torch.lt(nxt, a, out=flag)
+    count.copy_(flag)
+    base.add_(count)  # = #{mid < |x|}
     if not signed:
-        torch.lt(nxt, a, out=flag)
-        base.add_(flag)
         base.clamp_(max=code.numel() - 1)
-        # a positive v never becomes the 0 code (see quantize_blockwise's note)
+        # a positive v never becomes the 0 code (see quantize_blockwise's note): a code of 0
+        # with normed > 0 becomes 1, max(code, normed > 0), every other code is >= 1 already
         torch.gt(normed, 0, out=flag)
-        flag.logical_and_(base == 0)
-        base.add_(flag)
+        count.copy_(flag)
+        torch.maximum(base, count, out=base)
         codes.copy_(base)
         return
-    at_or_below = bucket  # the bucket index is no longer needed
-    torch.le(nxt, a, out=flag)
-    torch.add(base, flag, out=at_or_below)
-    torch.lt(nxt, a, out=flag)
-    base.add_(flag)  # = below
-    at_or_below.neg_().add_(mid.numel())
+    # negative x: #{mid < -|x|} = len(mid) - #{mid <= |x|} = len(mid) - below - [mid == |x|]
+    torch.eq(nxt, a, out=flag)
+    count.copy_(flag)
+    count.add_(base).neg_().add_(mid.numel())
     torch.lt(normed, 0, out=flag)
-    torch.where(flag, at_or_below, base, out=base)
+    torch.where(flag, count, base, out=base)
     base.clamp_(0, code.numel() - 1)
     codes.copy_(base)

@@ -43,7 +43,7 @@ class Slot:
 def slot_of(param: torch.Tensor) -> Slot:
     local = local_of(param)
     key = (local.untyped_storage().data_ptr(), local.dtype, local.device)
-    return Slot(key, local.storage_offset(), local.numel(), local.is_contiguous())
+    return Slot(key, int(local.storage_offset()), local.numel(), local.is_contiguous())
 
 
 def follows(prev: Slot, nxt: Slot) -> bool:
@@ -74,12 +74,10 @@ def flat_view(first: torch.Tensor, numel: int) -> torch.Tensor:
     return first.as_strided((numel,), (1,), first.storage_offset())
 
 
-def compact(
-    slots: Sequence[Slot], sizes: Iterable[int] | None = None
-) -> tuple[list[int], dict[StorageKey, int]]:
+def compact(slots: Sequence[Slot], sizes: Iterable[int] | None = None) -> list[int]:
     """Offsets of each slot in a compact buffer of its storage (slots sorted by offset, gaps
-    dropped) and each storage's buffer length. ``sizes[i]`` (default: numel) is what slot ``i``
-    takes in the buffer (e.g. its number of quantization blocks)."""
+    dropped). ``sizes[i]`` (default: numel) is what slot ``i`` takes in the buffer (e.g. its
+    number of quantization blocks)."""
     length = list(sizes) if sizes is not None else [s.numel for s in slots]
     offsets = [0] * len(slots)
     totals: dict[StorageKey, int] = {}
@@ -87,4 +85,4 @@ def compact(
         key = slots[i].storage
         offsets[i] = totals.get(key, 0)
         totals[key] = offsets[i] + length[i]
-    return offsets, totals
+    return offsets
