@@ -20,6 +20,7 @@ from fsdp_engine._private.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from fsdp_engine._private.export import load_full_state_dict
 from fsdp_engine._private.flat_optim import FlatShardOptimizer
 from fsdp_engine._private.policy import (
     BlockPolicy,
@@ -47,6 +48,7 @@ __all__ = [
     "latest_checkpoint",
     "is_complete_checkpoint",
     "checkpoint_info",
+    "load_full_state_dict",
     "CheckpointError",
     "IncompleteCheckpointError",
     "__version__",
