@@ -150,9 +150,61 @@ def integration(session: nox.Session) -> None:
         "tests",
         "-m",
         "not slow",
+        "--ignore-glob=tests/test_hf_*.py",  # the `hf` session's (they need transformers)
         "-p",
         "no:cacheprovider",
         "--timeout=900",
+        *session.posargs,
+    )
+
+
+HF_REQUIREMENTS = ROOT / "examples" / "requirements-hf.txt"
+
+
+def _install_hf(session: nox.Session) -> None:
+    """Every package, then the examples' optional Hugging Face extra (transformers, safetensors)
+    next to the shared torch; fails if the extra pulled another torch."""
+    _install_torch(session)
+    session.install(*(str(p) + "[test]" for p in _packages().values()))
+    session.install("-r", str(HF_REQUIREMENTS), "matplotlib>=3.8")
+    session.run(
+        "python",
+        "-c",
+        "import torch, transformers, safetensors; assert torch.__version__.startswith('2.13.0'), "
+        "torch.__version__; assert '_shared_torch' in torch.__file__, torch.__file__",
+    )
+    session.env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})  # no downloads
+
+
+@nox.session(tags=["ci"])
+def hf(session: nox.Session) -> None:
+    """Hugging Face models (LLaMA tied, Qwen3-MoE, GPT-OSS) on fully_shard: FSDP2 and
+    one-process parity, ties, checkpoint resume at other world sizes, export, compile."""
+    _install_hf(session)
+    session.run(
+        "pytest",
+        *sorted(str(p) for p in (ROOT / "tests").glob("test_hf_*.py")),
+        "-m",
+        "not slow",
+        "-p",
+        "no:cacheprovider",
+        "--timeout=900",
+        *session.posargs,
+    )
+
+
+@nox.session
+def hf_slow(session: nox.Session) -> None:
+    """The slow Hugging Face tests: inductor compiles of every decoder layer (not in CI)."""
+    _install_hf(session)
+    session.run(
+        "pytest",
+        *sorted(str(p) for p in (ROOT / "tests").glob("test_hf_*.py")),
+        "-m",
+        "slow",
+        "-p",
+        "no:cacheprovider",
+        "--timeout=1800",
         *session.posargs,
     )
 

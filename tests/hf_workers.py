@@ -42,6 +42,8 @@ LR = 3e-3
 SEED = 0
 LOSS_TOL = STEPS * math.sqrt(GLOBAL_BATCH * SEQ) * torch.finfo(torch.float32).eps
 
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # nothing may be downloaded
+
 _CORPUS: Corpus | None = None
 
 
@@ -220,6 +222,5 @@ def run(world: int, *runs: dict[str, Any], timeout: float = 300.0) -> list[list[
     ``[run][rank]``."""
     from ragged_dtensor.testing import run_processes
 
-    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    per_rank = run_processes(train_many, world, list(runs), timeout=timeout, env=env)
+    per_rank = run_processes(train_many, world, list(runs), timeout=timeout, env=ENV)
     return [[per_rank[r][i] for r in range(world)] for i in range(len(runs))]
