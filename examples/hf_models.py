@@ -51,6 +51,7 @@ __all__ = [
     "decoder_layers",
     "shard_model",
     "compile_layers",
+    "split_experts",
     "lm_loss",
     "global_batch",
     "rank_rows",
@@ -184,6 +185,58 @@ def compile_layers(model: nn.Module, **compile_kwargs: Any) -> nn.Module:
     layers = decoder_layers(model)
     for index, layer in enumerate(list(layers)):
         layers.register_module(str(index), torch.compile(layer, **compile_kwargs))
+    return model
+
+
+class _Expert(nn.Module):
+    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(gate_up.detach().clone())
+        self.down_proj = nn.Parameter(down.detach().clone())
+
+
+class SplitExperts(nn.Module):
+    """Qwen3-MoE's experts with one module per expert (transformers 4.x's layout): the same
+    eager loop as ``Qwen3MoeExperts``, so an expert that gets no token on a rank gets no gradient
+    there (the conditional-compute case FSDP2 aborts on with gloo)."""
+
+    def __init__(self, fused: nn.Module) -> None:
+        super().__init__()
+        self.num_experts = int(fused.num_experts)
+        self.act_fn = fused.act_fn
+        gate_up, down = fused.gate_up_proj, fused.down_proj
+        self.experts = nn.ModuleList(
+            _Expert(gate_up[e], down[e]) for e in range(self.num_experts)
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            mask = nn.functional.one_hot(top_k_index, num_classes=self.num_experts)
+            mask = mask.permute(2, 1, 0)  # (expert, k, token)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
+        for index in hit:
+            expert = self.experts[index]
+            top_k_pos, token_idx = torch.where(mask[index])
+            gate, up = nn.functional.linear(hidden_states[token_idx], expert.gate_up_proj).chunk(
+                2, dim=-1
+            )
+            value = nn.functional.linear(self.act_fn(gate) * up, expert.down_proj)
+            value = value * top_k_weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, value.to(out.dtype))
+        return out
+
+
+def split_experts(model: nn.Module) -> nn.Module:
+    """Replace every Qwen3-MoE fused experts module by ``SplitExperts`` (same values, one
+    parameter pair per expert). Call before sharding; the result is not ``save_pretrained``
+    compatible (the names differ from HF's)."""
+    for module in list(model.modules()):
+        fused = getattr(module, "experts", None)
+        if type(fused).__name__ == "Qwen3MoeExperts":
+            module.experts = SplitExperts(fused)
     return model
 
 

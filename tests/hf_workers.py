@@ -149,17 +149,21 @@ def train(
     resume: str | None = None,
     gradient_checkpointing: bool = False,
     compile_kwargs: dict[str, Any] | None = None,
+    split: bool = False,
 ) -> dict[str, Any]:
     """``name`` sharded with ``engine`` at ``world`` ranks; the global mean loss of each step.
 
     ``save``: step -> checkpoint directory, saved after that many steps. ``resume``: a checkpoint
-    to continue from (its step is in the metadata) up to ``steps``. Returns the losses, whether
+    to continue from (its step is in the metadata) up to ``steps``. ``split``: one module per
+    expert (``hf_models.split_experts``). Returns the losses, whether
     ties held, the experts each rank's batches hit, and the logits of ``probe_input()`` after
     the last step (sharded forward, no grad).
     """
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
     model = hf.build_model(config(name), seed=SEED)
+    if split:
+        hf.split_experts(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if compile_kwargs is not None:
@@ -184,12 +188,14 @@ def train(
     return {"losses": losses, "tied": tied, "experts_hit": hits, "logits": logits}
 
 
-def reference(name: str, steps: int = STEPS) -> list[float]:
+def reference(name: str, steps: int = STEPS, *, split: bool = False) -> list[float]:
     """One process, the whole global batch each step, the same init, data and optimizer."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = hf.build_model(config(name), seed=SEED)
+        if split:
+            hf.split_experts(model)
         opt = optimizer(model)
         losses = []
         for step in range(steps):

@@ -125,3 +125,19 @@ def test_the_pinned_transformers_has_every_model() -> None:
 
     assert hf.available_models() == hf.HF_MODELS
     assert Path(hf.REQUIREMENTS).read_text().count("transformers==") == 1
+
+
+def test_per_expert_moe_matches_one_process() -> None:
+    """Qwen3-MoE with one module per expert (``split_experts``, transformers 4.x's layout): an
+    expert without tokens on one rank has no gradient there, so FSDP2 aborts on gloo ("Received
+    data size doesn't match expected size") and the reference is one process on the whole
+    batch. The run asserts the case happened; then the losses agree (kind (b)).
+
+    Needs the engine's group-level gradient reduction (issue "Drop-in in behaviour ...
+    conditional compute never hangs"): with per-parameter hook counting a group whose expert
+    got no gradient on one rank is reduced at another time on each rank."""
+    (ours,) = hw.run(2, {"name": "moe", "engine": "ours", "split": True}, timeout=180)
+    assert _switched_experts(ours) > 0, "no expert was skipped on one rank only"
+    hw.assert_losses_close(
+        _same_on_every_rank(ours), hw.reference("moe", split=True), "per-expert moe vs one process"
+    )
