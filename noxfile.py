@@ -1,8 +1,11 @@
 """The one task runner of the monorepo.
 
-`nox -t ci` is what CI runs (lint, typecheck, architecture, every package's tests in its own
-venv, cross-package integration). `nox -s demo` is the main job; `nox -s bench` the side-by-side
-benchmarks.
+`nox -t ci` is what CI runs, in this order and stopping at the first failure: lint, typecheck,
+architecture (fast, so a mistake there fails in a minute), then every package's tests in its own
+venv, cross-package integration, and the newcomer path (`nox -s dev` + a 2-step torchrun demo).
+`nox -s demo` is the main job; `nox -s dev` builds `.venv` for running the examples and torchrun;
+`nox -s numerics` runs the floating-point tests under every CPU kernel set x thread count;
+`nox -s fuzz` the property tests at 10,000 random examples; `nox -s bench` the benchmarks.
 
 Each package's test session installs only what that package declares (its sibling dependencies come
 from this checkout), so an undeclared import fails there instead of passing by accident.
@@ -10,6 +13,7 @@ from this checkout), so an undeclared import fails there instead of passing by a
 
 from __future__ import annotations
 
+import sys
 import tomllib
 from pathlib import Path
 
@@ -22,6 +26,10 @@ TORCH = "torch==2.13.0"
 nox.options.default_venv_backend = "virtualenv"
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
+nox.options.stop_on_first_error = True  # CI fails fast: the cheap checks run first
+
+# hypothesis: the same examples on every CI run (derandomized; see conftest.py)
+CI_ENV = {"HYPOTHESIS_PROFILE": "ci"}
 
 
 def _project(folder: Path) -> dict[str, object]:
@@ -121,101 +129,6 @@ def _install_packages(session: nox.Session, folders: list[Path], *, extras: str 
 _PACKAGE_NAMES = list(_packages())
 
 
-@nox.session(tags=["ci", "tests"])
-@nox.parametrize("package", _PACKAGE_NAMES, ids=_PACKAGE_NAMES)
-def tests(session: nox.Session, package: str) -> None:
-    """One package's tests, in a venv holding only what that package declares."""
-    folders = _sibling_closure(package)
-    _install_packages(session, folders, extras="test")
-    tests_dir = _packages()[package] / "tests"
-    session.run(
-        "pytest",
-        str(tests_dir),
-        "-m",
-        "not slow",
-        "-p",
-        "no:cacheprovider",
-        "--timeout=900",
-        *session.posargs,
-    )
-
-
-@nox.session(tags=["ci"])
-def integration(session: nox.Session) -> None:
-    """Cross-package tests (root tests/) with every package installed."""
-    _install_torch(session)
-    session.install(*(str(p) + "[test]" for p in _packages().values()))
-    session.run(
-        "pytest",
-        "tests",
-        "-m",
-        "not slow",
-        "--ignore-glob=tests/test_hf_*.py",  # the `hf` session's (they need transformers)
-        "-p",
-        "no:cacheprovider",
-        "--timeout=900",
-        *session.posargs,
-    )
-
-
-HF_REQUIREMENTS = ROOT / "examples" / "requirements-hf.txt"
-
-
-def _install_hf(session: nox.Session) -> None:
-    """Every package, then the examples' optional Hugging Face extra (transformers, safetensors)
-    next to the shared torch; fails if the extra pulled another torch."""
-    _install_torch(session)
-    session.install(*(str(p) + "[test]" for p in _packages().values()))
-    session.install("-r", str(HF_REQUIREMENTS), "matplotlib>=3.8")
-    session.run(
-        "python",
-        "-c",
-        "import torch, transformers, safetensors; assert torch.__version__.startswith('2.13.0'), "
-        "torch.__version__; assert '_shared_torch' in torch.__file__, torch.__file__",
-    )
-    session.env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})  # no downloads
-
-
-@nox.session(tags=["ci"])
-def hf(session: nox.Session) -> None:
-    """Hugging Face models (LLaMA tied, Qwen3-MoE, GPT-OSS) on fully_shard: FSDP2 and
-    one-process parity, ties, checkpoint resume at other world sizes, export, compile."""
-    _install_hf(session)
-    session.run(
-        "pytest",
-        *sorted(str(p) for p in (ROOT / "tests").glob("test_hf_*.py")),
-        "-m",
-        "not slow",
-        "-p",
-        "no:cacheprovider",
-        "--timeout=900",
-        *session.posargs,
-    )
-
-
-@nox.session
-def hf_slow(session: nox.Session) -> None:
-    """The slow Hugging Face tests: inductor compiles of every decoder layer (not in CI)."""
-    _install_hf(session)
-    session.run(
-        "pytest",
-        *sorted(str(p) for p in (ROOT / "tests").glob("test_hf_*.py")),
-        "-m",
-        "slow",
-        "-p",
-        "no:cacheprovider",
-        "--timeout=1800",
-        *session.posargs,
-    )
-
-
-@nox.session(tags=["ci"])
-def architecture(session: nox.Session) -> None:
-    """The dependency table of DEVELOPERS.md, checked on the source (no install needed)."""
-    session.install("pytest")
-    session.run("pytest", "tests/test_architecture.py", "-p", "no:cacheprovider", *session.posargs)
-
-
 @nox.session(tags=["ci"])
 def lint(session: nox.Session) -> None:
     session.install("ruff==0.17.6")
@@ -234,12 +147,210 @@ def typecheck(session: nox.Session) -> None:
     session.run("mypy", "--strict", "tests/typing", *session.posargs)
 
 
+@nox.session(tags=["ci"])
+def architecture(session: nox.Session) -> None:
+    """The dependency table of DEVELOPERS.md, checked on the source (no install needed)."""
+    session.install("pytest")
+    session.run("pytest", "tests/test_architecture.py", "-p", "no:cacheprovider", *session.posargs)
+
+
+@nox.session(tags=["ci", "tests"])
+@nox.parametrize("package", _PACKAGE_NAMES, ids=_PACKAGE_NAMES)
+def tests(session: nox.Session, package: str) -> None:
+    """One package's tests, in a venv holding only what that package declares."""
+    folders = _sibling_closure(package)
+    _install_packages(session, folders, extras="test")
+    tests_dir = _packages()[package] / "tests"
+    session.run(
+        "pytest",
+        str(tests_dir),
+        "-m",
+        "not slow",
+        "-p",
+        "no:cacheprovider",
+        "--timeout=900",
+        *session.posargs,
+        env=CI_ENV,
+    )
+
+
+@nox.session(tags=["ci"])
+def integration(session: nox.Session) -> None:
+    """Cross-package tests (root tests/) with every package installed."""
+    _install_torch(session)
+    session.install(*(str(p) + "[test]" for p in _packages().values()))
+    session.run(
+        "pytest",
+        "tests",
+        "-m",
+        "not slow",
+        "--ignore-glob=tests/test_hf_*.py",  # the `hf` session's (they need transformers)
+        "-p",
+        "no:cacheprovider",
+        "--timeout=900",
+        *session.posargs,
+        env=CI_ENV,
+    )
+
+
+def _build_dev_venv(session: nox.Session) -> Path:
+    """``.venv``: the pinned torch, the five packages editable (with their test extras) and the
+    examples' extras; idempotent."""
+    venv = ROOT / ".venv"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        session.run(sys.executable, "-m", "venv", str(venv), external=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet"]
+    session.run(*pip, "--upgrade", "pip", external=True)  # venv's bundled pip 23 cannot resolve
+    session.run(*pip, TORCH, external=True)  # first: no package's range may pull another torch
+    editable = [f"-e{folder}[test]" for folder in _packages().values()]
+    session.run(*pip, *editable, f"-e{ROOT / 'examples'}[demo]", external=True)
+    return venv
+
+
+@nox.session(venv_backend="none")
+def dev(session: nox.Session) -> None:
+    """Build ``.venv`` for running the examples, torchrun and pytest by hand."""
+    venv = _build_dev_venv(session)
+    session.log(
+        f"ready: source {venv.relative_to(ROOT)}/bin/activate, then e.g.\n"
+        "    torchrun --nproc-per-node 2 examples/demo.py\n"
+        "    python examples/demo.py --world-size 4 --optimizer muon\n"
+        "    pytest packages/fsdp-engine/tests -x"
+    )
+
+
+@nox.session(venv_backend="none", tags=["ci"])
+def newcomer(session: nox.Session) -> None:
+    """The README's path after its two commands, as a new user takes it: ``nox -s dev``, then
+    the demo under torchrun and self-spawned (2 steps each); the checkout stays clean."""
+    venv = _build_dev_venv(session)
+    python, torchrun = str(venv / "bin" / "python"), str(venv / "bin" / "torchrun")
+    before = _git_status(session)
+    summary = ROOT / "runs" / "demo" / "demo_summary.json"
+    demo = ["examples/demo.py", "--steps", "2", "--eval-every", "1", "--sample", "4"]
+    for launch in (
+        [torchrun, "--nproc-per-node", "2", *demo],
+        [python, *demo, "--world-size", "2"],
+    ):
+        summary.unlink(missing_ok=True)
+        session.run(*launch, external=True)
+        if not summary.is_file():
+            session.error(f"{' '.join(launch)} wrote no {summary.relative_to(ROOT)}")
+    session.run(
+        python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "examples/tests", external=True
+    )
+    after = _git_status(session)
+    if after != before:
+        session.error(f"the demo changed the checkout: {sorted(set(after) - set(before))}")
+
+
+def _git_status(session: nox.Session) -> list[str]:
+    out = session.run("git", "status", "--porcelain", external=True, silent=True)
+    return sorted(str(out or "").splitlines())
+
+
+HF_ENV = {**CI_ENV, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # nothing downloaded
+
+
+def _install_hf(session: nox.Session) -> None:
+    """Every package and the examples' optional ``hf`` extra (the pinned transformers and
+    safetensors) next to the shared torch; fails if the extra brought another torch."""
+    _install_torch(session)
+    session.install(
+        *(str(p) + "[test]" for p in _packages().values()), f"{ROOT / 'examples'}[hf,demo]"
+    )
+    session.run(
+        "python",
+        "-c",
+        "import torch, transformers, safetensors; assert torch.__version__.startswith('2.13.0')"
+        " and '_shared_torch' in torch.__file__, torch.__file__",
+    )
+    session.run("python", "-m", "pip", "check")
+
+
+def _hf_pytest(session: nox.Session, marker: str, timeout: int) -> None:
+    tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_hf_*.py"))
+    session.run(
+        "pytest",
+        *tests,
+        "-m",
+        marker,
+        "-p",
+        "no:cacheprovider",
+        f"--timeout={timeout}",
+        *session.posargs,
+        env=HF_ENV,
+    )
+
+
+@nox.session(tags=["ci"])
+def hf(session: nox.Session) -> None:
+    """Hugging Face models (LLaMA with tied embeddings, Qwen3-MoE, GPT-OSS) on fully_shard at
+    world size 2: FSDP2 and one-process parity, ties, gradient checkpointing, checkpoint resume
+    at world sizes 1 and 4, export to save_pretrained, compiled layers (`examples[hf]`)."""
+    _install_hf(session)
+    _hf_pytest(session, "not slow", 900)
+
+
+@nox.session
+def hf_slow(session: nox.Session) -> None:
+    """The slow Hugging Face tests (not in CI): inductor-compiled layers of every model and the
+    graph breaks of the MoE models' layers."""
+    _install_hf(session)
+    _hf_pytest(session, "slow", 1800)
+
+
+@nox.session
+def hf_demo(session: nox.Session) -> None:
+    """``examples/hf_train.py`` on 2 gloo processes (posargs: its options)."""
+    _install_hf(session)
+    session.run("python", "examples/hf_train.py", *session.posargs, env=HF_ENV)
+
+
+@nox.session
+def numerics(session: nox.Session) -> None:
+    """The floating-point tests (marker ``numerics``) under every CPU kernel set this CPU has
+    (ATEN_CPU_CAPABILITY default, avx2, avx512) x OMP_NUM_THREADS 1 and 2, as CI machines
+    differ (not in CI: about 6x the tests' time)."""
+    _install_torch(session)
+    session.install(*(str(p) + "[test]" for p in _packages().values()))
+    best = session.run(
+        "python", "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())", silent=True
+    )
+    capabilities = ["default", "avx2"] + (["avx512"] if "AVX512" in str(best) else [])
+    paths = [str(p / "tests") for p in _packages().values()] + ["tests"]
+    for capability in capabilities:
+        for threads in ("1", "2"):
+            env = {**CI_ENV, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": threads}
+            session.log(f"ATEN_CPU_CAPABILITY={capability} OMP_NUM_THREADS={threads}")
+            session.run(
+                "python",
+                "-c",
+                "import torch; print('kernels:', torch.backends.cpu.get_cpu_capability())",
+                env=env,
+            )
+            session.run(
+                "pytest",
+                *paths,
+                "-m",
+                "numerics and not slow",
+                "-p",
+                "no:cacheprovider",
+                "--timeout=900",
+                "-q",
+                *session.posargs,
+                env=env,
+            )
+
+
 @nox.session
 def fuzz(session: nox.Session) -> None:
     """Hypothesis at 10,000 examples over the planner and ragged redistributions (not in CI)."""
     _install_torch(session)
     session.install(*(str(p) + "[test]" for p in _packages().values()))
     session.env["FUZZ_EXAMPLES"] = "10000"
+    session.env["HYPOTHESIS_PROFILE"] = "fuzz"  # fresh random examples every run
     session.run(
         "pytest",
         "-m",
@@ -257,7 +368,7 @@ def fuzz(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: a short sharded run on 2 gloo processes on this CPU."""
     _install_torch(session)
-    session.install("matplotlib>=3.8", *(str(p) for p in _packages().values()))
+    session.install(*(str(p) for p in _packages().values()), f"{ROOT / 'examples'}[demo]")
     session.run("python", "examples/demo.py", *session.posargs)
 
 

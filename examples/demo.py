@@ -2,18 +2,20 @@
 
 Character-level text from ``pydoc_data.topics`` (ships with CPython; nothing is downloaded).
 One ``fully_shard`` per decoder layer plus one for the root, gloo on CPU (NCCL on GPUs), each rank
-its own batches. Rank 0 shows a progress bar (step, loss, tokens/s) and at the end a summary:
-final train and validation loss, throughput, peak live memory per rank, collectives per step,
-padding of the planned buffers; it writes ``demo_loss.png`` (if matplotlib is installed) and
-``demo_summary.json`` into ``--out``.
+its own batches. Rank 0 shows a tqdm progress bar (rate, ETA, loss, tokens/s) and at the end a
+summary: final train and validation loss, throughput, peak live memory per rank, collectives per
+step, padding of the planned buffers; it writes ``demo_loss.png`` (with matplotlib) and
+``demo_summary.json`` into ``--out`` (default ``runs/demo``, git-ignored).
 
-Run on this machine (spawns the ranks itself)::
+After ``nox -s dev`` and ``source .venv/bin/activate`` (see the README), on this machine (the
+script spawns its ranks itself)::
 
     python examples/demo.py                          # 2 ranks, AdamW, ~1 minute on 2 cores
     python examples/demo.py --optimizer muon --steps 300 --model small
     python examples/demo.py --engine fsdp2           # the same run with torch's FSDP2
 
-Across processes or machines it is plain torchrun (the script never assumes one host)::
+Across processes or machines it is plain torchrun (the script never assumes one host; the world
+size is torchrun's, so ``--world-size`` must not disagree with it)::
 
     torchrun --nproc-per-node 2 examples/demo.py
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
@@ -54,7 +56,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 OPTIMIZERS = ("adamw", "muon", "adamw8bit")
-ENGINES = ("ours", "fsdp2")
+# what --engine names, and how the summary and the plot name it
+ENGINES = {"fsdp-engine": "fsdp_engine.fully_shard", "fsdp2": "torch FSDP2 (fully_shard)"}
 
 
 # -- measurement -----------------------------------------------------------------------------
@@ -127,7 +130,7 @@ def build(
     import fsdp_engine
     import optim_blockwise as ob
 
-    api: Any = fsdp_engine if args.engine == "ours" else torch_fsdp  # same signatures
+    api: Any = fsdp_engine if args.engine == "fsdp-engine" else torch_fsdp  # same signatures
     fully_shard = api.fully_shard
     mp = (
         api.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -135,7 +138,7 @@ def build(
         else api.MixedPrecisionPolicy()
     )
     extra: dict[str, Any] = {}
-    if args.engine == "ours":
+    if args.engine == "fsdp-engine":
         if args.optimizer == "adamw8bit":
             extra["block_policy"] = ob.AdamW8bit.block_policy(block_size=256)
         elif args.optimizer == "muon":
@@ -186,7 +189,7 @@ def _persistent_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[to
 def _padding(model: nn.Module, engine: str, world: int) -> tuple[int, int]:
     """(padding elements, buffer elements) over all groups, per the engine's layout."""
     pad = total = 0
-    if engine == "ours":
+    if engine == "fsdp-engine":
         import fsdp_engine
 
         plans = {}
@@ -235,6 +238,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     copied = 0
     measure_step = min(2, args.steps - 1)
     tokens_per_step = args.batch_size * seq * world
+    progress = _progress_bar(args) if rank == 0 else None
     start_all = time.perf_counter()
     for step in range(args.steps):
         tokens = get_batch(corpus.train, gen, args.batch_size, seq).to(device)
@@ -257,11 +261,13 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         losses.append(value.item() / world)
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
             val_curve.append((step + 1, _validate(model, val_batches, device, world)))
-        if rank == 0:
-            _progress(step + 1, args.steps, losses[-1], tokens_per_step, times)
+        if progress is not None:
+            recent = statistics.median(times[-10:])
+            progress.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{tokens_per_step / recent:,.0f}")
+            progress.update(1)
     wall = time.perf_counter() - start_all
-    if rank == 0:
-        print(file=sys.stderr)
+    if progress is not None:
+        progress.close()
     sample = _generate(model, corpus, args.sample, device, seq)  # every rank: same greedy text
     pad, buffer = _padding(model, args.engine, world)
     record = {
@@ -317,18 +323,16 @@ def _generate(model: nn.Module, corpus: Corpus, length: int, device: torch.devic
     return corpus.decode(tokens[0].cpu())
 
 
-def _progress(step: int, steps: int, loss: float, tokens: int, times: list[float]) -> None:
-    width = 30
-    done = int(width * step / steps)
-    recent = times[-10:]
-    tps = tokens / statistics.median(recent) if recent else 0.0
-    bar = "#" * done + "." * (width - done)
-    print(
-        f"\r[{bar}] step {step:>4}/{steps}  loss {loss:6.3f}  {tps:9,.0f} tok/s",
-        end="",
-        file=sys.stderr,
-        flush=True,
-    )
+def _progress_bar(args: argparse.Namespace) -> Any:
+    """Rank 0's progress line: tqdm's (rate, ETA), with the loss and tokens/s as its postfix."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError as exc:
+        raise SystemExit(
+            "examples/demo.py needs tqdm for its progress bar: pip install -e 'examples[demo]' "
+            "(or run `nox -s dev` / `nox -s demo`)"
+        ) from exc
+    return tqdm(total=args.steps, desc=ENGINES[args.engine], unit="step", file=sys.stderr)
 
 
 def _mib(n: float) -> str:
@@ -347,8 +351,8 @@ def report(
     calls = sum(r0["collectives"].values())
     kinds = ", ".join(f"{v} {k}" for k, v in sorted(r0["collectives"].items()))
     lines = [
-        f"engine {args.engine}, optimizer {args.optimizer}, world size {args.world}, model "
-        f"{args.model} (dim {cfg['dim']}, {cfg['layers']} layers, experts {cfg['experts']}, "
+        f"engine {ENGINES[args.engine]}, optimizer {args.optimizer}, world size {args.world}, "
+        f"model {args.model} (dim {cfg['dim']}, {cfg['layers']} layers, experts {cfg['experts']}, "
         f"seq {cfg['seq']}, vocab {cfg['vocab']}), batch {args.batch_size}/rank, "
         f"precision {args.mixed_precision}",
         f"final loss        train {train_final:.4f} (mean of last 10 steps), "
@@ -396,46 +400,123 @@ def _plot(args: argparse.Namespace, record: dict[str, Any], path: Path) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"(matplotlib is not installed: no {path.name}; `pip install matplotlib`)")
+        print(f"(matplotlib is not installed: no {path.name}; pip install -e 'examples[demo]')")
         return
+    fig = loss_figure(args, record)
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"wrote {path} and {path.with_name('demo_summary.json')}")
+
+
+def loss_figure(args: argparse.Namespace, record: dict[str, Any]) -> Any:
+    """The loss curves: train (every step) and validation, titled with the engine that ran."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
-    ax.plot(range(1, len(record["losses"]) + 1), record["losses"], lw=1, label="train")
+    steps = range(1, len(record["losses"]) + 1)
+    ax.plot(steps, record["losses"], lw=1, label=f"train (mean over {args.world} ranks)")
     if record["val"]:
-        steps, vals = zip(*record["val"], strict=True)
-        ax.plot(steps, vals, "o-", ms=3, label="validation")
+        at, vals = zip(*record["val"], strict=True)
+        ax.plot(at, vals, "o-", ms=3, label="validation")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no fractional steps on short runs
     ax.set_ylabel("cross-entropy (nats/char)")
     ax.set_title(
-        f"{args.engine} fully_shard, {args.optimizer}, {args.world} ranks, {args.model} model"
+        f"{ENGINES[args.engine]}: {args.optimizer}, {args.world} ranks, {args.model} model",
+        fontsize=10,
     )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
-    print(f"wrote {path} and {path.with_name('demo_summary.json')}")
+    return fig
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+def _positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, not the whole usage block
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> argparse.Namespace:
+    """The command line; every bad value ends here with one argparse line and exit status 2."""
+    env = dict(os.environ) if env is None else env
+    p = _Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
-    p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (not under torchrun)")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument(
+        "--world-size",
+        type=_positive_int,
+        default=None,
+        help="ranks to spawn (default 2); under torchrun the world size is torchrun's",
+    )
+    p.add_argument("--steps", type=_positive_int, default=300)
     p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--mixed-precision", choices=("none", "bf16"), default="none")
-    p.add_argument("--engine", choices=ENGINES, default="ours", help="ours or torch FSDP2")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per rank per step")
-    p.add_argument("--seq-len", type=int, default=0, help="context length (0: the preset's)")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument(
+        "--engine",
+        choices=sorted(ENGINES),
+        default="fsdp-engine",
+        help="fsdp-engine (fsdp_engine.fully_shard) or fsdp2 (torch's, for comparison)",
+    )
+    p.add_argument("--batch-size", type=_positive_int, default=16, help="sequences per rank/step")
+    p.add_argument("--seq-len", type=_non_negative_int, default=0, help="0: the model's context")
+    p.add_argument("--lr", type=_positive_float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-every", type=int, default=25)
-    p.add_argument("--sample", type=int, default=80, help="characters to generate at the end")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--eval-every", type=_positive_int, default=25)
+    p.add_argument("--sample", type=_non_negative_int, default=80, help="characters to generate")
+    p.add_argument("--threads", type=_positive_int, default=1, help="torch threads per rank")
     p.add_argument("--device", choices=("auto", "cpu"), default="auto")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds (spawned ranks)")
-    p.add_argument("--out", default="results", help="folder for demo_loss.png and the JSON")
+    p.add_argument("--timeout", type=_positive_float, default=1800.0, help="seconds per run")
+    p.add_argument("--out", default="runs/demo", help="folder for the PNG and the JSON summary")
     args = p.parse_args(argv)
     if args.steps < 2:
-        p.error("--steps must be at least 2")
+        p.error(f"argument --steps: must be at least 2, got {args.steps}")
+    seq = args.seq_len or PRESETS[args.model].seq
+    longest = len(load_corpus().val) - 2  # a window of seq + 1 tokens must fit the validation text
+    if seq > longest:
+        p.error(f"argument --seq-len: {seq} is longer than the validation text allows ({longest})")
+    under_torchrun = "RANK" in env and "WORLD_SIZE" in env
+    if under_torchrun:
+        world = int(env["WORLD_SIZE"])
+        if args.world_size is not None and args.world_size != world:
+            p.error(
+                f"argument --world-size: {args.world_size} conflicts with torchrun's world size "
+                f"{world} (set --nproc-per-node/--nnodes instead, or drop --world-size)"
+            )
+        args.world_size = world
+    elif args.world_size is None:
+        args.world_size = 2
+    args.torchrun = under_torchrun
     return args
 
 
@@ -451,7 +532,7 @@ def _torchrun_main(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
+    if args.torchrun:  # launched by torchrun: this process is one rank
         _torchrun_main(args)
         return
     from ragged_dtensor.testing import run_processes

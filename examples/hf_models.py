@@ -1,8 +1,8 @@
 """Hugging Face ``transformers`` causal LMs on ``fully_shard``: configs, sharding, compile, export.
 
 Shared by ``hf_train.py`` and the ``hf`` test session (one copy). ``transformers`` and
-``safetensors`` are an optional extra of the examples (``pip install -r
-examples/requirements-hf.txt``), never a dependency of a package. Models are built from configs
+``safetensors`` are the examples' optional extra ``hf`` (``pip install -e "examples[hf]"``,
+pinned in ``examples/pyproject.toml``), never a dependency of a package. Models are built from configs
 with random init: nothing is downloaded.
 
 - ``make_config(name, vocab=, seq=)``: small configs (2 layers, hidden 128) of
@@ -43,7 +43,7 @@ from torch import nn
 
 __all__ = [
     "HF_MODELS",
-    "REQUIREMENTS",
+    "INSTALL",
     "require_transformers",
     "available_models",
     "make_config",
@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 HF_MODELS = ("llama", "moe", "gpt-oss")
-REQUIREMENTS = Path(__file__).resolve().parent / "requirements-hf.txt"
+INSTALL = f'pip install -e "{Path(__file__).resolve().parent}[hf]"'  # the pinned extra
 
 
 def require_transformers() -> Any:
@@ -70,7 +70,7 @@ def require_transformers() -> Any:
     except ImportError as exc:
         raise ImportError(
             f"the Hugging Face examples need transformers and safetensors: "
-            f"pip install -r {REQUIREMENTS} (the pinned versions; torch stays as installed)"
+            f"{INSTALL} (the pinned versions; the installed torch stays)"
         ) from exc
     return transformers
 
@@ -122,7 +122,7 @@ def make_config(name: str, *, vocab: int, seq: int, layers: int = 2, hidden: int
         if not hasattr(tf, "GptOssConfig"):
             raise ValueError(
                 f"--hf-model gpt-oss: transformers {tf.__version__} has no GptOssForCausalLM "
-                f"(it arrived in 4.55; install {REQUIREMENTS})"
+                f"(it arrived in 4.55; {INSTALL})"
             )
         return tf.GptOssConfig(
             **common,

@@ -11,7 +11,6 @@ export to a ``save_pretrained`` directory reloads with bitwise-identical logits.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import hf_workers as hw
@@ -121,10 +120,16 @@ def test_moe_matches_fsdp2_and_one_process(name: str) -> None:
 
 
 def test_the_pinned_transformers_has_every_model() -> None:
-    import hf_models as hf
+    """The session runs the version pinned in the examples' ``hf`` extra, which has all three."""
+    import tomllib
 
+    import hf_models as hf
+    import transformers
+
+    extras = tomllib.loads((hw.ROOT / "examples" / "pyproject.toml").read_text())["project"]
+    pins = dict(r.split("==") for r in extras["optional-dependencies"]["hf"])
+    assert transformers.__version__ == pins["transformers"]
     assert hf.available_models() == hf.HF_MODELS
-    assert Path(hf.REQUIREMENTS).read_text().count("transformers==") == 1
 
 
 def test_per_expert_moe_matches_one_process() -> None:

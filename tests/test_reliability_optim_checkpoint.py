@@ -8,6 +8,8 @@ written and handed to every rank on load), so every other rank's state was lost:
 with a size mismatch, or silently loaded rank 0's state where the lengths coincided.
 ``fsdp_engine.save_checkpoint`` refuses such state before writing (tested below with an
 optimizer that still behaves that way).
+
+Numerics: round trips move bits and resumed runs repeat the same arithmetic: bitwise.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 import optim_blockwise as ob
 from fsdp_engine import CheckpointError, fully_shard, load_checkpoint, save_checkpoint
 from ragged_dtensor.testing import run_threaded
+
+pytestmark = pytest.mark.numerics
 
 VOCAB, DIM = 64, 32
 BLOCK = 32  # AdamW8bit block; the small model needs small blocks to have 8-bit state at all

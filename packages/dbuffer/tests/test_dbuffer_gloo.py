@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from dbuffer import CopiedBytes, DBuffer, LayoutMismatchError, contiguous_layout
 from ragged_dtensor.testing import run_processes
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.numerics]
 
 
 def _layout(world: int) -> object:
@@ -48,7 +48,7 @@ def _gather_reduce(mesh_shape: tuple[int, ...]) -> dict[str, int]:
     if len(mesh_shape) == 2:
         expected["c10d.allreduce_.default"] = 1
     assert Counter(ops.collectives()) == Counter(expected)
-    _check_shards(grads, _reference(range(dist.get_world_size()), "avg", None), atol=1e-5)
+    _check_shards(grads, _reference(range(dist.get_world_size()), "avg", None))
     # gloo's reduce-scatter copies its result out of an internal all-reduce buffer (backend
     # code, reached through the dispatcher): the same bytes as a bare reduce-scatter.
     bare = torch.empty(buf.shard_size)
@@ -86,9 +86,8 @@ def _async_and_mixed_precision(mesh_shape: tuple[int, ...]) -> None:
         op="avg", reduce_dtype=torch.bfloat16, accumulate=True, async_op=True
     )
     handle.wait()
-    expected = _reference(range(dist.get_world_size()), "avg", torch.bfloat16)
-    expected = [e + i.double() for e, i in zip(expected, initial, strict=True)]
-    _check_shards(grads, expected, atol=5e-2)
+    expected = _reference(range(dist.get_world_size()), "avg", torch.bfloat16).plus(initial)
+    _check_shards(grads, expected)
     assert not grads.is_unsharded()
     # An async gloo all-gather bumps its output's version counter in the background when it
     # completes; views autograd saved must still see the version they were saved at.
@@ -122,7 +121,7 @@ def _world_4(rank: int, world: int) -> None:
     _gather_reduce((world,))
     _gather_reduce((2, 2))  # HSDP: axis 0 replicate, axis 1 shard
     _async_and_mixed_precision((2, 2))
-    _train_step(rank, world, "accumulate-unsharded")
+    _train_step(rank, world, "accumulate-unsharded", exact=False)  # gloo's own sum order
     dist.barrier()
 
 

@@ -83,4 +83,6 @@ def batches(
 
 def loss_fn(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+    if logits.dtype != torch.float64:  # low-precision logits: the loss in fp32
+        logits = logits.float()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))

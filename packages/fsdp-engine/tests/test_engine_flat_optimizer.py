@@ -1,10 +1,15 @@
 """FlatShardOptimizer: an elementwise optimizer over each group's flat shard gives the same
-values as the same optimizer over the per-parameter DTensors (one kernel per group)."""
+values as the same optimizer over the per-parameter DTensors (one kernel per group).
+
+Numerics: FlatShardOptimizer against per-parameter AdamW is the same arithmetic per element
+(threaded ranks in one process, one thread setting): bitwise.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from engine_models import batches, build, loss_fn
 from engine_training import initial_state
@@ -12,6 +17,8 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 
 from fsdp_engine import FlatShardOptimizer, fully_shard
 from ragged_dtensor.testing import run_threaded
+
+pytestmark = pytest.mark.numerics
 
 
 def _train(rank: int, world: int, flat: bool) -> dict[str, Any]:

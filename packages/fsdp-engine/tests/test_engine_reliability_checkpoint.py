@@ -1,5 +1,8 @@
 """Checkpoints: atomic commit, resharding across world sizes, FSDP2 interop, resume in new
-processes, a crash during the save."""
+processes, a crash during the save.
+
+Numerics: round trips move bits and resumed runs repeat the same arithmetic: bitwise.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +29,8 @@ from fsdp_engine import (
     save_checkpoint,
 )
 from ragged_dtensor.testing import DistributedFailure, run_processes, run_threaded
+
+pytestmark = pytest.mark.numerics
 
 # -- the commit protocol, one process (no process group) -----------------------------------------
 

@@ -1,4 +1,9 @@
-"""AdamW8bit: against torch's AdamW, memory, state_dict, policies, and sharded == single device."""
+"""AdamW8bit: against torch's AdamW, memory, state_dict, policies, and sharded == single device.
+
+Numerics: against torch's AdamW, different arithmetic with the bounds stated per test; sharded
+against single device, same arithmetic (elementwise on whole blocks, threaded ranks in this
+process): bitwise.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ from test_optim_support import (
 import optim_blockwise as ob
 from ragged_dtensor.testing import run_threaded
 
+pytestmark = pytest.mark.numerics
+
 SHAPES = [(64, 96), (40, 50), (7,), (128, 33), (1, 4096)]
 PLAIN = [("plain",)] * len(SHAPES)
 
@@ -26,21 +33,28 @@ def _pair(shape: tuple[int, ...], seed: int = 0) -> tuple[torch.nn.Parameter, to
 
 
 def test_fp32_state_path_matches_torch_adamw() -> None:
-    # Below min_8bit_size the moments stay fp32: the update is AdamW's up to rounding.
+    """Different arithmetic: below min_8bit_size the moments stay fp32 and the update is AdamW's
+    in another operation order. Each step may round the update and the parameter differently by
+    a few ulps (8 allowed): over 10 steps rtol = 10 * 8 * eps32 = 9.5e-6 of |p|, and, for entries
+    near zero, atol = 10 * 8 * eps32 * lr (|update| <= lr)."""
+    steps, lr, eps32 = 10, 1e-2, torch.finfo(torch.float32).eps
     a, b = _pair((30, 40))
     ours = ob.AdamW8bit([a], lr=1e-2, weight_decay=0.1)
     ref = torch.optim.AdamW([b], lr=1e-2, weight_decay=0.1)
     gen = torch.Generator().manual_seed(1)
-    for _ in range(10):
+    for _ in range(steps):
         g = torch.randn(a.shape, generator=gen)
         a.grad, b.grad = g.clone(), g.clone()
         ours.step()
         ref.step()
     assert ours.state[a]["exp_avg"].dtype == torch.float32
-    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(a, b, rtol=steps * 8 * eps32, atol=steps * 8 * eps32 * lr)
 
 
 def test_8bit_tracks_torch_adamw() -> None:
+    """Different arithmetic by design (8-bit states): the dynamic map's relative step is <= ~2%
+    for the moments' range, so the 8-bit path stays within 5% of AdamW's (not a float bound:
+    independent of the CPU's kernels)."""
     a, b = _pair((128, 256))
     ours = ob.AdamW8bit([a], lr=1e-3)
     ref = torch.optim.AdamW([b], lr=1e-3)

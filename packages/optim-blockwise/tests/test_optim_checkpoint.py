@@ -1,4 +1,7 @@
-"""Optimizer state through torch.distributed.checkpoint (DCP): save, load, continue identically."""
+"""Optimizer state through torch.distributed.checkpoint (DCP): save, load, continue identically.
+
+Numerics: a reloaded run against an uninterrupted one is the same arithmetic: bitwise.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from test_optim_support import local_of, make_optimizer, ragged_spec, shard
 from torch.distributed.device_mesh import init_device_mesh
 
 from ragged_dtensor.testing import DistributedFailure, run_threaded
+
+pytestmark = pytest.mark.numerics
 
 SHAPES = [(64, 96), (33,), (100, 48)]
 

@@ -1,4 +1,9 @@
-"""Muon: Newton-Schulz, lr conventions, roots, AdamW path, and distributed == single device."""
+"""Muon: Newton-Schulz, lr conventions, roots, AdamW path, and distributed == single device.
+
+Numerics: against torch's Muon, different arithmetic with the bounds stated per test; sharded
+against single device, same arithmetic (each whole matrix orthogonalized once, threaded ranks in
+this process): bitwise.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import optim_blockwise as ob
 from ragged_dtensor.testing import DistributedFailure, run_threaded
+
+pytestmark = pytest.mark.numerics
 
 SHAPES = [(64, 96), (40, 50), (7,), (128, 33), (16, 8), (1, 30)]
 PLAIN = [("plain",)] * len(SHAPES)
@@ -87,13 +94,20 @@ def test_single_device_matches_torch_muon(adjust: str, nesterov: bool) -> None:
         ours.step()
         ref.step()
         ob16.step()
+    # Different arithmetic, tolerances from the NS precision (not the CPU's kernels): torch's
+    # reference runs NS in bf16 (2-3% accurate against fp64); ours in fp32 for this comparison.
     moved = float((b.detach() - w).abs().max())
-    # torch's reference runs NS in bf16 (2-3% accurate); ours in fp32 for this comparison.
     assert float((a.detach() - b.detach()).abs().max()) < 0.05 * moved
     # Our bf16 NS is torch's op for op: equal up to the momentum's last-bit rounding.
     assert float((ours_bf16.detach() - b.detach()).abs().max()) < 0.01 * moved
+    # The momentum is elementwise in another operation order: <= 2 ulps per step over 6 steps,
+    # relative to |m| <= max|g| (randn: < 6).
+    eps32 = torch.finfo(torch.float32).eps
     torch.testing.assert_close(
-        ours.state[a]["momentum_buffer"].view(w.shape), ref.state[b]["momentum_buffer"]
+        ours.state[a]["momentum_buffer"].view(w.shape),
+        ref.state[b]["momentum_buffer"],
+        rtol=6 * 2 * eps32,
+        atol=6 * 2 * eps32 * 6.0,
     )
 
 
@@ -116,8 +130,11 @@ def test_adamw_path_for_non_matrices_and_groups() -> None:
         ref.step()
     assert "momentum_buffer" in opt.state[w]
     assert "exp_avg" in opt.state[bias] and "exp_avg" in opt.state[emb]
-    torch.testing.assert_close(bias, ref_bias, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(emb, ref_emb, atol=1e-6, rtol=1e-5)
+    # Different arithmetic (AdamW in another operation order): a few ulps (8 allowed) of |p|
+    # per step, over 4 steps; near zero, of the update (<= lr).
+    tol = 4 * 8 * torch.finfo(torch.float32).eps
+    torch.testing.assert_close(bias, ref_bias, rtol=tol, atol=tol * 1e-2)
+    torch.testing.assert_close(emb, ref_emb, rtol=tol, atol=tol * 1e-2)
 
 
 def test_use_muon_true_rejects_non_matrices_by_name() -> None:

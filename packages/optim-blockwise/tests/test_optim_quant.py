@@ -1,4 +1,8 @@
-"""Blockwise dynamic quantization: the code books, round-trip bounds, edge values, sharding."""
+"""Blockwise dynamic quantization: the code books, round-trip bounds, edge values, sharding.
+
+Numerics: quantization of a shard against quantization of the whole tensor is the same
+arithmetic per block: bitwise.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import optim_blockwise as ob
+
+pytestmark = pytest.mark.numerics
 
 
 def _max_gap(signed: bool) -> float:

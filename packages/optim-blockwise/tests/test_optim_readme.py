@@ -1,22 +1,16 @@
-"""The README's examples run as written."""
+"""The README's examples are the files they name, and those files run."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+from ragged_dtensor.testing import run_readme_example
+
+PACKAGE = Path(__file__).resolve().parents[1]
 
 
-def test_readme_has_examples() -> None:
-    assert len(BLOCKS) >= 2
-
-
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_example_runs(index: int) -> None:
-    # Run as a module named like this test file so run_threaded can find module-level functions.
-    namespace: dict[str, object] = {"__name__": f"optim_readme_example_{index}"}
-    exec(compile(BLOCKS[index], f"README.md[{index}]", "exec"), namespace)
+@pytest.mark.parametrize(("index", "name"), [(0, "quickstart.py"), (1, "sharded.py")])
+def test_readme_example_is_the_file_and_runs(index: int, name: str) -> None:
+    run_readme_example(PACKAGE / "README.md", PACKAGE / "examples" / name, index=index)

@@ -7,9 +7,12 @@ embedding row moved by 17.8 at lr 3e-3)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import optim_blockwise as ob
+
+pytestmark = pytest.mark.numerics
 
 
 def test_adam_update_stays_bounded_when_a_gradient_vanishes() -> None:

@@ -1,4 +1,11 @@
-"""Ops, optimizers and gradient clipping on RaggedShard DTensors, against single-process results."""
+"""Ops, optimizers and gradient clipping on RaggedShard DTensors, against single-process results.
+
+Numerics: elementwise ops are the same arithmetic per element (compared bitwise). Reductions
+(sum, norms) are different arithmetic: the ranks' partial results are combined in another order
+than one process's sum. Summing n terms in two orders differs by at most (n - 1) * eps * sum|x|
+(u = eps / 2 per add, each order), so ``_sum_bound`` allows (n + 1) * eps * sum|x|; norms of
+non-negative terms are relative: ``_norm_rtol`` = (n + 2) * eps.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,19 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ragged_dtensor import RaggedOpError, RaggedShard, hooks_installed
 from ragged_dtensor.testing import count_collectives, run_threaded
+
+pytestmark = pytest.mark.numerics
+
+
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def _sum_bound(x: torch.Tensor) -> float:
+    return (x.numel() + 1) * EPS32 * x.abs().sum().item()
+
+
+def _norm_rtol(x: torch.Tensor) -> float:
+    return (x.numel() + 2) * EPS32
 
 
 def test_every_hook_is_installed() -> None:
@@ -60,12 +80,12 @@ def _elementwise_body(rank: int, world: int) -> None:
         norms = torch._foreach_norm([da, db])
     assert counter.total == 0
     assert s.placements == (Partial(),)
-    torch.testing.assert_close(s.full_tensor(), a.sum(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(s.full_tensor(), a.sum(), rtol=0, atol=_sum_bound(a))
     torch.testing.assert_close(
-        n.full_tensor(), torch.linalg.vector_norm(a, 3), rtol=1e-6, atol=1e-6
+        n.full_tensor(), torch.linalg.vector_norm(a, 3), rtol=_norm_rtol(a), atol=0
     )
-    for got, want in zip(norms, [a.norm(), b.norm()], strict=True):
-        torch.testing.assert_close(got.full_tensor(), want, rtol=1e-6, atol=1e-6)
+    for got, want, x in zip(norms, [a.norm(), b.norm()], [a, b], strict=True):
+        torch.testing.assert_close(got.full_tensor(), want, rtol=_norm_rtol(x), atol=0)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -146,7 +166,9 @@ def _optimizer_body(rank: int, world: int, kind: str) -> float:
             p.grad = distribute_tensor(g.clone(), mesh, [pl])
         total_ref = torch.nn.utils.clip_grad_norm_(ref, 1.0)
         total_dist = torch.nn.utils.clip_grad_norm_(dist_params, 1.0)
-        torch.testing.assert_close(total_dist.full_tensor(), total_ref, rtol=1e-6, atol=1e-6)
+        everything = torch.cat([g.reshape(-1) for g in step_grads])
+        rtol = _norm_rtol(everything)
+        torch.testing.assert_close(total_dist.full_tensor(), total_ref, rtol=rtol, atol=0)
         opt_ref.step()
         opt_dist.step()
     worst = 0.0
@@ -163,9 +185,14 @@ def _optimizer_body(rank: int, world: int, kind: str) -> float:
 @pytest.mark.parametrize("world", [2, 4])
 def test_torch_optimizers_and_clip_grad_norm_match_single_process(kind: str, world: int) -> None:
     # Identical arithmetic per element; the one difference is clip_grad_norm_'s total norm, summed
-    # across ranks in another order, so the clipped gradients may differ in the last ulp.
+    # across ranks in another order: relatively off by <= (n + 2) * eps (n = 39 gradient
+    # entries), and so is each clipped gradient. AdamW's update is scale-free and SGD's is
+    # lr * |g| <= 0.1 * 4: over 5 steps the parameters (|p| < 5) may differ by that relative
+    # error of the update plus an ulp of |p| per step.
     worst = max(run_threaded(_optimizer_body, world, kind))
-    assert worst <= 1e-6, worst
+    n, steps = 8 * 3 + 5 + 4 * 2 * 3, 5
+    bound = steps * ((n + 2) * EPS32 * 0.1 * 4 + 2 * EPS32 * 5)
+    assert worst <= bound, (worst, bound)
 
 
 def _autograd_body(rank: int, world: int) -> list[float]:
@@ -216,7 +243,8 @@ def _rowwise_body(rank: int, world: int) -> None:
     for (got, want), local in zip(cases, locals_, strict=True):
         assert got.placements == (RaggedShard((0,), rows),), got.placements
         assert local.shape[0] == rows[rank]
-        torch.testing.assert_close(got.full_tensor(), want, rtol=1e-6, atol=1e-6)
+        # same arithmetic: each row's reduction runs whole on one rank, the same kernel
+        assert torch.equal(got.full_tensor(), want)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

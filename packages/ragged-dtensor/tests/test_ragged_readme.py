@@ -1,4 +1,4 @@
-"""The README's example runs as written."""
+"""The README's example is the file it names, and that file runs."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from ragged_dtensor.testing import run_markdown_example
+from ragged_dtensor.testing import run_readme_example
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PACKAGE = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.multiprocess
-def test_readme_example_runs() -> None:
-    assert run_markdown_example(README).strip().endswith("ok")
+def test_readme_example_is_the_file_and_runs() -> None:
+    out = run_readme_example(PACKAGE / "README.md", PACKAGE / "examples" / "quickstart.py")
+    assert out.strip().endswith("ok")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,9 +62,12 @@ def test_models_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "deepseek-v3-671b: 671.03B parameters" in out
 
 
-def test_readme_example_runs() -> None:
+def test_readme_example_is_the_file_and_runs() -> None:
     text = README.read_text(encoding="utf-8")
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    assert blocks, "README has no python example"
-    for code in blocks:
-        exec(compile(code, str(README), "exec"), {})
+    example = README.parent / "examples" / "quickstart.py"
+    assert blocks and blocks[0] == example.read_text(), f"README's example is not {example}"
+    done = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr

@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 
 __all__ = [
     "expect_error_on_every_rank",
-    "run_markdown_example",
+    "run_readme_example",
     "CollectiveCounter",
     "DistributedFailure",
     "count_collectives",
@@ -67,9 +67,10 @@ def _process_entry(
     args: Sequence[Any],
     results: Any,
     env: dict[str, str],
+    threads: int,
 ) -> None:
     os.environ.update(env)
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     try:
         dist.init_process_group(
             "gloo",
@@ -95,8 +96,14 @@ def run_processes(
     *args: Any,
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
+    threads: int = 1,
 ) -> list[T]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes.
+
+    Each rank runs with ``threads`` intra-op threads (``torch.set_num_threads``; one by default,
+    so ranks do not oversubscribe the cores). The thread count changes the order of a kernel's
+    internal reductions: a bitwise comparison against a reference computed in the calling
+    process must run that reference with the same count (``torch.set_num_threads(threads)``).
 
     Returns the per-rank return values (they must be picklable). Raises ``DistributedFailure`` with
     the failing ranks' tracebacks, or naming the ranks still running after ``timeout`` seconds
@@ -108,7 +115,7 @@ def run_processes(
     procs = [
         ctx.Process(
             target=_process_entry,
-            args=(rank, world_size, port, timeout, fn, args, results, env or {}),
+            args=(rank, world_size, port, timeout, fn, args, results, env or {}, threads),
             daemon=True,
         )
         for rank in range(world_size)
@@ -248,35 +255,37 @@ def expect_error_on_every_rank(
     return [m[len("ok: ") :] for m in messages]
 
 
-def run_markdown_example(
-    readme: str | os.PathLike[str], *, timeout: float = 300.0, index: int = 0
+def run_readme_example(
+    readme: str | os.PathLike[str],
+    example: str | os.PathLike[str],
+    *,
+    index: int = 0,
+    timeout: float = 300.0,
 ) -> str:
-    """Run the ``index``-th fenced python block of a README as a script in a new interpreter.
+    """Check that the ``index``-th fenced python block of ``readme`` is the file ``example``
+    (the README shows the file a user runs), then run that file in a new interpreter.
 
-    Returns its stdout; raises ``AssertionError`` with its output if it fails. Every package's
-    README example is tested this way, exactly as a user would paste and run it.
+    Returns its stdout; raises ``AssertionError`` naming the README and the file if the block and
+    the file differ, or with the script's output if it fails.
     """
     import re
     import subprocess
-    import tempfile
     from pathlib import Path
 
     blocks = re.findall(r"```python\n(.*?)```", Path(readme).read_text(), flags=re.S)
     if len(blocks) <= index:
         raise AssertionError(f"{readme} has {len(blocks)} python examples, wanted #{index}")
-    with tempfile.TemporaryDirectory() as tmp:
-        script = Path(tmp) / "example.py"
-        script.write_text(blocks[index])
-        done = subprocess.run(
-            [sys.executable, str(script)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-            cwd=tmp,
-        )
+    if blocks[index] != Path(example).read_text():
+        raise AssertionError(f"{readme}: python example #{index} is not the text of {example}")
+    done = subprocess.run(
+        [sys.executable, str(example)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     if done.returncode != 0:
-        raise AssertionError(f"{readme} example #{index} failed:\n{done.stdout}\n{done.stderr}")
+        raise AssertionError(f"{example} failed:\n{done.stdout}\n{done.stderr}")
     return done.stdout
 
 
