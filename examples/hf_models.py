@@ -2,8 +2,8 @@
 
 Shared by ``hf_train.py`` and the ``hf`` test session (one copy). ``transformers`` and
 ``safetensors`` are the examples' optional extra ``hf`` (``pip install -e "examples[hf]"``,
-pinned in ``examples/pyproject.toml``), never a dependency of a package. Models are built from configs
-with random init: nothing is downloaded.
+pinned in ``examples/pyproject.toml``), never a dependency of a package. Models are built from
+configs with random init: nothing is downloaded.
 
 - ``make_config(name, vocab=, seq=)``: small configs (2 layers, hidden 128) of
   ``LlamaForCausalLM`` with ``tie_word_embeddings=True`` (``"llama"``), ``Qwen3MoeForCausalLM``
@@ -205,9 +205,7 @@ class SplitExperts(nn.Module):
         self.num_experts = int(fused.num_experts)
         self.act_fn = fused.act_fn
         gate_up, down = fused.gate_up_proj, fused.down_proj
-        self.experts = nn.ModuleList(
-            _Expert(gate_up[e], down[e]) for e in range(self.num_experts)
-        )
+        self.experts = nn.ModuleList(_Expert(gate_up[e], down[e]) for e in range(self.num_experts))
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

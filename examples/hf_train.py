@@ -277,8 +277,9 @@ def report(
     first = next(iter(records[0]["runs"].values()))
     steady_from = min(3, max(len(first["times"]) - 1, 0))
     lines = [
-        f"model {type(model).__name__.removeprefix('FSDP')} ({args.hf_model}: {params:,} parameters, hidden "
-        f"{cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab {cfg.vocab_size}, tied "
+        f"model {type(model).__name__.removeprefix('FSDP')} ({args.hf_model}: {params:,} "
+        f"parameters, hidden {cfg.hidden_size}, {cfg.num_hidden_layers} layers, vocab "
+        f"{cfg.vocab_size}, tied "
         f"{cfg.tie_word_embeddings}), world size {args.world}, batch {args.batch_size}/rank x "
         f"seq {args.seq_len}, AdamW lr {args.lr}, steps {start + 1}-{args.steps}"
         + (", compiled layers" if args.compile else "")

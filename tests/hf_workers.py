@@ -25,8 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))  # hf_models, hf_train, llama
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))  # hf_*, llama
 
 import hf_models as hf
 import torch
@@ -35,6 +34,7 @@ from llama import Corpus, load_corpus
 from torch import nn
 from torch.distributed.tensor import DTensor, init_device_mesh
 
+ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20
 GLOBAL_BATCH = 4  # sequences per step, split over the ranks (1, 2 or 4)
 SEQ = 64

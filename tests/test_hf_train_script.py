@@ -21,8 +21,8 @@ def _main(argv: list[str]) -> None:
 def test_both_engines_side_by_side(tmp_path: Path) -> None:
     """Same init and batches for both engines: their losses agree within ``LOSS_TOL`` (kind (b)
     of [Note: tolerances of the HF tests]); the summary has the side-by-side ratios."""
-    _main(["--engine", "both", "--steps", "4", "--eval-every", "2", "--seq-len", "64"]
-          + ["--out", str(tmp_path)])
+    short = ["--steps", "4", "--eval-every", "2", "--seq-len", "64"]
+    _main(["--engine", "both", *short, "--out", str(tmp_path)])
     summary = json.loads((tmp_path / "hf_summary.json").read_text())
     ours, theirs = summary["fsdp-engine"], summary["fsdp2"]
     assert len(ours["losses"]) == len(theirs["losses"]) == 4
@@ -35,8 +35,8 @@ def test_both_engines_side_by_side(tmp_path: Path) -> None:
 
 def test_save_and_export_from_the_command_line(tmp_path: Path) -> None:
     out = tmp_path / "exported"
-    _main(["--steps", "3", "--save", str(tmp_path / "ckpt"), "--export", str(out)]
-          + ["--seq-len", "64", "--out", str(tmp_path)])
+    save = ["--save", str(tmp_path / "ckpt"), "--export", str(out)]
+    _main(["--steps", "3", "--seq-len", "64", *save, "--out", str(tmp_path)])
     summary = json.loads((tmp_path / "hf_summary.json").read_text())
     assert summary["export"]["bitwise_equal_logits"] is True
     assert {"config.json", "model.safetensors"} <= set(summary["export"]["files"])

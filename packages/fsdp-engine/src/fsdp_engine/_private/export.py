@@ -80,7 +80,6 @@ def load_full_state_dict(
                 f"load_full_state_dict: {key!r} and another tensor both map to {name!r} in "
                 f"{str(directory)!r} after removing the prefix and '{_COMPILE_WRAPPER}' parts"
             )
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        out[name] = tensor
+        cast = dtype is not None and tensor.is_floating_point()
+        out[name] = tensor.to(dtype) if cast else tensor
     return out
