@@ -24,6 +24,8 @@ from fsdp_engine import (
 )
 from ragged_dtensor.testing import run_threaded
 
+pytestmark = pytest.mark.numerics
+
 
 class _Wrapper(torch.nn.Module):
     """Names its wrapped module ``_orig_mod``, as ``torch.compile``'s ``OptimizedModule`` does."""
