@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from fsdp_engine._private.api import FSDPModule, UnshardHandle, fully_shard
+from fsdp_engine._private.api import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from fsdp_engine._private.checkpoint import (
     CheckpointError,
     IncompleteCheckpointError,
@@ -39,6 +45,8 @@ __all__ = [
     "FlatShardOptimizer",
     "FSDPModule",
     "UnshardHandle",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",

@@ -25,7 +25,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
-from ragged_dtensor._private.placement import RaggedBoxView, RaggedShard
+from ragged_dtensor._private.placement import RaggedBoxView, RaggedPaddedView, RaggedShard
 
 __all__ = ["RaggedOpError", "has_ragged", "propagate_ragged"]
 
@@ -68,6 +68,11 @@ _ELEMENTWISE_EXTRA = {
     aten.normal_.default,
     aten.bernoulli_.float,
     aten.to.dtype,
+    # random factories shaped like their input (values: see random.py)
+    aten.rand_like.default,
+    aten.randn_like.default,
+    aten.randint_like.default,
+    aten.randint_like.low_dtype,
 }
 _FOREACH_REDUCTIONS = ("aten::_foreach_norm", "aten::_foreach_max")
 
@@ -250,9 +255,17 @@ def _covers_all_dims(dim: object, ndim: int) -> bool:
 
 
 def _norm_partial(ord_: object) -> Placement:
+    """How per-rank p-norms combine (torch's rule): max for inf, min for -inf, a sum of counts
+    for 0, the p-norm partial otherwise."""
     from torch.distributed.tensor._ops._math_ops import _NormPartial
 
     value = 2.0 if ord_ is None else float(ord_)  # type: ignore[arg-type]
+    if value == math.inf:
+        return Partial("max")
+    if value == -math.inf:
+        return Partial("min")
+    if value == 0:
+        return Partial("sum")
     placement: Placement = _NormPartial(norm_type=value)
     return placement
 
@@ -303,14 +316,15 @@ def _rowwise(
     placement = spec.placements[axes[0]]
     assert isinstance(placement, RaggedShard)
     xs = x_shape_of(spec)
-    if not (0 not in dims and others_replicated and placement.is_box(xs) and not keepdim):
+    if not others_replicated:
         raise _error(
             op,
             spec,
-            f"reduction over dims {sorted(dims)} (keepdim={keepdim}) needs a "
-            "ragged share of whole dim-0 slices, the other mesh axes replicated, dim 0 "
-            "kept and keepdim=False; redistribute first",
+            f"reduction over dims {sorted(dims)} needs the other mesh axes replicated; "
+            "redistribute first",
         )
+    if not (0 not in dims and placement.is_box(xs) and not keepdim):
+        return _padded_partial(schema, spec, axes[0], placement, meta)
     row = math.prod(xs[1:])
     rows = tuple(placement.local_numel(xs, k) // row for k in range(len(placement.local_units)))
     out_placements = list(spec.placements)
@@ -320,6 +334,56 @@ def _rowwise(
     view_spec = DTensorSpec(spec.mesh, tuple(view_placements), tensor_meta=spec.tensor_meta)
     new_schema = OpSchema(
         op,
+        (view_spec, *schema.args_schema[1:]),
+        schema.kwargs_schema,
+        schema_info=schema.schema_info,
+    )
+    return OutputSharding(
+        _with_meta(spec, out_placements, meta),
+        redistribute_schema=new_schema,
+        needs_redistribute=True,
+    )
+
+
+# partial result of each row-wise reduction over a padded share: (fill value, partial placement)
+def _partial_for(op: torch._ops.OpOverload, schema: OpSchema) -> tuple[float, Placement]:
+    if op is aten.linalg_vector_norm.default:
+        ord_ = _arg(schema, 1, "ord", 2)
+        value = float(ord_)  # type: ignore[arg-type]
+        if -math.inf < value < 0:
+            raise _error(op, _first_ragged(schema), f"a norm of order {ord_} over some dims")
+        # padding must not change the result: +inf for the min-abs "norm", 0 otherwise
+        return (math.inf if value == -math.inf else 0.0), _norm_partial(ord_)
+    if op is aten.amax.default:
+        return float("-inf"), Partial("max")
+    if op is aten.amin.default:
+        return float("inf"), Partial("min")
+    return 0.0, Partial("sum")  # sum, mean (each rank's sum / the full count)
+
+
+def _padded_partial(
+    schema: OpSchema,
+    spec: DTensorSpec,
+    axis: int,
+    placement: RaggedShard,
+    meta: object,
+) -> OutputSharding:
+    """A reduction over some dims of a flat share that is not a box (or that reduces dim 0).
+
+    Each rank writes its share into a tensor of X's full shape filled with the reduction's
+    identity (0 for sums, means and p-norms; -inf/+inf for max/min) and reduces it locally: its
+    result has the full output shape and is this rank's partial value, so the output is
+    ``Partial`` (or the norm partial) on the ragged axis. No communication; the padded copy has
+    the size of the whole tensor on every rank.
+    """
+    fill, partial = _partial_for(schema.op, schema)
+    out_placements = list(spec.placements)
+    out_placements[axis] = partial
+    view_placements = list(spec.placements)
+    view_placements[axis] = RaggedPaddedView(placement.dims, placement.local_units, fill=fill)
+    view_spec = DTensorSpec(spec.mesh, tuple(view_placements), tensor_meta=spec.tensor_meta)
+    new_schema = OpSchema(
+        schema.op,
         (view_spec, *schema.args_schema[1:]),
         schema.kwargs_schema,
         schema_info=schema.schema_info,
