@@ -92,7 +92,8 @@ def _check_redistribute(
     # reduction sums n such pieces (n - 1 roundings): different arithmetic within
     # (n + 1) * eps64 * |x| (float64 data).
     n = math.prod(mesh_shape[a] for a, p in enumerate(src) if p.is_partial())
-    atol = (n + 1) * torch.finfo(torch.float64).eps * full.abs().max().item() if n > 1 else 0.0
+    largest = full.abs().max().item() if full.numel() else 0.0
+    atol = (n + 1) * torch.finfo(torch.float64).eps * largest if n > 1 else 0.0
     if expected is not None:
         torch.testing.assert_close(
             out.to_local().reshape(-1), expected.reshape(-1), rtol=0, atol=atol
