@@ -226,13 +226,13 @@ def measure(
     """Rank 0's live-storage peak over the second step under the fake process group.
 
     ``engine="fsdp2"`` runs torch's ``fully_shard`` and per-parameter foreach AdamW instead of
-    ours with ``FlatShardOptimizer``."""
+    ours with ``FlatAdamW``."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from dbuffer import LiveBytes
 
     if engine == "ours":
-        from fsdp_engine import FlatShardOptimizer, MixedPrecisionPolicy, fully_shard
+        from fsdp_engine import FlatAdamW, MixedPrecisionPolicy, fully_shard
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # type: ignore[assignment]
 
@@ -262,7 +262,7 @@ def measure(
                 unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + prefetch])
                 unit.set_modules_to_backward_prefetch(units[max(0, i - prefetch) : i][::-1])
         opt: Any = (
-            FlatShardOptimizer(toy, torch.optim.AdamW, lr=1e-3)
+            FlatAdamW(toy.parameters(), lr=1e-3)
             if engine == "ours"
             else torch.optim.AdamW(toy.parameters(), lr=1e-3, foreach=True)
         )

@@ -1,5 +1,5 @@
 """Zero-element and 0-d parameters on ``fully_shard`` survive save / load with every optimizer
-(torch AdamW, optim_blockwise AdamW8bit and Muon, fsdp_engine's FlatShardOptimizer), bit for bit.
+(torch AdamW, optim_blockwise AdamW8bit and Muon, fsdp_engine's FlatAdamW), bit for bit.
 
 Regressions (found by the adversarial runs of issue 14): a zero-element parameter was missing
 from our checkpoints ("Missing key in checkpoint state_dict: model.empty"; FSDP2 and plain DCP
@@ -20,8 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor, init_device_mesh
 
 import optim_blockwise as ob
-from fsdp_engine import FlatShardOptimizer, fully_shard, load_checkpoint, save_checkpoint
-from ragged_dtensor import RaggedShard
+from fsdp_engine import FlatAdamW, fully_shard, load_checkpoint, save_checkpoint
 from ragged_dtensor.testing import run_threaded
 
 OPTIMIZERS = ("adamw", "adamw8bit", "muon", "flat")
@@ -56,39 +55,11 @@ def _build(world: int, kind: str) -> tuple[nn.Module, Any]:
     elif kind == "muon":
         opt = ob.Muon(model.parameters(), lr=1e-2, ns_dtype=torch.float32)
     else:
-        opt = FlatShardOptimizer(model, torch.optim.AdamW, lr=1e-2)
+        opt = FlatAdamW(model.parameters(), lr=1e-2)
     return model, opt
 
 
-def _flat_state(opt: FlatShardOptimizer, model: nn.Module) -> dict[str, Any]:
-    """FlatShardOptimizer's state is per-rank flat memory (plain tensors, which DCP would
-    deduplicate): each flat state tensor is wrapped as a RaggedShard DTensor over its group's
-    flat buffer (every rank holds one equal shard)."""
-    state = opt.state_dict()
-    mesh = opt.groups[0].mesh
-    world = mesh.size(0)
-    wrapped: dict[Any, dict[str, Any]] = {}
-    for pid, entry in state["state"].items():
-        wrapped[pid] = {}
-        for key, value in entry.items():
-            flat = isinstance(value, torch.Tensor) and value.dim() == 1
-            wrapped[pid][key] = (
-                DTensor.from_local(
-                    value,
-                    mesh,
-                    [RaggedShard((0,), (1,) * world)],
-                    shape=torch.Size([world * value.numel()]),
-                    run_check=False,
-                )
-                if flat
-                else value
-            )
-    return {"model": model.state_dict(), "optim": {**state, "state": wrapped}}
-
-
-def _state(model: nn.Module, opt: Any, kind: str) -> dict[str, Any]:
-    if kind == "flat":
-        return _flat_state(opt, model)
+def _state(model: nn.Module, opt: Any) -> dict[str, Any]:
     model_sd, optim_sd = get_state_dict(model, opt)
     return {"model": model_sd, "optim": optim_sd}
 
@@ -119,29 +90,13 @@ def _round_trip(rank: int, world: int, root: str, kind: str, phase: str) -> dict
             model(x[rank::world]).square().mean().backward()
             opt.step()
             opt.zero_grad()
-        state = _state(model, opt, kind)
+        state = _state(model, opt)
         save_checkpoint(state, Path(root) / kind)
     else:
-        if kind == "flat":  # torch's AdamW makes its state at the first step: make it now
-            for flat in opt.flat:
-                opt.state[flat].update(
-                    step=torch.tensor(0.0),
-                    exp_avg=torch.zeros_like(flat),
-                    exp_avg_sq=torch.zeros_like(flat),
-                )
-        state = _state(model, opt, kind)
+        state = _state(model, opt)
         load_checkpoint(state, Path(root) / kind)
-        if kind == "flat":
-            model.load_state_dict(state["model"])
-            for pid, entry in state["optim"]["state"].items():
-                for key, value in entry.items():
-                    if isinstance(value, DTensor):
-                        opt.state[opt.flat[pid]][key].copy_(value.to_local())
-        else:
-            set_state_dict(
-                model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"]
-            )
-        state = _state(model, opt, kind)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        state = _state(model, opt)
     full = _full(state)
     return {"keys": sorted(full), "values": full}
 

@@ -29,6 +29,7 @@ from fsdp_engine._private.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from fsdp_engine._private.export import load_full_state_dict
 from fsdp_engine._private.flat_optim import FlatAdam, FlatAdamW
 from fsdp_engine._private.policy import (
     BlockPolicy,
@@ -60,6 +61,7 @@ __all__ = [
     "is_complete_checkpoint",
     "checkpoint_info",
     "verify_checkpoint",
+    "load_full_state_dict",
     "CheckpointError",
     "CheckpointIntegrityError",
     "IncompleteCheckpointError",
