@@ -77,7 +77,7 @@ _MAX_BATCH = 4096
 _FILL_WORK = 20_000  # tensors placed by gap filling, all tries together
 _FILL_PER_BATCH = 4
 _LADDER_STEPS = 64
-_LOCAL_COST = 50  # a local search round costs about this many gap-filling placements
+_LOCAL_COST = 100  # one local search costs about this many gap-filling placements per tensor
 _FILL_ORDERS = 2
 _FILL_POLICIES = ("keep", "exact", "min")
 _JUMP_TRIES = 200
@@ -121,19 +121,26 @@ class _Lanes:
             ends = np.minimum(ends, self.best.ends(sizes))
         return ends
 
-    def order_at(self, shard: int) -> tuple[int, ...] | None:
-        """An order that fits at ``shard`` (a static one if any does), else ``None``."""
+    def order_at(self, shard: int, *, every_order: bool = True) -> tuple[int, ...] | None:
+        """An order that fits at ``shard`` (a static one if any does; else, with
+        ``every_order``, the best over all orders), or ``None``."""
         sizes = self.mode.array([shard])
         ends = greedy_ends(self.e, self.g, sizes, self.mode.infeasible)[:, 0]
         hit = np.flatnonzero(ends <= shard * self.m)
         if hit.size:
             return self.orders[int(hit[0])]
-        if self.best is not None and self.best.ends(sizes)[0] <= shard * self.m:
-            return self.best.order(shard)
+        best = self.best if every_order else None
+        if best is not None and best.ends(sizes)[0] <= shard * self.m:
+            return best.order(shard)
         return None
 
-    def place(self, shard: int) -> dict[int, int] | None:
-        order = self.order_at(shard)
+    def static_ends(self, shard: int) -> int:
+        """The static lanes' best greedy end at ``shard`` (cheap: no programme over orders)."""
+        sizes = self.mode.array([shard])
+        return int(greedy_ends(self.e, self.g, sizes, self.mode.infeasible).min())
+
+    def place(self, shard: int, *, every_order: bool = True) -> dict[int, int] | None:
+        order = self.order_at(shard, every_order=every_order)
         return (
             None
             if order is None
@@ -327,10 +334,14 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
                 shard += align
             if shard >= limit:
                 break
-            offsets = lanes.place(shard) or fill_offsets(numels, blocks, orders[0], shard, m)
+            # heuristic jumps use the static lanes only: the programme over all orders is for
+            # the exhaustive scan (up to 200 single-size runs of it would cost more than it)
+            offsets = lanes.place(shard, every_order=False) or fill_offsets(
+                numels, blocks, orders[0], shard, m
+            )
             if offsets is not None and layout_fits(numels, blocks, offsets, shard, m):
                 return done(shard, offsets, proven=False)
-            need = int(lanes.ends(mode.array([shard]))[0])
+            need = lanes.static_ends(shard)
     if best is not None:
         return done(best[0], best[1], proven)
     return done(upper.shard_size, upper_offsets, proven)
