@@ -184,6 +184,7 @@ def integration(session: nox.Session) -> None:
         "tests",
         "-m",
         "not slow",
+        "--ignore-glob=tests/test_hf_*.py",  # the `hf` session's (they need transformers)
         "-p",
         "no:cacheprovider",
         "--timeout=900",
@@ -247,6 +248,64 @@ def newcomer(session: nox.Session) -> None:
 def _git_status(session: nox.Session) -> list[str]:
     out = session.run("git", "status", "--porcelain", external=True, silent=True)
     return sorted(str(out or "").splitlines())
+
+
+HF_ENV = {**CI_ENV, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # nothing downloaded
+
+
+def _install_hf(session: nox.Session) -> None:
+    """Every package and the examples' optional ``hf`` extra (the pinned transformers and
+    safetensors) next to the shared torch; fails if the extra brought another torch."""
+    _install_torch(session)
+    session.install(
+        *(str(p) + "[test]" for p in _packages().values()), f"{ROOT / 'examples'}[hf,demo]"
+    )
+    session.run(
+        "python",
+        "-c",
+        "import torch, transformers, safetensors; assert torch.__version__.startswith('2.13.0')"
+        " and '_shared_torch' in torch.__file__, torch.__file__",
+    )
+    session.run("python", "-m", "pip", "check")
+
+
+def _hf_pytest(session: nox.Session, marker: str, timeout: int) -> None:
+    tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_hf_*.py"))
+    session.run(
+        "pytest",
+        *tests,
+        "-m",
+        marker,
+        "-p",
+        "no:cacheprovider",
+        f"--timeout={timeout}",
+        *session.posargs,
+        env=HF_ENV,
+    )
+
+
+@nox.session(tags=["ci"])
+def hf(session: nox.Session) -> None:
+    """Hugging Face models (LLaMA with tied embeddings, Qwen3-MoE, GPT-OSS) on fully_shard at
+    world size 2: FSDP2 and one-process parity, ties, gradient checkpointing, checkpoint resume
+    at world sizes 1 and 4, export to save_pretrained, compiled layers (`examples[hf]`)."""
+    _install_hf(session)
+    _hf_pytest(session, "not slow", 900)
+
+
+@nox.session
+def hf_slow(session: nox.Session) -> None:
+    """The slow Hugging Face tests (not in CI): inductor-compiled layers of every model and the
+    graph breaks of the MoE models' layers."""
+    _install_hf(session)
+    _hf_pytest(session, "slow", 1800)
+
+
+@nox.session
+def hf_demo(session: nox.Session) -> None:
+    """``examples/hf_train.py`` on 2 gloo processes (posargs: its options)."""
+    _install_hf(session)
+    session.run("python", "examples/hf_train.py", *session.posargs, env=HF_ENV)
 
 
 @nox.session
@@ -329,3 +388,16 @@ def bench(session: nox.Session) -> None:
     )
     for script in scripts:
         session.run("python", str(script), "--out", str(ROOT / "results"), *session.posargs)
+    # the README's tables, written from the JSON the benchmarks just wrote (never by hand)
+    session.run("python", str(ROOT / "benchmarks" / "readme_tables.py"))
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """Not in CI (about an hour on 2 cores): 2,000 steps of the demo model at world size 4 under
+    ``torchrun --max-restarts``, a checkpoint every 100 steps, a random rank SIGKILLed about
+    every 500 steps; the final state must equal an uninterrupted run bit for bit and live memory
+    stay flat (``benchmarks/soak.py``; figures in ``results/soak.md``)."""
+    _install_torch(session)
+    session.install(*(str(p) for p in _packages().values()))
+    session.run("python", "benchmarks/soak.py", "--out", str(ROOT / "results"), *session.posargs)

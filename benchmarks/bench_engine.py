@@ -16,13 +16,15 @@ Per case, world size and engine:
 - bytes copied by copy-like ops (``dbuffer.CopiedBytes``);
 - padding of the sharded layout; loss after the last step (parity with FSDP2).
 
-Cases: dense LLaMA-like at two sizes (AdamW); an MoE-like model (16 experts per layer, dims that
-do not divide the world size; AdamW); Muon (ours vs FSDP2 + Moonlight-style gather-to-all Muon,
-and FSDP2 + our all-to-all Muon); 8-bit AdamW (ours with the optimizer's block policy vs FSDP2
-with the same optimizer). Ablations: planner off (``shard_planner`` method ``naive``: plain
-concatenation, then padding so no block is cut) on the step and on the padding of every case
-with the optimizers' block policies; DBuffer off is the per-parameter copy-in / copy-out path,
-i.e. FSDP2 itself (its "bytes copied" column).
+Cases: dense LLaMA-like at two sizes (AdamW with param groups: weight decay on matrices, none on
+norms; ours with ``fsdp_engine.FlatAdamW``, every peer with ``torch.optim.AdamW`` and the same
+groups; ablation: ours with per-parameter ``torch.optim.AdamW``); an MoE-like model (16 experts per
+layer, dims that do not divide the world size; the same AdamW); Muon (ours vs FSDP2 + Moonlight-
+style gather-to-all Muon, and FSDP2 + our all-to-all Muon); 8-bit AdamW (ours with the optimizer's
+block policy vs FSDP2 with the same optimizer). Ablations: planner off (``shard_planner`` method
+``naive``: plain concatenation, then padding so no block is cut) on the step and on the padding of
+every case with the optimizers' block policies; DBuffer off is the per-parameter copy-in / copy-out
+path, i.e. FSDP2 itself (its "bytes copied" column).
 
 Writes ``bench_engine.md`` (table), ``bench_engine.json`` (every number) and ``bench_engine.png``
 (ratios chart; needs matplotlib) into ``--out`` (default ``results/``).
@@ -82,7 +84,7 @@ def cases(quick: bool) -> list[Case]:
         small = ModelConfig(dim=64, layers=2, heads=4, ffn=192, seq=64)
         medium = ModelConfig(dim=96, layers=2, heads=4, ffn=288, seq=64)
         moe = ModelConfig(dim=42, layers=2, heads=3, ffn=21, experts=8, seq=64)
-    dense = ("ours", "fsdp2", "fsdp1", "deepspeed", "ours-proposed")
+    dense = ("ours", "fsdp2", "fsdp1", "deepspeed", "ours-torch-adamw")
     return [
         Case("dense small", small, "adamw", dense, 4),
         Case("dense medium", medium, "adamw", dense, 2),
@@ -100,7 +102,7 @@ ENGINE_LABELS = {
     "deepspeed": "DeepSpeed ZeRO-3",
     "ours-naive": "ours, planner off",
     "fsdp2-a2a": "FSDP2 + our all-to-all Muon",
-    "ours-proposed": "ours + FlatShardOptimizer",
+    "ours-torch-adamw": "ours + per-parameter torch AdamW",
 }
 
 
@@ -111,7 +113,7 @@ def optimizer_label(case: Case, engine: str) -> str:
         return "all-to-all Muon (ours)"
     if case.optimizer == "adamw8bit":
         return "AdamW8bit (ours)" + (" + block policy" if engine.startswith("ours") else "")
-    return "torch AdamW"
+    return "fsdp_engine.FlatAdamW" if engine == "ours" else "torch AdamW"
 
 
 # -- engines -----------------------------------------------------------------------------------
@@ -229,10 +231,19 @@ class GatherToAllMuon:
     on every matrix redundantly and keeps its own rows. The arithmetic is ``optim_blockwise.Muon``'s
     (momentum 0.95, Nesterov, bf16 NS, ``match_rms_adamw`` lr, decoupled weight decay)."""
 
-    def __init__(self, params: list[nn.Parameter], lr: float, weight_decay: float) -> None:
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        lr: float,
+        weight_decay: float,
+        adjust_lr_fn: str = "match_rms_adamw",
+        momentum: float = 0.95,
+    ) -> None:
         self.params = params
         self.lr = lr
         self.wd = weight_decay
+        self.adjust_lr_fn = adjust_lr_fn
+        self.momentum = momentum
         self.bufs = [torch.zeros_like(_local(p)) for p in params]
         self.state = {"momentum": self.bufs}
 
@@ -252,8 +263,9 @@ class GatherToAllMuon:
         for p, buf, (_, cols, chunk) in zip(self.params, self.bufs, metas, strict=True):
             assert p.grad is not None
             g = _local(p.grad).reshape(-1)
-            buf.reshape(-1).mul_(0.95).add_(g, alpha=0.05)
-            update = g.mul(0.05).add_(buf.reshape(-1), alpha=0.95)
+            beta = self.momentum
+            buf.reshape(-1).mul_(beta).add_(g, alpha=1 - beta)
+            update = g.mul(1 - beta).add_(buf.reshape(-1), alpha=beta)
             send[pos : pos + update.numel()] = update
             pos += chunk * cols
         out = torch.empty(world * width, dtype=torch.bfloat16)
@@ -270,7 +282,7 @@ class GatherToAllMuon:
             lo = min(rows, rank * chunk) * cols
             local = _local(p).reshape(-1)
             local.mul_(1 - self.lr * self.wd)
-            scale = ob.adjust_lr(self.lr, "match_rms_adamw", tuple(p.shape))
+            scale = ob.adjust_lr(self.lr, self.adjust_lr_fn, tuple(p.shape))
             local.sub_(ortho[lo : lo + local.numel()].float().mul(scale))
             pos += chunk * cols
 
@@ -294,17 +306,21 @@ class Optimizers:
             o.zero_grad(set_to_none=True)
 
 
+def adamw_param_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """The usual recipe: weight decay on matrices, none on norms and biases (1-D)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
+
+
 def make_optimizer(case: Case, engine: str, model: nn.Module) -> Any:
     import optim_blockwise as ob
 
-    if case.optimizer == "adamw" and engine == "ours-proposed":
+    if case.optimizer == "adamw":
         import fsdp_engine
 
-        return fsdp_engine.FlatShardOptimizer(
-            model, torch.optim.AdamW, lr=LR, betas=BETAS, weight_decay=WD
-        )
-    if case.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD)
+        cls = fsdp_engine.FlatAdamW if engine == "ours" else torch.optim.AdamW
+        return cls(adamw_param_groups(model), lr=LR, betas=BETAS)
     if case.optimizer == "adamw8bit":
         return ob.AdamW8bit(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, block_size=256)
     hidden, other = muon_param_groups(model)
@@ -327,7 +343,7 @@ def build_runner(case: Case, engine: str, cfg: ModelConfig, mesh: DeviceMesh) ->
     torch.manual_seed(0)  # the same initial weights for every engine and rank
     model: nn.Module = LlamaModel(cfg)
     shapes = [tuple(p.shape) for p in model.parameters()]
-    if engine in ("ours", "ours-naive", "ours-proposed"):
+    if engine in ("ours", "ours-naive", "ours-torch-adamw"):
         import fsdp_engine
         import optim_blockwise as ob
 
@@ -423,9 +439,8 @@ def _deepspeed_runner(case: Case, cfg: ModelConfig, model: nn.Module, world: int
             "allgather_bucket_size": numel,
         },
     }
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config
-    )
+    groups = adamw_param_groups(model)  # the same param groups (DeepSpeed's AdamW per group)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     pad = total = 0
     for p in engine.module.parameters():
         padded = int(p.ds_tensor.numel()) * world
@@ -726,8 +741,9 @@ ENGINE_SETUP = (
     "`FullyShardedDataParallel(auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)`"
     "; DeepSpeed ZeRO-3 (`stage3_param_persistence_threshold=0` so every parameter is sharded, "
     "buckets the size of the model, its torch AdamW). AdamW lr 1e-3, betas (0.9, 0.95), weight "
-    "decay 0.1 on every parameter; Muon `match_rms_adamw`, the rest AdamW; AdamW8bit blocks of "
-    "256."
+    "decay 0.1 on matrices and none on norms (two param groups; ours `fsdp_engine.FlatAdamW`, "
+    "the peers `torch.optim.AdamW`, bit-identical arithmetic); Muon `match_rms_adamw`, the "
+    "rest AdamW; AdamW8bit blocks of 256."
 )
 
 
@@ -764,9 +780,8 @@ def markdown(
         "",
         "| case | world | ours / FSDP2 | ours / FSDP1 | ours / DeepSpeed | optimizer step ours "
         "/ FSDP2 | memory ours / FSDP2 | / FSDP1 | / DeepSpeed | collectives ours vs FSDP2 "
-        "(count, MiB) | copied MiB ours vs FSDP2 | with FlatShardOptimizer: step / FSDP2 | "
-        "with FlatShardOptimizer: "
-        "memory / FSDP2 |",
+        "(count, MiB) | copied MiB ours vs FSDP2 | ours + per-parameter torch AdamW: step / "
+        "FSDP2 | ours + per-parameter torch AdamW: memory / FSDP2 |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     by_key: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
@@ -780,7 +795,7 @@ def markdown(
         ours, fsdp2 = engines.get("ours"), engines.get("fsdp2")
         if ours is None or fsdp2 is None:
             continue
-        flat = engines.get("ours-proposed")
+        flat = engines.get("ours-torch-adamw")
         step = f"{cell(ours['paired_vs']['fsdp2'])} ({cell(ours['min_vs_fsdp2'])})"
         flat_step = (
             f"{cell(flat['paired_vs']['fsdp2'])} ({cell(flat['min_vs_fsdp2'])})" if flat else "-"
@@ -821,9 +836,10 @@ def markdown(
         "",
         "## Ablations",
         "",
-        "**Flat optimizer** (`ours + FlatShardOptimizer` rows): `fsdp_engine.FlatShardOptimizer` "
-        "runs AdamW on each group's flat shard (one kernel per group instead of one DTensor "
-        "dispatch per parameter and op); bit-identical to per-parameter AdamW (tested).",
+        "**Flat optimizer off** (`ours + per-parameter torch AdamW` rows): the same param groups "
+        "with `torch.optim.AdamW` on our DTensor parameters (one DTensor dispatch per parameter "
+        "and op) instead of `fsdp_engine.FlatAdamW` (torch's functional AdamW on flat runs of "
+        "each group's shard; bit-identical, tested).",
         "",
         "**DBuffer off** is torch FSDP2 itself: the same sharding unit (one `fully_shard` per "
         "layer) with per-parameter copy-in before the all-gather and copy-out after, and a "

@@ -55,7 +55,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-OPTIMIZERS = ("adamw", "muon", "adamw8bit")
+OPTIMIZERS = ("adamw", "muon", "adamw8bit", "shampoo", "soap")
 # what --engine names, and how the summary and the plot name it
 ENGINES = {"fsdp-engine": "fsdp_engine.fully_shard", "fsdp2": "torch FSDP2 (fully_shard)"}
 
@@ -143,6 +143,8 @@ def build(
             extra["block_policy"] = ob.AdamW8bit.block_policy(block_size=256)
         elif args.optimizer == "muon":
             extra["block_policy"] = ob.Muon.block_policy()
+        elif args.optimizer in ("shampoo", "soap"):  # every preconditioner tile on one rank
+            extra["block_policy"] = ob.Shampoo.block_policy()
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, **extra)
     fully_shard(model, mesh=mesh, mp_policy=mp, **extra)
@@ -150,9 +152,17 @@ def build(
     betas = (0.9, 0.95)
     opt: Any
     if args.optimizer == "adamw":
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=betas, weight_decay=0.1)
+        # weight decay on matrices, none on norms; ours steps flat runs of each group's shard
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+        adamw = fsdp_engine.FlatAdamW if args.engine == "fsdp-engine" else torch.optim.AdamW
+        opt = adamw(groups, lr=args.lr, betas=betas)
     elif args.optimizer == "adamw8bit":
         opt = ob.AdamW8bit(model.parameters(), lr=args.lr, betas=betas, weight_decay=0.1)
+    elif args.optimizer in ("shampoo", "soap"):
+        kind = ob.Shampoo if args.optimizer == "shampoo" else ob.SOAP
+        opt = kind(model.parameters(), lr=args.lr, betas=betas, weight_decay=0.1)
     else:
         hidden, other = muon_param_groups(model)
         opt = ob.Muon(

@@ -213,4 +213,5 @@ def test_8bit_state_of_block_cutting_shards_refuses_another_layout(tmp_path: Pat
     such a checkpoint only loads into the same layout), never mix blocks silently."""
     run_threaded(_phase, 2, "adamw8bit-cut", str(tmp_path), None, "w0", timeout=120)
     for message in run_threaded(_load_cut, 4, str(tmp_path), timeout=120):
-        assert "Size mismatch" in message and "exp_avg_absmax" in message, message
+        # load_checkpoint compares global shapes before any rank reads data (strict loading)
+        assert "exp_avg_absmax': shape (" in message and "in the checkpoint" in message, message

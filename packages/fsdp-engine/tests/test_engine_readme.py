@@ -1,4 +1,4 @@
-"""The README's example is the file it names, and that file runs."""
+"""The README's examples are the files they name, and those files run."""
 
 from __future__ import annotations
 
@@ -14,4 +14,18 @@ PACKAGE = Path(__file__).resolve().parents[1]
 @pytest.mark.multiprocess
 def test_readme_example_is_the_file_and_runs() -> None:
     out = run_readme_example(PACKAGE / "README.md", PACKAGE / "examples" / "quickstart.py")
+    assert out.strip().endswith("ok")
+
+
+@pytest.mark.multiprocess
+def test_readme_conditional_compute_example_is_the_file_and_runs() -> None:
+    example = PACKAGE / "examples" / "conditional_compute.py"
+    out = run_readme_example(PACKAGE / "README.md", example, index=1)
+    assert out.strip().endswith("ok")
+
+
+@pytest.mark.multiprocess
+def test_readme_checkpoint_example_is_the_file_and_runs() -> None:
+    example = PACKAGE / "examples" / "checkpoints.py"
+    out = run_readme_example(PACKAGE / "README.md", example, index=2)
     assert out.strip().endswith("ok")

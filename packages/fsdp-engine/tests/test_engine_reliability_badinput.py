@@ -3,6 +3,7 @@ type, a message naming the offending argument, parameter, key or path."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,15 +11,17 @@ from typing import Any
 import pytest
 import torch
 from engine_models import TinyLlama
-from engine_reliability_common import build
+from engine_reliability_common import build, train
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
 from fsdp_engine import (
     CheckpointError,
+    CheckpointIntegrityError,
     IncompleteCheckpointError,
     MixedPrecisionPolicy,
+    checkpoint_info,
     fully_shard,
     load_checkpoint,
     save_checkpoint,
@@ -41,6 +44,12 @@ def _twice(mesh: Any) -> object:
     layer = _linear()
     fully_shard(layer, mesh=mesh)
     return fully_shard(layer, mesh=mesh)
+
+
+def _with_scalar() -> nn.Module:
+    layer = _linear()
+    layer.register_parameter("scale", nn.Parameter(torch.tensor(1.0)))
+    return layer
 
 
 def _sharded(mesh: Any) -> Any:
@@ -81,9 +90,28 @@ ARGUMENT_CASES: dict[str, Case] = {
         ("reshard_after_forward", "str"),
     ),
     "shard_placement_fn with Shard(1)": (
-        lambda mesh: fully_shard(_linear(), mesh=mesh, shard_placement_fn=lambda p: Shard(1)),
+        lambda mesh: fully_shard(
+            _linear(), mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.dim() > 1 else None
+        ),
         NotImplementedError,
-        ("shard_placement_fn", "Shard(dim=1)", "'weight'"),
+        ("shard_placement_fn", "'weight': Shard(1)", "dim > 0"),
+    ),
+    "shard_placement_fn with a dim the parameter lacks (FSDP2's AssertionError)": (
+        lambda mesh: fully_shard(_linear(), mesh=mesh, shard_placement_fn=lambda p: Shard(1)),
+        AssertionError,
+        ("Shard dim 1 is invalid for 1D tensor", "(4,)"),
+    ),
+    "a scalar parameter (FSDP2's ValueError)": (
+        lambda mesh: fully_shard(_with_scalar(), mesh=mesh),
+        ValueError,
+        ("scalar parameters", "Change scale to a 1D tensor"),
+    ),
+    "a non-contiguous parameter (FSDP2's NotImplementedError)": (
+        lambda mesh: fully_shard(
+            nn.Conv2d(2, 2, 3).to(memory_format=torch.channels_last), mesh=mesh
+        ),
+        NotImplementedError,
+        ("non-contiguous parameters", "'weight'"),
     ),
     "the same module twice in a list": (
         _listed_twice,
@@ -110,12 +138,12 @@ ARGUMENT_CASES: dict[str, Case] = {
     "3-D mesh": (
         lambda mesh: fully_shard(_linear(), mesh=init_device_mesh("cpu", (2, 1, 1))),
         ValueError,
-        ("1-D (FSDP) or 2-D (HSDP)", "3-D"),
+        ("fully_shard expects a 1D or 2D DeviceMesh",),
     ),
-    "parameters of different dtypes in one group": (
-        lambda mesh: fully_shard(nn.Sequential(_linear(), _linear().double()), mesh=mesh),
-        ValueError,
-        ("one dtype per group", "0.weight: torch.float32", "1.weight: torch.float64"),
+    "2-D mesh without dim names (FSDP2's AssertionError)": (
+        lambda mesh: fully_shard(_linear(), mesh=init_device_mesh("cpu", (1, 2))),
+        AssertionError,
+        ("mesh_dim_names",),
     ),
     "divide factor 0": (
         lambda mesh: _sharded(mesh).set_reduce_scatter_divide_factor(0),
@@ -218,6 +246,37 @@ def _save_reference(rank: int, world: int, root: str) -> None:
     model_sd, optim_sd = get_state_dict(model, opt)
     save_checkpoint({"model": model_sd, "optim": optim_sd}, Path(root) / "ok")
     save_checkpoint({"model": model_sd}, Path(root) / "model_only")
+    train(model, opt, rank, world, start=0, steps=1)  # another save of the same model
+    model_sd, optim_sd = get_state_dict(model, opt)
+    save_checkpoint({"model": model_sd, "optim": optim_sd}, Path(root) / "ok2")
+
+
+def _largest_range(directory: Path, name: str) -> tuple[int, int]:
+    items = checkpoint_info(directory)["files"][name]["items"]
+    offset, length, _ = max(items, key=lambda item: item[1])
+    return offset, length
+
+
+def _flip_a_byte(directory: Path) -> None:
+    """One bit of the largest tensor chunk of rank 1's shard file (inside the tensor data)."""
+    offset, length = _largest_range(directory, "__1_0.distcp")
+    with (directory / "__1_0.distcp").open("r+b") as fh:
+        fh.seek(offset + length // 2)
+        byte = fh.read(1)
+        fh.seek(offset + length // 2)
+        fh.write(bytes([byte[0] ^ 0x10]))
+
+
+def _damage(root: Path) -> None:
+    """Copies of the reference checkpoint, each damaged one way (see CKPT_CASES)."""
+    for name in ("flipped", "foreign_shard", "foreign_metadata", "truncated", "bad_marker"):
+        shutil.copytree(root / "ok", root / name)
+    _flip_a_byte(root / "flipped")
+    shutil.copy(root / "ok2" / "__1_0.distcp", root / "foreign_shard" / "__1_0.distcp")
+    shutil.copy(root / "ok2" / ".metadata", root / "foreign_metadata" / ".metadata")
+    shard = root / "truncated" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    (root / "bad_marker" / "COMMITTED").write_text('{"format": 2, "save_id": ')
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +284,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("ckpt")
     run_threaded(_save_reference, 2, str(root), timeout=120)
     (root / "torn").mkdir()
+    _damage(root)
     return root
 
 
@@ -254,21 +314,48 @@ def _save_over(root: Path, world: int) -> None:
     save_checkpoint({"x": torch.zeros(2)}, root / "ok")
 
 
+def _load_into(root: Path, world: int, name: str, **kwargs: Any) -> None:
+    model, opt = build(world)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    load_checkpoint({"model": model_sd, "optim": optim_sd}, root / name, **kwargs)
+
+
+def _load_in_bf16(root: Path, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    model = TinyLlama().to(torch.bfloat16)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    load_checkpoint({"model": model.state_dict()}, root / "ok", strict=False)
+
+
 CKPT_CASES: dict[str, tuple[Callable[[Path, int], object], type[Exception], tuple[str, ...]]] = {
     "another hidden size": (
         lambda root, world: _load_other_model(root, world, dim=48),
         CheckpointError,
-        ("Size mismatch", "model.embed.weight", "/ok'"),
+        ("'model.embed.weight': shape (97, 48) in the state dict, (97, 32) in the checkpoint",),
     ),
     "one more layer": (
         lambda root, world: _load_other_model(root, world, layers=3),
         CheckpointError,
-        ("Missing key", "model.layers.2."),
+        ("missing from the checkpoint (", "'model.layers.2.", "/ok'"),
+    ),
+    # regression (issue 14): loaded silently, the checkpoint's extra keys ignored
+    "one layer fewer (keys the model lacks)": (
+        lambda root, world: _load_other_model(root, world, layers=1),
+        CheckpointError,
+        ("in the checkpoint, not in the state dict (", "'model.layers.1.", "strict=False"),
+    ),
+    # regression (issue 14): DCP cast the values silently
+    "another dtype": (
+        _load_in_bf16,
+        CheckpointError,
+        ("'model.embed.weight': dtype torch.bfloat16 in the state dict, torch.float32",),
     ),
     "optimizer state missing from the checkpoint": (
         _load_with_optimizer,
         CheckpointError,
-        ("Missing key", "optim.state."),
+        ("missing from the checkpoint (", "'optim.param_groups.0."),
     ),
     "a torn (uncommitted) directory": (
         lambda root, world: load_checkpoint({}, root / "torn"),
@@ -301,6 +388,33 @@ CKPT_CASES: dict[str, tuple[Callable[[Path, int], object], type[Exception], tupl
         _save_per_rank_plain,
         CheckpointError,
         ("'counter'", "differ between ranks", "ranks [0]", "ranks [1]"),
+    ),
+    # regressions (issue 14): each of these loaded without an error (silently wrong data)
+    "a flipped byte inside a shard's tensor data": (
+        lambda root, world: _load_into(root, world, "flipped"),
+        CheckpointIntegrityError,
+        ("ranks [1]: CheckpointIntegrityError", "'__1_0.distcp'", "damaged or comes from"),
+    ),
+    "a shard file copied in from another save of the same model": (
+        lambda root, world: _load_into(root, world, "foreign_shard"),
+        CheckpointIntegrityError,
+        ("ranks [1]: CheckpointIntegrityError", "'__1_0.distcp'", "another save"),
+    ),
+    "the .metadata of another save": (
+        lambda root, world: _load_into(root, world, "foreign_metadata"),
+        CheckpointIntegrityError,
+        ("foreign_metadata/.metadata' does not match the digest", "another save"),
+    ),
+    "a truncated shard file": (
+        lambda root, world: _load_into(root, world, "truncated"),
+        CheckpointIntegrityError,
+        ("ranks [0]: CheckpointIntegrityError", "'__0_0.distcp'", "truncated"),
+    ),
+    # regression (issue 14): a raw JSONDecodeError without the path
+    "a COMMITTED marker that is not valid JSON": (
+        lambda root, world: _load_into(root, world, "bad_marker"),
+        CheckpointIntegrityError,
+        ("bad_marker/COMMITTED' is not a valid COMMITTED marker", "JSONDecodeError"),
     ),
 }
 

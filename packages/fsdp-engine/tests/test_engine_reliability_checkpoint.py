@@ -7,6 +7,7 @@ Numerics: round trips move bits and resumed runs repeat the same arithmetic: bit
 from __future__ import annotations
 
 import os
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -15,19 +16,20 @@ import pytest
 import torch
 from engine_models import batches, loss_fn
 from engine_reliability_common import assert_bitwise_equal, build, full_snapshot, train
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 import fsdp_engine
+import fsdp_engine._private.checkpoint as ckpt
 from fsdp_engine import (
     CheckpointError,
+    CheckpointIntegrityError,
     IncompleteCheckpointError,
     is_complete_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
+from fsdp_engine._private import checkpoint_files
 from ragged_dtensor.testing import DistributedFailure, run_processes, run_threaded
 
 pytestmark = pytest.mark.numerics
@@ -41,12 +43,16 @@ def test_commit_marker_pointer_and_refusals(tmp_path: Path) -> None:
     first = save_checkpoint({"w": torch.arange(6.0)}, root / "step_00000001", metadata={"s": 1})
     assert is_complete_checkpoint(first)
     assert (root / "latest").read_text() == "step_00000001"
-    assert fsdp_engine.checkpoint_info(first)["metadata"] == {"s": 1}
+    info = fsdp_engine.checkpoint_info(first)
+    assert info["metadata"] == {"s": 1} and len(info["save_id"]) == 32
+    assert set(info["files"]) == {".metadata", "__0_0.distcp"}  # every file has its digests
     second = save_checkpoint({"w": torch.arange(6.0) * 2}, root / "step_00000002")
     assert latest_checkpoint(root) == second
+    assert fsdp_engine.checkpoint_info(second)["save_id"] != info["save_id"]
     target = {"w": torch.zeros(6)}
     info = load_checkpoint(target, first)
     assert torch.equal(target["w"], torch.arange(6.0)) and info["world_size"] == 1
+    assert fsdp_engine.verify_checkpoint(second)["save_id"]
 
     # never overwritten in place
     with pytest.raises(FileExistsError, match="step_00000002"):
@@ -60,18 +66,88 @@ def test_commit_marker_pointer_and_refusals(tmp_path: Path) -> None:
         load_checkpoint({"w": torch.zeros(6)}, root / "step_00000009")
     assert latest_checkpoint(root) == second  # the torn directory is never picked
 
-    # a stale pointer (its directory deleted) falls back to the newest complete directory
-    (root / "latest").write_text("step_00000042")
-    assert latest_checkpoint(root) == second
-    # a crash between the rename and the pointer update: the scan finds the newer one
-    (root / "latest").write_text("step_00000001")
-    assert latest_checkpoint(root) == second
 
-    # a key of another shape or a missing key raises DCP's error naming the key
-    with pytest.raises(CheckpointError, match=r"Size mismatch.*for w"):
-        load_checkpoint({"w": torch.zeros(7)}, first)
-    with pytest.raises(CheckpointError, match="missing_key"):
-        load_checkpoint({"missing_key": torch.zeros(6)}, first)
+def test_latest_follows_a_valid_pointer_else_the_newest_commit_time(tmp_path: Path) -> None:
+    """Regressions (issue 14): the highest trailing number won over the pointer (with ``final``
+    saved last it returned ``step_10``), and the pointer could name a directory outside the
+    root. Now: the pointer when it names a committed checkpoint inside the root, else the
+    newest commit time (never the name), with a warning naming the pointer."""
+    root = tmp_path / "ckpt"
+    step_10 = save_checkpoint({"w": torch.zeros(2)}, root / "step_00000010")
+    final = save_checkpoint({"w": torch.ones(2)}, root / "final")
+    assert latest_checkpoint(root) == final
+    (root / "latest").write_text("step_00000010")  # pointed back at a known-good checkpoint
+    assert latest_checkpoint(root) == step_10
+    outside = save_checkpoint({"w": torch.ones(2)}, tmp_path / "elsewhere" / "step_00000099")
+    partial = root / ".step_00000011.partial"
+    partial.mkdir()
+    (partial / "COMMITTED").write_text("{}")
+    for bad in ("../elsewhere/step_00000099", str(outside), ".step_00000011.partial", "gone"):
+        (root / "latest").write_text(bad)
+        with pytest.warns(UserWarning, match=r"latest.*not (a directory inside|a committed)"):
+            assert latest_checkpoint(root) == final, bad  # newest commit time, not the name
+    # a symbolic link inside the root that leads outside it
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    (root / "latest").write_text("link")
+    with pytest.warns(UserWarning, match="not a directory inside"):
+        assert latest_checkpoint(root) == final
+    (root / "link").unlink()
+    # no pointer: the newest commit time, even when names sort the other way
+    (root / "latest").unlink()
+    newest = save_checkpoint({"w": torch.ones(2)}, root / "a_first_by_name")
+    (root / "latest").unlink()
+    assert latest_checkpoint(root) == newest
+    # a committed directory whose marker is unreadable is skipped, with a warning naming it
+    (newest / "COMMITTED").write_text("{not json")
+    with pytest.warns(UserWarning, match=r"a_first_by_name/COMMITTED.*not a valid COMMITTED"):
+        assert latest_checkpoint(root) == final
+
+
+def test_marker_errors_name_the_path(tmp_path: Path) -> None:
+    """Regression (issue 14): a COMMITTED marker with invalid JSON gave a raw JSONDecodeError
+    without the path."""
+    path = save_checkpoint({"w": torch.zeros(2)}, tmp_path / "step_00000001")
+    (path / "COMMITTED").write_text("{not json")
+    with pytest.raises(CheckpointIntegrityError, match=r"step_00000001/COMMITTED.*not a valid"):
+        fsdp_engine.checkpoint_info(path)
+    with pytest.raises(CheckpointIntegrityError, match=r"step_00000001/COMMITTED.*not a valid"):
+        load_checkpoint({"w": torch.zeros(2)}, path)
+    (path / "COMMITTED").write_text('{"format": 2, "world_size": 1, "time": "noon"}')
+    with pytest.raises(CheckpointIntegrityError, match=r"COMMITTED.*'time' is 'noon'"):
+        fsdp_engine.checkpoint_info(path)
+
+
+def test_strict_by_default_strict_false_loads_the_subset(tmp_path: Path) -> None:
+    path = save_checkpoint({"a": torch.arange(4.0), "b": torch.ones(3)}, tmp_path / "ck")
+    with pytest.raises(CheckpointError, match=r"in the checkpoint, not in the state dict.*'b'"):
+        load_checkpoint({"a": torch.zeros(4)}, path)
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint \(1\): 'c'"):
+        load_checkpoint({"a": torch.zeros(4), "b": torch.zeros(3), "c": torch.zeros(1)}, path)
+    target = {"a": torch.zeros(4), "c": torch.full((1,), 7.0)}
+    load_checkpoint(target, path, strict=False)  # the keys both have; 'c' keeps its value
+    assert torch.equal(target["a"], torch.arange(4.0)) and target["c"].item() == 7.0
+    with pytest.raises(CheckpointError, match=r"'a': shape \(5,\) in the state dict, \(4,\)"):
+        load_checkpoint({"a": torch.zeros(5)}, path, strict=False)
+    with pytest.raises(CheckpointError, match=r"'a': dtype torch.float64 in the state dict"):
+        load_checkpoint({"a": torch.zeros(4, dtype=torch.float64)}, path, strict=False)
+
+
+def test_damage_is_refused_and_verify_false_skips_the_digests(tmp_path: Path) -> None:
+    path = save_checkpoint({"a": torch.arange(1000.0)}, tmp_path / "ck")
+    items = fsdp_engine.checkpoint_info(path)["files"]["__0_0.distcp"]["items"]
+    offset, length, _ = max(items, key=lambda item: item[1])
+    data = bytearray((path / "__0_0.distcp").read_bytes())
+    last = data.find(struct.pack("<f", 999.0), offset, offset + length)
+    assert last > 0
+    data[last] ^= 0x01  # one bit of the tensor's last element
+    (path / "__0_0.distcp").write_bytes(bytes(data))
+    with pytest.raises(CheckpointIntegrityError, match=r"ranks \[0\].*'__0_0.distcp'.*damaged"):
+        load_checkpoint({"a": torch.zeros(1000)}, path)
+    with pytest.raises(CheckpointIntegrityError, match=r"'__0_0.distcp': its bytes do not match"):
+        fsdp_engine.verify_checkpoint(path)
+    target = {"a": torch.zeros(1000)}
+    load_checkpoint(target, path, verify=False)  # no digests checked: the damage goes through
+    assert torch.equal(target["a"][:-1], torch.arange(999.0)) and target["a"][-1] != 999.0
 
 
 # -- resharding across world sizes, bit-exact (threads: real collectives, one process) -------------
@@ -207,7 +283,7 @@ def test_resume_in_new_processes_matches_an_uninterrupted_run(tmp_path: Path) ->
 # -- a crash during the save ----------------------------------------------------------------------
 
 
-class _DieAfterWritingWriter(FileSystemWriter):
+class _DieAfterWritingWriter(checkpoint_files.DigestingWriter):
     """Writes this rank's files, then the process dies (SIGKILL-like: no cleanup, no report)."""
 
     def write_data(self, plan: Any, planner: Any) -> Any:
@@ -229,9 +305,7 @@ def _crash_during_save(rank: int, world: int, root: str) -> None:
     if rank == 0:
         torch.save(snapshot, Path(root) / "expected.pt")
     train(model, opt, rank, world, start=1, steps=1)
-    import fsdp_engine._private.checkpoint as ckpt
-
-    ckpt.FileSystemWriter = _DieAfterWritingWriter  # type: ignore[misc]
+    checkpoint_files.DigestingWriter = _DieAfterWritingWriter  # type: ignore[misc]
     model_sd, optim_sd = get_state_dict(model, opt)
     save_checkpoint({"model": model_sd, "optim": optim_sd}, Path(root) / "step_00000002")
     raise AssertionError("unreachable: rank 1 dies inside the save")
@@ -271,7 +345,7 @@ def test_a_rank_killed_during_the_save_leaves_the_previous_checkpoint(tmp_path: 
     assert not partial.exists() and latest_checkpoint(root) == root / "step_00000002"
 
 
-def _commit_fails_on_rank0(rank: int, world: int, root: str) -> str:
+def _save_twice(rank: int, world: int, root: str) -> str:
     model, opt = build(world)
     model_sd, optim_sd = get_state_dict(model, opt)
     save_checkpoint({"model": model_sd, "optim": optim_sd}, Path(root) / "step_00000001")
@@ -279,18 +353,17 @@ def _commit_fails_on_rank0(rank: int, world: int, root: str) -> str:
     try:
         save_checkpoint({"model": model_sd, "optim": optim_sd}, Path(root) / "step_00000002")
     except CheckpointError as exc:
-        return str(exc)
+        return f"{type(exc).__name__}: {exc}"
     return "no error"
 
 
-def test_a_failed_commit_raises_on_every_rank_and_commits_nothing(
+def test_a_failed_commit_raises_on_every_rank_commits_nothing_and_cleans_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every rank's data and DCP's ``.metadata`` are written, then the commit fails on rank 0
-    (disk full writing the marker): all ranks raise, and the directory (which DCP alone would
-    happily load) is never taken for a checkpoint."""
-    import fsdp_engine._private.checkpoint as ckpt
-
+    (disk full writing the marker): all ranks raise the same error saying it was NOT committed,
+    and the partial directory is gone (regression, issue 14: it stayed, and with the disk full
+    every later save failed until someone deleted it)."""
     real = ckpt._write_durably
 
     def flaky(path: Path, text: str) -> None:
@@ -299,16 +372,78 @@ def test_a_failed_commit_raises_on_every_rank_and_commits_nothing(
         real(path, text)
 
     monkeypatch.setattr(ckpt, "_write_durably", flaky)
-    messages = run_threaded(_commit_fails_on_rank0, 2, str(tmp_path), timeout=120)
-    for message in messages:
-        assert "committing" in message and "step_00000002" in message, message
-        assert "No space left on device" in message, message
-    partial = tmp_path / ".step_00000002.partial"
-    assert (partial / ".metadata").is_file()  # complete as far as DCP is concerned
-    dcp_load({}, storage_reader=FileSystemReader(partial), no_dist=True)  # DCP accepts it
-    with pytest.raises(IncompleteCheckpointError, match="no COMMITTED marker"):
-        load_checkpoint({}, partial)
+    messages = run_threaded(_save_twice, 2, str(tmp_path), timeout=120)
+    assert messages[0] == messages[1], messages
+    message = messages[0]
+    assert message.startswith("CheckpointError: save_checkpoint: committing"), message
+    assert "writing the COMMITTED marker" in message and "No space left" in message, message
+    assert "NOT committed" in message and "was removed" in message, message
+    assert not (tmp_path / ".step_00000002.partial").exists()
+    assert not (tmp_path / "step_00000002").exists()
     assert latest_checkpoint(tmp_path) == tmp_path / "step_00000001"
+
+
+class _FullDiskWriter(checkpoint_files.DigestingWriter):
+    """Rank 1 runs out of disk in the middle of writing its shards."""
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1 and "step_00000002" in str(self.path):
+            (Path(self.path) / "__1_0.distcp").write_bytes(b"half a shard")
+            raise OSError(28, "No space left on device")
+        return super().write_data(plan, planner)
+
+
+def test_a_failed_write_cleans_up_and_the_next_save_succeeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP reports rank 1's ENOSPC to every rank: every rank raises naming the rank and the
+    error, the partial directory is removed, and the next save works."""
+    monkeypatch.setattr(checkpoint_files, "DigestingWriter", _FullDiskWriter)
+    messages = run_threaded(_save_twice, 2, str(tmp_path), timeout=120)
+    assert messages[0] == messages[1], messages
+    assert "writing" in messages[0] and "ranks [1]: OSError" in messages[0], messages[0]
+    assert "No space left" in messages[0] and "Nothing was committed" in messages[0]
+    assert not (tmp_path / ".step_00000002.partial").exists()
+    monkeypatch.undo()
+    save_checkpoint({"w": torch.zeros(2)}, tmp_path / "step_00000002")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000002"
+
+
+def test_a_failed_pointer_update_says_the_checkpoint_is_committed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression (issue 14): when writing ``latest`` failed after the rename, the error said
+    "not committed" although the directory was committed and loadable. Now every rank raises
+    AfterCommitError saying it IS committed; the stale pointer is removed, so latest_checkpoint
+    finds the new checkpoint by commit time."""
+    real = ckpt._write_durably
+
+    def flaky(path: Path, text: str) -> None:
+        if path.name == ".latest.tmp" and text == "step_00000002":
+            raise OSError(28, "No space left on device")
+        real(path, text)
+
+    monkeypatch.setattr(ckpt, "_write_durably", flaky)
+    messages = run_threaded(_save_twice, 2, str(tmp_path), timeout=120)
+    assert messages[0] == messages[1], messages
+    assert messages[0].startswith("AfterCommitError:"), messages[0]
+    assert "IS committed and loadable" in messages[0] and "'latest' pointer" in messages[0]
+    assert "stale" in messages[0] and "was removed" in messages[0], messages[0]
+    assert not (tmp_path / "latest").exists()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_00000002"
+    fsdp_engine.verify_checkpoint(tmp_path / "step_00000002")
+
+
+def test_the_next_save_removes_partial_directories_left_under_the_root(tmp_path: Path) -> None:
+    """A save that died (SIGKILL, power loss) left ``.step_7.partial``; the next save under the
+    same root, whatever its name, removes it (a root belongs to one job)."""
+    dead = tmp_path / ".step_00000007.partial"
+    dead.mkdir()
+    (dead / "__0_0.distcp").write_bytes(b"x" * 100)
+    save_checkpoint({"w": torch.zeros(2)}, tmp_path / "step_00000008")
+    assert not dead.exists()
 
 
 # -- checkpoint after an evaluation forward --------------------------------------------------------

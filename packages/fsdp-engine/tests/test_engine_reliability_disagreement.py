@@ -1,18 +1,27 @@
-"""Ranks that disagree (different models, plans, dtypes) raise on every rank within a bounded
-time: never a hang, never a gloo abort. (Ranks disagreeing on RaggedShard placements:
-packages/ragged-dtensor/tests/test_ragged_badinput.py.)"""
+"""Ranks that disagree (different models, plans, dtypes, settings, frozen parameters) raise on
+every rank within a bounded time: never a hang, never a gloo abort. Ranks that issue different
+collectives at run time (one rank runs backward, an extra forward, ``clip_grad_norm_``, a full
+state dict, or skips a step) raise a named error within 30 s in the collective debug mode
+(``RAGGED_DTENSOR_DEBUG_COLLECTIVES=1``). (Ranks disagreeing on RaggedShard placements:
+packages/ragged-dtensor/tests/test_ragged_badinput.py; Muon stepping twice on one rank:
+tests/test_reliability_debug_collectives.py.)"""
 
 from __future__ import annotations
 
+import os
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from engine_models import TinyLlama, batches, loss_fn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.distributed.tensor import init_device_mesh
 
 from fsdp_engine import MixedPrecisionPolicy, fully_shard
+from ragged_dtensor import CollectiveMismatchError
 from ragged_dtensor.testing import run_processes, run_threaded
 
 DEADLINE_S = 30.0  # process-group timeout and the bound on every case
@@ -33,6 +42,13 @@ def _model_for(rank: int, case: str) -> TinyLlama:
             p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     if rank == 1 and case == "dtype":
         model = model.to(torch.bfloat16)
+    if rank == 1 and case == "requires_grad":
+        model.layers[0].attn_norm.weight.requires_grad_(False)  # frozen on rank 1 only
+    if case == "frozen_value":
+        model.embed.weight.requires_grad_(False)  # frozen everywhere, another value on rank 1
+        if rank == 1:
+            with torch.no_grad():
+                model.embed.weight[3, 5] += 1.0
     return model
 
 
@@ -62,6 +78,11 @@ CASES = {
     "vocab": "shapes",
     "block_policy": "",
     "dtype": "dtype",
+    # found by the adversarial runs of issue 14: accepted silently (the frozen rank's zeros were
+    # averaged into the others' gradient; the differing frozen value stayed in its shard)
+    "requires_grad": "requires_grad of 'attn_norm.weight': ranks [0] have 'True', ranks [1] have "
+    "'False'",
+    "frozen_value": "value of frozen parameter 'embed.weight'",
 }
 
 
@@ -153,3 +174,95 @@ def test_ranks_naming_different_checkpoints_all_raise(tmp_path: Any, op: str) ->
         assert outcome.startswith("CheckpointError"), outcomes
         assert "different paths" in outcome and "step_0" in outcome and "step_1" in outcome
     assert not any(tmp_path.iterdir())  # nothing written, nothing committed
+
+
+# -- run-time disagreements, caught by the collective debug mode -----------------------------------
+
+# Each hung until gloo's timeout (30 min by default; still stuck at 120 s in the adversarial runs
+# of issue 14) or aborted the process ("Is there a distributed collective mismatch").
+HANG_CASES = {
+    "backward on one rank only": "",
+    "a no_grad forward on one rank": "",
+    "an eval forward on rank 0 only": "",
+    "clip_grad_norm_ on one rank only": "all_reduce",
+    "one rank skipping a step": "barrier",
+    "a full state dict on rank 0 only": "",
+}
+
+
+def _diverge(rank: int, world: int, case: str) -> None:
+    """Two training steps of a TinyLlama; in the second, the ranks do different things."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = _model_for(rank, "same")
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step, tokens in enumerate(batches(2, 1, batch=4)):
+        odd = step == 1
+        mine = tokens.chunk(world)[rank]
+        if case == "one rank skipping a step" and odd and rank == 1:
+            continue
+        loss = loss_fn(model, mine)
+        if not (case == "backward on one rank only" and odd and rank == 1):
+            loss.backward()
+        if case == "clip_grad_norm_ on one rank only" and odd and rank == 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        if case == "a no_grad forward on one rank" and odd and rank == 1:
+            with torch.no_grad():
+                loss_fn(model, mine)
+        if case == "an eval forward on rank 0 only" and odd and rank == 0:
+            model.eval()
+            loss_fn(model, mine)  # a validation loss, grad enabled, no backward
+            model.train()
+        if case == "a full state dict on rank 0 only" and odd and rank == 0:
+            get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    dist.barrier()
+
+
+def _hang_cases(rank: int, world: int, cases: list[str]) -> dict[str, tuple[str, float]]:
+    """Every case in these two processes, each on a fresh process group (the same store)."""
+    store = dist.distributed_c10d._get_default_store()
+    outcomes = {}
+    for index, case in enumerate(cases):
+        dist.destroy_process_group()
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"case-{index}", store),
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=120),
+        )
+        start = time.monotonic()
+        try:
+            _diverge(rank, world, case)
+            outcome = "no error"
+        except CollectiveMismatchError as exc:
+            outcome = f"CollectiveMismatchError: {exc}"
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        outcomes[case] = (outcome, time.monotonic() - start)
+    return outcomes
+
+
+@pytest.mark.multiprocess
+def test_runtime_disagreements_raise_a_named_error_in_debug_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Real gloo processes with ``RAGGED_DTENSOR_DEBUG_COLLECTIVES=1`` (default timeout): every
+    rank raises CollectiveMismatchError naming the process group, each side's operation and
+    ranks, within 30 s of the case's start, and no mismatched collective ever runs."""
+    monkeypatch.setenv("RAGGED_DTENSOR_DEBUG_COLLECTIVES", "1")  # spawned ranks inherit it
+    monkeypatch.delenv("RAGGED_DTENSOR_DEBUG_TIMEOUT", raising=False)
+    results = run_processes(_hang_cases, 2, list(HANG_CASES), timeout=300)
+    for case, named in HANG_CASES.items():
+        for rank, outcomes in enumerate(results):
+            outcome, seconds = outcomes[case]
+            assert outcome.startswith("CollectiveMismatchError: collective "), (case, rank, outcome)
+            assert "process group '" in outcome and "(global ranks [0, 1], gloo)" in outcome
+            assert "ranks [0]" in outcome and ("ranks [1]" in outcome or "rank 1" in outcome)
+            assert named in outcome, (case, outcome)
+            assert seconds < DEADLINE_S, (case, rank, seconds)
+    assert os.environ["RAGGED_DTENSOR_DEBUG_COLLECTIVES"] == "1"

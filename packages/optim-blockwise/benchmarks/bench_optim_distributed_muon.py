@@ -5,7 +5,7 @@ gradients on every variant; only the optimizer step is timed (medians and mins o
 alternating variants). Variants:
 
 - ours, ``RaggedShard``: ``optim_blockwise.Muon`` on RaggedShard params (element granularity,
-  equal shares);
+  equal shares): per bucket one all-to-all to each matrix's owner and one back;
 - ours, FSDP2 ``Shard(0)``: the same optimizer on ``Shard(0)`` DTensors (torch.chunk split);
 - ``torch.optim.Muon`` on the same ``Shard(0)`` DTensors (DTensor ops redistribute per matrix);
 - gather-to-all (Moonlight style): one batched all-gather of every padded shard, Newton-Schulz of
@@ -215,12 +215,13 @@ def single_device(dim: int, layers: int, steps: int) -> list[torch.Tensor]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", nargs="?", default="results")
+    parser.add_argument("--out", dest="out_opt", default=None, help="(as the positional)")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args(argv)
-    out = Path(args.out)
+    out = Path(args.out_opt or args.out)
     out.mkdir(parents=True, exist_ok=True)
     shapes = shapes_for(args.dim, args.layers)
     numel = sum(math.prod(s) for s in shapes)
@@ -263,9 +264,11 @@ def main(argv: list[str] | None = None) -> None:
             )
         lines.append("")
     lines.append(
-        "Ours: a fingerprint all-gather (16 bytes) plus one all-to-all to the roots and one back. "
-        "torch.optim.Muon's collectives are the DTensor functional collectives seen by a "
-        "dispatch mode. Gather-to-all runs every Newton-Schulz on every rank."
+        "Ours: per bucket one all-to-all to the owners and one back, pipelined against "
+        "Newton-Schulz (the plan and its agreement all-gather happen once, in the first step; "
+        "steps shown are after it). torch.optim.Muon's collectives are the DTensor functional "
+        "collectives seen by a dispatch mode. Gather-to-all runs every Newton-Schulz on every "
+        "rank."
     )
     (out / "distributed_muon.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -30,4 +30,5 @@ for optimizer in (opt, muon):
 policy = ob.AdamW8bit.block_policy(block_size=256)
 assert policy("w", model[1].weight) == 256  # a shard boundary never cuts a quant block
 assert policy("bias", model[1].bias) == 1  # < 4096 elements: fp32 state, no constraint
+assert policy("emb", torch.empty(100, 65)) == 4  # 25 blocks + a short one: gcd(6500, 256)
 assert ob.Muon.block_policy()("w", model[1].weight) == 1  # the root gathers any flat ranges

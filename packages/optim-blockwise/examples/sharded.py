@@ -29,7 +29,7 @@ def train(rank: int, world: int) -> torch.Tensor:
             stride=g.stride(),
             run_check=False,
         )
-        opt.step()  # one all-to-all to the roots, Newton-Schulz once, one all-to-all back
+        opt.step()  # all-to-all to the owner, Newton-Schulz once, all-to-all back
     return weight.to_local()
 
 

@@ -25,7 +25,7 @@ from test_optim_support import (
 from torch.distributed.device_mesh import init_device_mesh
 
 import optim_blockwise as ob
-from ragged_dtensor.testing import DistributedFailure, run_threaded
+from ragged_dtensor.testing import DistributedFailure, count_collectives, run_threaded
 
 pytestmark = pytest.mark.numerics
 
@@ -196,31 +196,247 @@ def test_fsdp2_shard0_distributed_equals_single_device(world: int) -> None:
     check_against_single(results, single, SHAPES, specs, 1)
 
 
-def _traffic(rank: int, world: int) -> dict[str, Any]:
+EXPERT_SHAPES = [(6, 16, 24), (4, 40, 12), (64, 48), (3, 1, 30)]
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_expert_weights_sharded_equal_single_device(world: int, ns_dtype: torch.dtype) -> None:
+    """3-D expert weights under ragged layouts that cut experts anywhere, groups of experts
+    spread over the owners (one batched NS per group), tiny buckets: 5 steps bit-identical to
+    one device (same arithmetic: every world size batches the same experts together, 1 thread
+    on both sides)."""
+    specs = [ragged_spec(s, world, 1, seed=world * 5 + i) for i, s in enumerate(EXPERT_SHAPES)]
+    kwargs = {
+        "lr": 2e-2,
+        "ns_dtype": ns_dtype,
+        "bucket_cap_mb": 0.004,
+        "expert_group_flops": 2**19,  # groups of 3 (and shorter last groups) over the owners
+    }
+    results = run_threaded(dist_run_steps, world, "muon", EXPERT_SHAPES, specs, 5, kwargs)
+    single = run_steps(None, "muon", EXPERT_SHAPES, [("plain",)] * 4, 5, kwargs)
+    check_against_single(results, single, EXPERT_SHAPES, specs, 1)
+
+
+def test_expert_weights_equal_separate_matrices() -> None:
+    """On one device a 3-D ``(E, m, n)`` parameter is E matrices: each expert ends where E
+    separate 2-D parameters stepped by the same Muon end (its own NS and norm, its own lr
+    scale). Different arithmetic: batched vs single GEMMs sum in different orders. In float64
+    (parameters and NS), with the momentum bit-identical (elementwise, same ops), the only
+    difference is the NS rounding: per step at most ``lr' * 15 GEMMs * K * a^steps * 2^-53``
+    (K = 24 the inner dimension, a = 3.4445 the NS iteration's largest slope, 5 steps), so
+    after 4 steps ``|dW| <= 4 * lr' * 15 * 24 * 3.4445**5 * 2**-53``."""
+    from test_optim_support import one_thread
+
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(5, 24, 16, generator=gen, dtype=torch.float64)
+    stacked = torch.nn.Parameter(w.clone())
+    separate = [torch.nn.Parameter(w[e].clone()) for e in range(5)]
+    lr = 0.02
+    kw: dict[str, Any] = {"lr": lr, "ns_dtype": torch.float64, "adjust_lr_fn": "original"}
+    a, b = ob.Muon([stacked], **kw), ob.Muon(separate, **kw)
+    with one_thread():
+        for _ in range(4):
+            g = torch.randn(w.shape, generator=gen, dtype=torch.float64)
+            stacked.grad = g.clone()
+            for e, p in enumerate(separate):
+                p.grad = g[e].clone()
+            a.step()
+            b.step()
+    scaled = ob.adjust_lr(lr, "original", (24, 16))
+    bound = 4 * scaled * 15 * 24 * 3.4445**5 * 2.0**-53
+    moved = float((stacked.detach() - w).abs().max())
+    assert moved > 1e3 * bound, "the test moves the weights far more than the bound"
+    for e, p in enumerate(separate):
+        assert float((stacked.detach()[e] - p.detach()).abs().max()) <= bound, e
+        buf = a.state[stacked]["momentum_buffer"].view(5, -1)[e]
+        assert torch.equal(buf, b.state[p]["momentum_buffer"]), "momentum: same arithmetic"
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_many_buckets_equal_single_device(world: int) -> None:
+    """Buckets of ~4 KB (one or two matrices each), three gathers in flight: the pipeline
+    changes the schedule, never the values."""
+    specs = [ragged_spec(s, world, 1, seed=world + i) for i, s in enumerate(SHAPES)]
+    kwargs = {"lr": 2e-2, "ns_dtype": torch.float32, "bucket_cap_mb": 0.004, "in_flight": 3}
+    results = run_threaded(dist_run_steps, world, "muon", SHAPES, specs, 4, kwargs)
+    single = run_steps(None, "muon", SHAPES, PLAIN, 4, kwargs)
+    check_against_single(results, single, SHAPES, specs, 1)
+
+
+def test_owners_balance_flops_and_root_memory() -> None:
+    """Two costs balanced at once: square matrices heavy in flops, long thin ones in memory.
+    Balancing flops alone piles the memory on some ranks; the 2-D balance keeps both within
+    the largest unit of the optimum."""
+    from optim_blockwise._private.owners import assign_owners
+
+    shapes = [(384, 384)] * 2 + [(32, 8192)] * 5 + [(256, 256)] * 3
+    costs = [(ob.ns_flops(s), ob.ns_root_bytes(s)) for s in shapes]
+    shares = [[1, 1, 1, 1]] * len(shapes)
+    owners = assign_owners(costs, shares)
+    assert owners == assign_owners(costs, shares), "deterministic"
+    for d in range(2):
+        loads = [sum(c[d] for c, o in zip(costs, owners, strict=True) if o == k) for k in range(4)]
+        ideal = sum(c[d] for c in costs) / 4
+        assert max(loads) <= ideal + max(c[d] for c in costs), (d, loads)
+    flops_only = ob.assign_roots([c[0] for c in costs], shares)
+    mem = [sum(c[1] for c, o in zip(costs, flops_only, strict=True) if o == k) for k in range(4)]
+    mem2 = [sum(c[1] for c, o in zip(costs, owners, strict=True) if o == k) for k in range(4)]
+    assert max(mem2) < max(mem), (mem2, mem)
+
+
+def _traffic(rank: int, world: int, cap: float) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,))
-    shapes = [(64, 96), (96, 64), (32, 32), (128, 16)]
+    shapes = [(64, 96), (96, 64), (32, 32), (128, 16), (6, 16, 24)]
     params = [
         torch.nn.Parameter(shard(torch.randn(s), mesh, ragged_spec(s, world, 1, seed=i)))
         for i, s in enumerate(shapes)
     ]
-    opt = ob.Muon(params, ns_dtype=torch.float32)
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt.step()
+    opt = ob.Muon(params, ns_dtype=torch.float32, bucket_cap_mb=cap)
+    stats = []
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        stats.append(dict(opt.last_step_stats))
     return {
-        "stats": dict(opt.last_step_stats),
+        "stats": stats,
+        "plans": opt.plans_made,
+        "buckets": len(opt._plans[0].exchange.buckets),  # type: ignore[union-attr]
         "momentum_bytes": sum(4 * math.prod(s) for s in shapes),
     }
 
 
-def test_traffic_is_two_all_to_alls_and_at_most_twice_the_momentum() -> None:
+@pytest.mark.parametrize("cap", [64.0, 0.02], ids=["one-bucket", "buckets"])
+def test_traffic_is_two_all_to_alls_per_bucket_and_at_most_twice_the_momentum(cap: float) -> None:
+    """Steady state: one gather and one scatter all-to-all per bucket, no agreement collective
+    (the plan is made and agreed on once), and each matrix crosses the network at most once
+    each way (plus 16 bytes of presence flags per destination and bucket)."""
     world = 4
-    out = run_threaded(_traffic, world)
-    total_sent = sum(o["stats"]["bytes_sent"] for o in out)
-    assert total_sent <= 2 * out[0]["momentum_bytes"]
+    out = run_threaded(_traffic, world, cap)
+    buckets = out[0]["buckets"]
+    assert (buckets == 1) == (cap > 1)
+    for step in range(3):
+        total_sent = sum(o["stats"][step]["bytes_sent"] for o in out)
+        flags = 2 * world * (world - 1) * 16 * buckets
+        assert total_sent <= 2 * out[0]["momentum_bytes"] + flags
     for o in out:
-        # fingerprint check + gather + scatter, whatever the number of matrices
-        assert o["stats"]["collectives"] == 3
+        assert o["plans"] == 1
+        assert all(s["collectives"] == 2 * buckets for s in o["stats"])
+
+
+def _steady_state_reads(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """Counts, in steps 3-5 (after the plan is made), every read of device data on the host:
+    ``_local_scalar_dense`` (``item``, ``bool``, ``float``...), ops with data-dependent output
+    shapes, and ``Tensor.tolist``, plus every collective at the dispatcher. Reads made by the
+    threaded process group's own implementation of a collective (a test backend that copies
+    with Python slicing) are not the optimizer's and are left out."""
+    import sys
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def in_test_backend() -> bool:
+        frame = sys._getframe()
+        while frame is not None:
+            if frame.f_code.co_filename.endswith("multi_threaded_pg.py"):
+                return True
+            frame = frame.f_back  # type: ignore[assignment]
+        return False
+
+    reads: list[str] = []
+    collectives: list[str] = []
+    forbidden = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "item"}
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = func.__name__.split(".")[0]
+            if name in forbidden and not in_test_backend():
+                reads.append(name)
+            return func(*args, **(kwargs or {}))
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(64, 96), (40, 50), (4, 12, 20), (33,) if kind == "muon" else (48,), (16,)]
+    unit = 1 if kind == "muon" else 16  # AdamW8bit: block-aligned shards (its block policy)
+    specs = [ragged_spec(s, world, unit, seed=i) for i, s in enumerate(shapes)]
+    params = [
+        torch.nn.Parameter(shard(torch.randn(s, generator=gen), mesh, sp))
+        for s, sp in zip(shapes, specs, strict=True)
+    ]
+    opt: torch.optim.Optimizer = (
+        ob.Muon(params, ns_dtype=torch.float32, bucket_cap_mb=0.01)
+        if kind == "muon"
+        else ob.AdamW8bit(params, min_8bit_size=0, block_size=16)
+    )
+    original_tolist = torch.Tensor.tolist
+    for step in range(5):
+        for p, s, sp in zip(params, shapes, specs, strict=True):
+            p.grad = shard(torch.randn(s, generator=gen), mesh, sp)
+        if step < 2:
+            opt.step()
+            continue
+        torch.Tensor.tolist = lambda self: (reads.append("tolist"), original_tolist(self))[1]  # type: ignore[method-assign]
+        try:
+            with Spy(), count_collectives() as counted:
+                opt.step()
+        finally:
+            torch.Tensor.tolist = original_tolist  # type: ignore[method-assign]
+        collectives.extend(counted.calls)
+    return {"reads": reads, "collectives": collectives}
+
+
+def test_steady_state_muon_step_reads_nothing_from_the_device() -> None:
+    """No host synchronization: no scalar read, no tolist, no data-dependent shape, and only
+    the exchange's all-to-alls (no agreement all-gather) once the plan exists."""
+    for out in run_threaded(_steady_state_reads, 3, "muon"):
+        assert out["reads"] == []
+        assert out["collectives"] and set(out["collectives"]) == {"all_to_all_single"}
+
+
+def test_steady_state_adamw8bit_step_reads_nothing_from_the_device() -> None:
+    """AdamW8bit on block-aligned shards: no host read and no collective at all."""
+    for out in run_threaded(_steady_state_reads, 3, "adamw8bit"):
+        assert out["reads"] == [] and out["collectives"] == []
+
+
+def _missing_grad(rank: int, world: int, mode: str) -> list[torch.Tensor]:
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(24, 40), (40, 24), (3, 8, 12)]
+    fulls = [torch.randn(s, generator=gen) for s in shapes]
+    mesh_or_none = mesh if world > 1 else None
+    specs = [
+        ragged_spec(s, world, 1, seed=i) if world > 1 else ("plain",) for i, s in enumerate(shapes)
+    ]
+    params = [
+        torch.nn.Parameter(shard(f, mesh_or_none, sp)) for f, sp in zip(fulls, specs, strict=True)
+    ]
+    opt = ob.Muon(params, lr=0.02, ns_dtype=torch.float32, bucket_cap_mb=0.001)
+    for step in range(4):
+        for p, s, sp in zip(params, shapes, specs, strict=True):
+            p.grad = shard(torch.randn(s, generator=gen), mesh_or_none, sp)
+        if step == 2 and (mode == "everywhere" or rank == 0):
+            params[1].grad = None
+        opt.step()
+    return [(p.to_local() if world > 1 else p).detach().reshape(-1).clone() for p in params]
+
+
+def test_gradient_missing_on_one_rank_in_a_later_step_raises_on_every_rank() -> None:
+    """The plan was agreed on at step 1; at step 3 rank 0 has no gradient for one matrix: the
+    presence flags inside the exchange raise on every rank, naming it, instead of applying an
+    update made from a partial gradient (or hanging)."""
+    with pytest.raises(DistributedFailure, match=r"disagree.*mixed: .*\]\[1\] \(shape \(40, 24"):
+        run_threaded(_missing_grad, 2, "one rank", timeout=60)
+
+
+def test_gradient_missing_on_every_rank_skips_the_matrix_like_one_device() -> None:
+    """A gradient that is None on every rank: the matrix is not stepped (no momentum, decay or
+    update), as on one device; the exchange sizes do not change."""
+    out = run_threaded(_missing_grad, 3, "everywhere")
+    (single,) = run_threaded(_missing_grad, 1, "everywhere")
+    for i in range(3):
+        whole = torch.cat([o[i] for o in out])
+        assert torch.equal(whole, single[i]), i
 
 
 def _disagree(rank: int, world: int) -> None:
@@ -339,64 +555,74 @@ def test_sharded_state_dict_round_trip(kind: str) -> None:
 @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "40")), deadline=None)
 @given(
     world=st.integers(1, 6),
-    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=6),
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=8),
+    buckets=st.integers(1, 4),
     seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
 )
-def test_property_exchange_plan_round_trip(world: int, sizes: list[int], seed: int) -> None:
-    """Simulated all-to-alls (no process group): every root assembles exactly its matrices,
-    and scattering them back gives every rank exactly its pieces."""
+def test_property_exchange_round_trip(
+    world: int, sizes: list[int], buckets: int, seed: int, dtype: torch.dtype
+) -> None:
+    """Simulated all-to-alls (no process group): in every bucket every owner assembles exactly
+    its units with the right presence status, and scattering results back gives every rank
+    exactly its pieces and every unit's status."""
     import itertools
     import random
 
     from optim_blockwise._private import exchange
+    from optim_blockwise._private.owners import assign_owners
 
     rng = random.Random(seed)
     ranges = []
     for n in sizes:
         cuts = sorted(rng.randint(0, n) for _ in range(world - 1))
-        bounds = [0, *cuts, n]
-        ranges.append(tuple(itertools.pairwise(bounds)))
-    roots = ob.assign_roots(sizes, [[hi - lo for lo, hi in r] for r in ranges])
-    mats = [torch.arange(n, dtype=torch.float32) + 1000 * i for i, n in enumerate(sizes)]
-    plans = [exchange.plan_exchange(k, ranges, roots) for k in range(world)]
-    # gather: rank k's send buffer, split by destination; rank d's receive buffer by source
-    sends = []
-    for k in range(world):
-        order = sorted(range(len(sizes)), key=lambda i: (roots[i], i))
-        sends.append(torch.cat([mats[i][slice(*ranges[i][k])] for i in order]))
-    offsets = [[sum(p.send_counts[:d]) for d in range(world)] for p in plans]
-    for d in range(world):
-        recv = torch.cat(
-            [
-                sends[k][offsets[k][d] : offsets[k][d] + plans[k].send_counts[d]]
-                for k in range(world)
-            ]
-        )
-        assert recv.numel() == sum(plans[d].recv_counts)
-        full = exchange.assemble(plans[d], recv)
-        assert sorted(full) == [i for i in range(len(sizes)) if roots[i] == d]
-        for i, m in full.items():
-            assert torch.equal(m, mats[i])
-    # scatter back: root d's buffer split by destination k, concatenated on k by source
-    outs = []
-    for d in range(world):
-        results = {i: mats[i] * 2 for i in plans[d].mine}
-        buf = []
-        for k in range(world):
-            for i in plans[d].mine:
-                buf.append(results[i][slice(*ranges[i][k])])
-        outs.append(torch.cat(buf) if buf else torch.zeros(0))
-    back_offsets = [[sum(p.recv_counts[:k]) for k in range(world)] for p in plans]
-    for k in range(world):
-        recv = torch.cat(
-            [
-                outs[d][back_offsets[d][k] : back_offsets[d][k] + plans[d].recv_counts[k]]
-                for d in range(world)
-            ]
-        )
-        pieces = exchange.split_scattered(plans[k], recv)
-        for i in range(len(sizes)):
-            assert torch.equal(pieces[i], mats[i][slice(*ranges[i][k])] * 2)
+        ranges.append(tuple(itertools.pairwise([0, *cuts, n])))
+    costs = [(rng.randint(0, 9), n) for n in sizes]
+    owners = assign_owners(costs, [[hi - lo for lo, hi in r] for r in ranges])
+    mats = [(torch.arange(n) + 100 * i).to(dtype) for i, n in enumerate(sizes)]
+    present = [[rng.random() < 0.8 for _ in sizes] for _ in range(world)]
+    want_status = [
+        [1 if all(p[i] for p in present) else 0 if not any(p[i] for p in present) else 2]
+        for i in range(len(sizes))
+    ]
+    plans = [exchange.plan_exchange(k, ranges, owners, buckets=buckets) for k in range(world)]
+    assert sorted(i for b in plans[0].buckets for i in b.units) == list(range(len(sizes)))
+    size = mats[0].element_size()
+
+    def route(sends: list[torch.Tensor], out: list[list[int]], inp: list[list[int]]) -> list:
+        chunks = [list(torch.split(sends[k], inp[k])) for k in range(world)]
+        recvs = [torch.cat([chunks[k][d] for k in range(world)]) for d in range(world)]
+        for d in range(world):
+            assert recvs[d].numel() == sum(out[d])
+        return recvs
+
+    for b in range(len(plans[0].buckets)):
+        lays = [exchange.BucketLayout(p, p.buckets[b], size, True) for p in plans]
+        sends = [
+            lay.pack_gather(
+                {i: mats[i][slice(*ranges[i][k])] for i in lay.bucket.units},
+                present[k],
+                torch.device("cpu"),
+            )
+            for k, lay in enumerate(lays)
+        ]
+        recvs = route(sends, [lay.gather_recv for lay in lays], [lay.gather_send for lay in lays])
+        backs = []
+        for d, lay in enumerate(lays):
+            fulls, status = lay.unpack_gather(recvs[d], dtype)
+            assert sorted(fulls) == sorted(lay.mine)
+            for j, i in enumerate(lay.mine):
+                assert owners[i] == d and torch.equal(fulls[i], mats[i])
+                assert status is not None and int(status[j]) == want_status[i][0]
+            results = {i: fulls[i] * 2 for i in lay.mine}
+            backs.append(lay.pack_scatter(results, status, torch.device("cpu")))
+        got = route(backs, [lay.scatter_recv for lay in lays], [lay.scatter_send for lay in lays])
+        for k, lay in enumerate(lays):
+            pieces, statuses = lay.unpack_scatter(got[k], dtype)
+            assert statuses is not None
+            for j, i in enumerate(lay.bucket.units):
+                assert torch.equal(pieces[i], mats[i][slice(*ranges[i][k])] * 2)
+                assert int(statuses[j]) == want_status[i][0]
 
 
 def test_bf16_params_distributed_equals_single_device() -> None:

@@ -5,8 +5,10 @@ No tests here; module-level functions so that spawned gloo processes can import 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -66,6 +68,22 @@ def make_optimizer(kind: str, params: list[Any], kwargs: dict[str, Any]) -> torc
     raise ValueError(kind)
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Intra-op threads pinned to 1 for the block, then restored.
+
+    Bitwise comparisons are "same arithmetic" tests: every side must run the same kernels with
+    the same thread count (a GEMM's reduction split depends on it). Ranks run with 1 thread
+    (``run_processes`` sets it, ``dist_run_steps`` sets it on threaded ranks); so do references.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def run_steps(
     mesh: DeviceMesh | None,
     kind: str,
@@ -76,7 +94,23 @@ def run_steps(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
 ) -> list[dict[str, torch.Tensor]]:
-    """Run ``steps`` steps on seeded data; per param: local param and every state tensor."""
+    """Run ``steps`` steps on seeded data; per param: local param and every state tensor.
+
+    With 1 intra-op thread (see ``one_thread``), on every side of a comparison."""
+    with one_thread():
+        return _run_steps(mesh, kind, shapes, specs, steps, kwargs, dtype, seed)
+
+
+def _run_steps(
+    mesh: DeviceMesh | None,
+    kind: str,
+    shapes: list[tuple[int, ...]],
+    specs: list[Spec],
+    steps: int,
+    kwargs: dict[str, Any],
+    dtype: torch.dtype,
+    seed: int,
+) -> list[dict[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     fulls = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
     params = [torch.nn.Parameter(shard(f, mesh, sp)) for f, sp in zip(fulls, specs, strict=True)]
@@ -202,3 +236,69 @@ def from_bytes(data: bytes) -> Any:
 
 def dist_run_steps_bytes(rank: int, world: int, *args: Any) -> bytes:
     return to_bytes(dist_run_steps(rank, world, *args))
+
+
+def flat_views(
+    fulls: list[torch.Tensor], mesh: DeviceMesh | None, specs: list[Spec]
+) -> list[torch.Tensor]:
+    """Like ``shard`` for every tensor, but every local piece is a view of one flat storage of
+    this rank, in order (what a flat-buffer engine such as fsdp-engine makes)."""
+    pieces = [local_of(shard(f, mesh, sp)) for f, sp in zip(fulls, specs, strict=True)]
+    storage = torch.cat(pieces) if pieces else torch.zeros(0)
+    out: list[torch.Tensor] = []
+    pos = 0
+    for full, spec, piece in zip(fulls, specs, pieces, strict=True):
+        view = storage[pos : pos + piece.numel()]
+        pos += piece.numel()
+        if spec[0] == "plain" or mesh is None:
+            out.append(view.view(full.shape))
+            continue
+        _, dims, units = spec
+        out.append(
+            DTensor.from_local(
+                view,
+                mesh,
+                [RaggedShard(dims, units)],
+                shape=full.shape,
+                stride=full.stride(),
+                run_check=False,
+            )
+        )
+    return out
+
+
+def run_flat_steps(
+    mesh: DeviceMesh | None,
+    kind: str,
+    shapes: list[tuple[int, ...]],
+    specs: list[Spec],
+    steps: int,
+    kwargs: dict[str, Any],
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
+    """``run_steps`` with parameters and gradients that are views of one flat storage each (one
+    gradient storage per step, like an engine's reduce-scatter output)."""
+    with one_thread():
+        gen = torch.Generator().manual_seed(0)
+        fulls = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+        params = [torch.nn.Parameter(t) for t in flat_views(fulls, mesh, specs)]
+        opt = make_optimizer(kind, params, kwargs)
+        for step in range(steps):
+            scale = 10.0 ** ((step % 3) - 1)
+            grads = [torch.randn(s, generator=gen).mul(scale).to(dtype) for s in shapes]
+            for p, g in zip(params, flat_views(grads, mesh, specs), strict=True):
+                p.grad = g
+            opt.step()
+        records = []
+        for p in params:
+            record = {"param": local_of(p.detach()).clone()}
+            for key, value in opt.state[p].items():
+                if isinstance(value, torch.Tensor):
+                    record[key] = value.clone()
+            records.append(record)
+        return {"records": records, "stats": dict(getattr(opt, "last_step_stats", {}))}
+
+
+def dist_run_flat_steps(rank: int, world: int, *args: Any) -> dict[str, Any]:
+    mesh = init_device_mesh(DEVICE_TYPE, (world,))
+    return run_flat_steps(mesh, *args)

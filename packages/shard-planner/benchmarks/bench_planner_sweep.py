@@ -2,8 +2,8 @@
 
 Run: ``python packages/shard-planner/benchmarks/bench_planner_sweep.py [--json out.json]``.
 Prints the summary quoted in the README (gaps to the lower bound, cases worse or better than a
-baseline, planning times). Figures, not pass/fail; times are from one run on whatever machine
-runs it.
+baseline, planning times). Figures, not pass/fail; times are the CPU time of this process
+(``time.process_time``), so other jobs on a shared machine inflate them less than wall time.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ def _cases() -> list[dict[str, Any]]:
             for rows in ROWS:
                 specs = group.specs(rows)
                 for world in WORLDS:
-                    start = time.perf_counter()
+                    start = time.process_time()
                     ours = sp.plan(specs, world, ALIGN)
-                    seconds = time.perf_counter() - start
+                    seconds = time.process_time() - start
                     naive = sp.naive_plan(specs, world, ALIGN).shard_size
                     megatron = sp.megatron_plan(specs, world, ALIGN).shard_size
                     paper = sp.plan(specs, world, ALIGN, method="paper").shard_size
@@ -60,7 +60,11 @@ def _pct(case: dict[str, Any], key: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", help="also write every case to this file")
+    parser.add_argument("--out", type=Path, help="folder: bench_planner_sweep.json there")
     args = parser.parse_args()
+    if args.out is not None and not args.json:
+        args.out.mkdir(parents=True, exist_ok=True)
+        args.json = str(args.out / "bench_planner_sweep.json")
     cases = _cases()
     print(f"{len(cases)} cases (group x rows x world)")
     tight = sum(c["ours"] == c["bound"] for c in cases)

@@ -62,11 +62,14 @@ def test_models_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert "deepseek-v3-671b: 671.03B parameters" in out
 
 
-def test_readme_example_is_the_file_and_runs() -> None:
+@pytest.mark.parametrize(("index", "name"), [(0, "quickstart.py"), (1, "projection.py")])
+def test_readme_examples_are_the_files_and_run(index: int, name: str) -> None:
     text = README.read_text(encoding="utf-8")
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
-    example = README.parent / "examples" / "quickstart.py"
-    assert blocks and blocks[0] == example.read_text(), f"README's example is not {example}"
+    example = README.parent / "examples" / name
+    assert len(blocks) > index and blocks[index] == example.read_text(), (
+        f"README's example {index} is not {example}"
+    )
     done = subprocess.run(
         [sys.executable, str(example)], capture_output=True, text=True, timeout=120, check=False
     )

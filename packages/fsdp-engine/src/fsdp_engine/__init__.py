@@ -10,17 +10,27 @@ from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from fsdp_engine._private.api import FSDPModule, UnshardHandle, fully_shard
+from fsdp_engine._private.api import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+    share_comm_ctx,
+)
 from fsdp_engine._private.checkpoint import (
+    AfterCommitError,
     CheckpointError,
+    CheckpointIntegrityError,
     IncompleteCheckpointError,
     checkpoint_info,
     is_complete_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    verify_checkpoint,
 )
-from fsdp_engine._private.flat_optim import FlatShardOptimizer
+from fsdp_engine._private.export import load_full_state_dict
+from fsdp_engine._private.flat_optim import FlatAdam, FlatAdamW
 from fsdp_engine._private.policy import (
     BlockPolicy,
     CPUOffloadPolicy,
@@ -36,9 +46,12 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "fully_shard",
-    "FlatShardOptimizer",
+    "FlatAdamW",
+    "FlatAdam",
     "FSDPModule",
     "UnshardHandle",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
@@ -50,7 +63,11 @@ __all__ = [
     "latest_checkpoint",
     "is_complete_checkpoint",
     "checkpoint_info",
+    "verify_checkpoint",
+    "load_full_state_dict",
     "CheckpointError",
+    "CheckpointIntegrityError",
     "IncompleteCheckpointError",
+    "AfterCommitError",
     "__version__",
 ]

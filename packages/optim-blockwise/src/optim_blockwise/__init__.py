@@ -1,6 +1,6 @@
-"""Muon and blockwise 8-bit AdamW that work natively on sharded parameters.
+"""Muon, blockwise 8-bit AdamW, Shampoo and SOAP that work natively on sharded parameters.
 
-Both optimizers are ordinary ``torch.optim.Optimizer``s that accept plain tensors, ``RaggedShard``
+The optimizers are ordinary ``torch.optim.Optimizer``s that accept plain tensors, ``RaggedShard``
 DTensors (ragged-dtensor) and torch FSDP2 ``Shard(0)`` DTensors, and give the single-device
 result on sharded parameters (bit-identical for ``AdamW8bit``). Each exposes the block policy a
 sharding engine needs (``(name, param) -> elements``) so that shards respect its blocks.
@@ -18,7 +18,9 @@ from optim_blockwise._private.newton_schulz import (
     assign_roots,
     newton_schulz,
     ns_flops,
+    ns_root_bytes,
 )
+from optim_blockwise._private.owners import assign_owners
 from optim_blockwise._private.policy import AdamW8bitBlockPolicy, MuonBlockPolicy
 from optim_blockwise._private.quant import (
     block_absmax,
@@ -26,6 +28,10 @@ from optim_blockwise._private.quant import (
     dynamic_map,
     quantize_blockwise,
 )
+from optim_blockwise._private.roots import inverse_root
+from optim_blockwise._private.shampoo import Shampoo
+from optim_blockwise._private.soap import SOAP
+from optim_blockwise._private.tiles import PreconditionerBlockPolicy
 
 
 def _version() -> str:
@@ -41,9 +47,12 @@ __all__ = [
     # optimizers
     "AdamW8bit",
     "Muon",
+    "Shampoo",
+    "SOAP",
     # block policies (the engine's protocol: (name, param) -> elements)
     "AdamW8bitBlockPolicy",
     "MuonBlockPolicy",
+    "PreconditionerBlockPolicy",
     "adamw8bit_block_policy",
     "muon_block_policy",
     # building blocks
@@ -51,7 +60,10 @@ __all__ = [
     "newton_schulz",
     "adjust_lr",
     "ns_flops",
+    "ns_root_bytes",
     "assign_roots",
+    "assign_owners",
+    "inverse_root",
     "dynamic_map",
     "block_absmax",
     "quantize_blockwise",

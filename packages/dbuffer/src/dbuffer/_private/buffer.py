@@ -18,9 +18,10 @@ tensors' version counters do not move and backward accepts the saved views.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 import torch
@@ -32,8 +33,16 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from dbuffer._private.agreement import check_agreement
-from dbuffer._private.collectives import Handle, ReduceOp, all_gather_flat, reduce_scatter_flat
+from dbuffer._private.collectives import (
+    Handle,
+    ReduceOp,
+    all_gather_flat,
+    note_free,
+    order_all_gather,
+    reduce_scatter_flat,
+)
 from dbuffer._private.layout import BufferLayout, TensorSlot, slots_for
+from dbuffer._private.refs import Claim
 
 __all__ = ["DBuffer"]
 
@@ -48,26 +57,28 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(kind, torch.get_device_module(kind).current_device())
 
 
-def _dtensor_view(
-    local: torch.Tensor, mesh: DeviceMesh, placements: tuple[Placement, ...], slot: TensorSlot
-) -> DTensor:
-    """A DTensor over ``local`` (no copy: its local tensor shares ``local``'s storage).
+def _spec(
+    mesh: DeviceMesh, placements: tuple[Placement, ...], slot: TensorSlot, dtype: torch.dtype
+) -> DTensorSpec:
+    """The DTensor spec of tensor ``slot``'s shard view, built once per buffer layout and dtype.
 
-    ``DTensor.from_local`` treats an empty ``shape=`` as "not given" and then cannot infer a
-    ragged global shape, so a 0-d tensor gets its spec built directly (as from_local does).
+    ``slots_for`` has already checked everything ``DTensor.from_local`` would check for a
+    RaggedShard (units per rank, the unit dividing the tensor, this rank's share), so the spec is
+    built directly: ``from_local``'s checks cost a Python step per rank (thousands at scale).
     """
-    if slot.shape:
-        return DTensor.from_local(
-            local,
-            mesh,
-            placements,
-            run_check=False,
-            shape=torch.Size(slot.shape),
-            stride=slot.stride,
-        )
-    meta = TensorMeta(torch.Size(()), (), local.dtype)
-    spec = DTensorSpec(mesh, placements, tensor_meta=meta)
-    return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)  # type: ignore[no-untyped-call]
+    meta = TensorMeta(torch.Size(slot.shape), slot.stride, dtype)
+    return DTensorSpec(mesh, placements, tensor_meta=meta)
+
+
+def _dtensor_view(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """A DTensor over ``local`` (no copy: its local tensor *is* ``local``), as DTensor's own
+    no-autograd constructors build it."""
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+
+
+def _on(stream: torch.Stream | None) -> contextlib.AbstractContextManager[object]:
+    """``stream`` as the current stream for the block (nothing on CPU)."""
+    return contextlib.nullcontext() if stream is None else stream
 
 
 def _free(tensor: torch.Tensor) -> None:
@@ -170,9 +181,15 @@ class DBuffer:
         )
         self.slots: tuple[TensorSlot, ...] = slots_for(layout, shapes, self.names, self.rank)
         self.shapes = tuple(s.shape for s in self.slots)
+        self._placements = tuple(self._placements_of(slot) for slot in self.slots)
+        self._specs: dict[torch.dtype, tuple[DTensorSpec, ...]] = {}
         if check:
             check_agreement(mesh, self._record(), what="DBuffer")
-        self.shard = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
+        self._make_storage()
+
+    def _make_storage(self) -> None:
+        """The per-buffer state: shard storage (zeroed), its views, nothing unsharded yet."""
+        self.shard = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device)
         # made on first use: a buffer that only ever holds a shard (e.g. sharded gradients)
         # never touches m * S elements
         self._unsharded: dict[torch.dtype, _Unsharded] = {}
@@ -180,6 +197,7 @@ class DBuffer:
         self._sharded_views: tuple[DTensor, ...] | None = None
         self._grad_owners: list[tuple[weakref.ref[torch.Tensor], torch.Tensor]] = []
         self._inflight: list[Handle] = []
+        self._claim: Claim | None = None
 
     # -- identity -------------------------------------------------------------------------------
     def _record(self) -> dict[str, str]:
@@ -210,42 +228,66 @@ class DBuffer:
             )
 
     def new_like(self, dtype: torch.dtype | None = None) -> DBuffer:
-        """A zeroed buffer with the same layout (gradients, optimizer states); no re-check."""
-        return DBuffer(
-            self.layout,
-            self.shapes,
-            self.mesh,
-            dtype=dtype or self.dtype,
-            names=self.names,
-            shard_axis=self.shard_axis,
-            check=False,
-        )
+        """A zeroed buffer with the same layout (gradients, optimizer states); no re-check.
+
+        The layout's derived geometry (slots, placements, specs) is shared, not derived again:
+        making one costs one allocation and a view per tensor, whatever the world size."""
+        out = DBuffer.__new__(DBuffer)
+        for name in (
+            "layout",
+            "mesh",
+            "device",
+            "shard_axis",
+            "replicate_axes",
+            "world_size",
+            "rank",
+            "shard_size",
+            "names",
+            "slots",
+            "shapes",
+            "_placements",
+            "_specs",  # shared dict: specs per dtype, built once for the layout
+        ):
+            setattr(out, name, getattr(self, name))
+        out.dtype = dtype or self.dtype
+        out._make_storage()
+        return out
 
     # -- views ----------------------------------------------------------------------------------
+    def _placements_of(self, slot: TensorSlot) -> tuple[Placement, ...]:
+        placements: list[Placement] = [Replicate()] * self.mesh.ndim
+        placements[self.shard_axis] = slot.placement
+        return tuple(placements)
+
     @property
     def placements(self) -> list[tuple[Placement, ...]]:
         """Each tensor's DTensor placements (Replicate on other axes, RaggedShard on the shard
         axis)."""
-        out = []
-        for slot in self.slots:
-            placements: list[Placement] = [Replicate()] * self.mesh.ndim
-            placements[self.shard_axis] = slot.placement
-            out.append(tuple(placements))
-        return out
+        return list(self._placements)
 
     def local_views(self) -> tuple[torch.Tensor, ...]:
         """This rank's share of each tensor: a 1-D view of ``shard`` (possibly empty)."""
         return self._local_views
 
+    def specs(self) -> tuple[DTensorSpec, ...]:
+        """Each tensor's DTensor spec for this buffer's dtype (shared by buffers of the layout)."""
+        specs = self._specs.get(self.dtype)
+        if specs is None:
+            specs = tuple(
+                _spec(self.mesh, placements, slot, self.dtype)
+                for slot, placements in zip(self.slots, self._placements, strict=True)
+            )
+            self._specs[self.dtype] = specs
+        return specs
+
     def sharded_views(self) -> tuple[DTensor, ...]:
-        """Each tensor as a ``RaggedShard`` DTensor whose local tensor is a view of ``shard``."""
+        """Each tensor as a ``RaggedShard`` DTensor whose local tensor is a view of ``shard``.
+        Made once; the same objects every call (and across ``release_shard``)."""
         if self._sharded_views is None:
-            views = []
-            for slot, local, placements in zip(
-                self.slots, self._local_views, self.placements, strict=True
-            ):
-                views.append(_dtensor_view(local, self.mesh, placements, slot))
-            self._sharded_views = tuple(views)
+            self._sharded_views = tuple(
+                _dtensor_view(local, spec)
+                for local, spec in zip(self._local_views, self.specs(), strict=True)
+            )
         return self._sharded_views
 
     def _unsharded_of(self, dtype: torch.dtype | None) -> _Unsharded:
@@ -306,6 +348,9 @@ class DBuffer:
         released now and re-allocated by the next ``unshard``/``alloc_unsharded``. A collective
         still in flight on this buffer is waited for first (never free memory under it)."""
         self.wait()
+        if any(entry.allocated for entry in self._unsharded.values()):
+            # the all-gather stream's next allocation waits for every read issued so far
+            note_free(self.device)
         for entry in self._unsharded.values():
             _free(entry.flat)
             if entry.cast_shard is not None:
@@ -320,30 +365,91 @@ class DBuffer:
                 param.grad = None
         self._grad_owners = []
 
+    # -- the shard storage between uses (see [Note: releasing a storage ...] in refs.py) ---------
+    def claim_views(self, extra: Iterable[torch.Tensor] = ()) -> None:
+        """Record the references to the shard storage and to its views that exist now as this
+        buffer's own: the shard, its local views, its sharded views if made, and ``extra``
+        (tensors the caller built over the shard and keeps). Call once they are all made and
+        none is handed out; ``release_shard`` then frees in place only while no other reference
+        was added. ``extra`` is consumed here: pass a generator (or a temporary), not a list the
+        caller keeps, so that the count holds only the references that last."""
+        objects = (self.shard, *self._local_views, *(self._sharded_views or ()), *extra)
+        del extra
+        claim = Claim(self.shard, objects)
+        del objects
+        claim.mark()  # here, not in Claim(): the arguments of that call hold references
+        self._claim = claim
+
+    def views_held_elsewhere(self) -> bool:
+        """True if anything beyond the claimed references holds the shard storage or one of its
+        views (a tensor a user kept), or if nothing was claimed."""
+        return self._claim is None or not self._claim.unchanged()
+
+    def release_shard(self) -> bool:
+        """Free the shard storage in place, keeping the storage object and every view, if no
+        reference beyond the claimed ones exists; True if freed. ``alloc_shard`` re-allocates:
+        the same views then see the new memory (its values are undefined until written)."""
+        if self.views_held_elsewhere():
+            return False
+        self.wait()
+        _free(self.shard)
+        return True
+
+    def alloc_shard(self, *, zero: bool = False) -> None:
+        """Give the shard storage its memory back after ``release_shard`` (a no-op if it has
+        it); ``zero`` fills it with zeros."""
+        if _allocate(self.shard) and zero:
+            with _unsafe_preserve_version_counter(self.shard):
+                self.shard.zero_()
+
+    @property
+    def shard_allocated(self) -> bool:
+        return self.shard.untyped_storage().nbytes() != 0
+
+    def _require_shard(self, op: str) -> None:
+        if not self.shard_allocated:
+            raise RuntimeError(
+                f"DBuffer.{op}: the shard storage is released (call alloc_shard() first)"
+            )
+
     # -- collectives ----------------------------------------------------------------------------
     def _group(self, axis: int) -> dist.ProcessGroup:
         return self.mesh.get_group(axis)
 
-    def unshard(self, *, dtype: torch.dtype | None = None, async_op: bool = False) -> Handle:
+    def unshard(
+        self,
+        *,
+        dtype: torch.dtype | None = None,
+        async_op: bool = False,
+        ready: torch.Event | None = None,
+    ) -> Handle:
         """All-gather the shard into the unsharded storage: one collective for the group.
 
         With ``dtype`` different from the buffer's (mixed precision), the shard is cast once into
         a temporary low-precision shard (released when the gather completes) and the cast is
         gathered into a low-precision unsharded storage; ``full_views(dtype)`` read it.
+        On an accelerator the output is allocated and the cast run on the all-gather stream,
+        which waits for ``ready`` (the event marking the shard's last write; default: the
+        caller's stream now) and for the last free ([Note: streams and frees without
+        record_stream] in collectives.py).
         """
         if dtype is not None and dtype.is_floating_point != self.dtype.is_floating_point:
             raise ValueError(
                 f"DBuffer.unshard: dtype {dtype} for a {self.dtype} buffer would "
                 f"truncate values; mixed precision needs a floating dtype"
             )
+        self._require_shard("unshard")
+        self.wait()
         entry = self._unsharded_of(dtype)
-        _allocate(entry.flat)
-        source = self.shard
+        stream = order_all_gather(self.device, ready)
         cast = entry.cast_shard
-        if cast is not None:
-            _allocate(cast)
-            cast.copy_(self.shard)
-            source = cast
+        with _on(stream):
+            _allocate(entry.flat)
+            source = self.shard
+            if cast is not None:
+                _allocate(cast)
+                cast.copy_(self.shard)
+                source = cast
         # An async gloo all-gather bumps its output's version counter when it completes, in the
         # background (seen on real processes): the counter is put back when the handle is
         # waited, not only around the issue (see [Note: version counters]).
@@ -354,10 +460,54 @@ class DBuffer:
                 _free(cast)
             guard.__exit__(None, None, None)
 
-        self.wait()
         with guard:
             handle = all_gather_flat(
-                entry.flat, source, self._group(self.shard_axis), async_op=async_op, finish=finish
+                entry.flat,
+                source,
+                self._group(self.shard_axis),
+                async_op=async_op,
+                finish=finish,
+                ordered=stream is not None,
+            )
+        return self._track(handle)
+
+    def gather_into(
+        self,
+        source: torch.Tensor,
+        group: dist.ProcessGroup,
+        *,
+        dtype: torch.dtype | None = None,
+        async_op: bool = False,
+        ready: torch.Event | None = None,
+    ) -> Handle:
+        """All-gather ``source`` over ``group`` into the unsharded storage of ``dtype`` (its size
+        times the group's must be m * S), e.g. a part kept after forward regathered within a
+        sub-group. Like ``unshard``: output allocated on the all-gather stream after ``ready``
+        (the event marking ``source``'s last write); ``source`` is held until the handle
+        completes."""
+        self.wait()
+        entry = self._unsharded_of(dtype)
+        if source.dtype != entry.flat.dtype:
+            raise ValueError(
+                f"DBuffer.gather_into: source is {source.dtype}, the storage {entry.flat.dtype}"
+            )
+        stream = order_all_gather(self.device, ready)
+        with _on(stream):
+            _allocate(entry.flat)
+        guard = _unsafe_preserve_version_counter(entry.flat)
+
+        def finish() -> None:
+            guard.__exit__(None, None, None)
+
+        with guard:
+            handle = all_gather_flat(
+                entry.flat,
+                source,
+                group,
+                async_op=async_op,
+                finish=finish,
+                keep=(source,),
+                ordered=stream is not None,
             )
         return self._track(handle)
 
@@ -393,6 +543,7 @@ class DBuffer:
         target = self if into is None else into
         if into is not None:
             self._require_same(into, "reduce_scatter")
+        target._require_shard("reduce_scatter")
         if not self.is_unsharded():
             raise RuntimeError(
                 "DBuffer.reduce_scatter: the unsharded storage is not allocated "
@@ -426,6 +577,7 @@ class DBuffer:
     def _flat(self, part: Part) -> torch.Tensor:
         self.wait()  # a collective in flight may be writing the storage
         if part == "shard":
+            self._require_shard("shard op")
             return self.shard
         if part == "unsharded":
             if not self.is_unsharded():

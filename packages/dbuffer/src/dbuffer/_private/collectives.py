@@ -8,15 +8,27 @@ straight into the sharded gradient storage. Only a dtype change (mixed precision
 accumulation adds one fused kernel over the whole group.
 
 [Note: streams and frees without record_stream]
-On an accelerator, collectives run on a dedicated communication stream. Before issuing, the comm
-stream waits on an event recorded on the caller's stream (the inputs are ready); after the
-collective and its epilogue, an event is recorded on the comm stream and ``Handle.wait`` makes the
-caller's stream wait on it. Every temporary is allocated on the caller's stream before the switch
-and referenced by the handle until ``wait``; memory to free is released in ``wait``, after the
-caller's stream is ordered behind the comm stream. So a block can only be reused by work that is
-ordered after the collective: no ``record_stream``, and frees happen exactly when ``wait`` (or the
-synchronous call) returns. On CPU (gloo) there are no streams; ``async_op`` uses the process
-group's own asynchronous work objects.
+On an accelerator, all-gathers run on one all-gather stream per device and reduce-scatters (with
+the HSDP all-reduce and their epilogue) on one reduce-scatter stream, both high priority, so a
+reduction never queues behind a prefetch and neither waits for compute it does not need. Each
+collective waits only on the events its data depends on:
+
+- an all-gather on ``ready``, the event marking the last write of its input (the caller's: the
+  engine records one when an iteration starts, after the optimizer step), or, without one, on
+  the caller's stream at issue time; and on the last event ``note_free`` recorded, since its
+  output storage is allocated *on the all-gather stream* and may reuse a block the caller's
+  stream was still reading when it was freed (``DBuffer.reshard`` records that event before each
+  free). The low-precision cast of the shard runs there too, off the compute stream;
+- a reduce-scatter on the caller's stream at issue time (the gradients it reduces were just
+  computed there); its temporaries (the reduce-dtype cast, the receive buffer) are allocated and
+  written on the reduce-scatter stream.
+
+After the collective and its epilogue an event is recorded on its stream and ``Handle.wait``
+makes the caller's stream wait on it. Memory the caller's stream owns is freed in ``wait``, after
+that ordering; memory a communication stream owns is only ever reused by that stream after it
+has waited for the caller's last use. So no ``record_stream``, and frees happen exactly when
+``wait`` (or the synchronous call, or ``reshard``) returns. On CPU (gloo) there are no streams;
+``async_op`` uses the process group's own asynchronous work objects.
 """
 
 from __future__ import annotations
@@ -28,22 +40,64 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-__all__ = ["Handle", "ReduceOp", "all_gather_flat", "comm_stream_for", "reduce_scatter_flat"]
+__all__ = [
+    "Handle",
+    "ReduceOp",
+    "all_gather_flat",
+    "comm_stream_for",
+    "note_free",
+    "order_all_gather",
+    "reduce_scatter_flat",
+]
 
 ReduceOp = Literal["sum", "avg"]
+StreamKind = Literal["all_gather", "reduce_scatter"]
 
-_COMM_STREAMS: dict[torch.device, torch.Stream] = {}
+_COMM_STREAMS: dict[tuple[torch.device, str], torch.Stream] = {}
+_LAST_FREE: dict[torch.device, torch.Event] = {}
+_HIGH_PRIORITY = -1  # accelerators' streams: 0 is normal, negative is higher
 
 
-def comm_stream_for(device: torch.device) -> torch.Stream | None:
-    """The communication stream of ``device`` (one per device, shared by all buffers), or None
-    for devices without streams (CPU)."""
+def comm_stream_for(device: torch.device, kind: StreamKind = "all_gather") -> torch.Stream | None:
+    """The ``kind`` communication stream of ``device`` (one per device and kind, shared by all
+    buffers, high priority), or None for devices without streams (CPU)."""
     if device.type in {"cpu", "meta"}:
         return None
-    stream = _COMM_STREAMS.get(device)
+    stream = _COMM_STREAMS.get((device, kind))
     if stream is None:
-        stream = torch.Stream(device=device)
-        _COMM_STREAMS[device] = stream
+        stream = torch.Stream(device=device, priority=_HIGH_PRIORITY)
+        _COMM_STREAMS[(device, kind)] = stream
+    return stream
+
+
+def _current(device: torch.device) -> torch.Stream:
+    return torch.accelerator.current_stream(device)
+
+
+def note_free(device: torch.device) -> None:
+    """Before freeing memory an all-gather stream allocated: mark how far the caller's stream
+    has got (every read of that memory issued so far). The next all-gather waits on it."""
+    if comm_stream_for(device) is None:
+        return
+    event = torch.Event(device=device)
+    event.record(_current(device))
+    _LAST_FREE[device] = event
+
+
+def order_all_gather(device: torch.device, ready: torch.Event | None) -> torch.Stream | None:
+    """Make ``device``'s all-gather stream wait for what the next all-gather depends on: its
+    input's last write (``ready``, else the caller's stream now) and the last ``note_free``.
+    Returns the stream (None on CPU); allocate the all-gather's output under it."""
+    stream = comm_stream_for(device, "all_gather")
+    if stream is None:
+        return None
+    if ready is None:
+        ready = torch.Event(device=device)
+        ready.record(_current(device))
+    stream.wait_event(ready)
+    freed = _LAST_FREE.get(device)
+    if freed is not None:
+        stream.wait_event(freed)
     return stream
 
 
@@ -88,17 +142,21 @@ class Handle:
 
 
 @contextlib.contextmanager
-def _on_comm_stream(device: torch.device) -> Iterator[list[torch.Event]]:
-    """Run the body on ``device``'s comm stream ordered after the caller's stream; yields a list
-    that receives the event marking the end of the body (empty on CPU)."""
-    stream = comm_stream_for(device)
+def _on_comm_stream(
+    device: torch.device, kind: StreamKind, *, ordered: bool = False
+) -> Iterator[list[torch.Event]]:
+    """Run the body on ``device``'s ``kind`` stream (after the caller's stream now, unless
+    ``ordered``: the caller made it wait already); yields a list that receives the event
+    marking the end of the body (empty on CPU)."""
+    stream = comm_stream_for(device, kind)
     done: list[torch.Event] = []
     if stream is None:
         yield done
         return
-    ready = torch.Event(device=device)
-    ready.record(torch.accelerator.current_stream(device))
-    stream.wait_event(ready)
+    if not ordered:
+        ready = torch.Event(device=device)
+        ready.record(_current(device))
+        stream.wait_event(ready)
     with stream:
         yield done
         end = torch.Event(device=device)
@@ -118,11 +176,13 @@ def all_gather_flat(
     async_op: bool = False,
     finish: Callable[[], None] | None = None,
     keep: Sequence[torch.Tensor] = (),
+    ordered: bool = False,
 ) -> Handle:
     """One all-gather of the flat ``inp`` (S elements) into the flat ``out`` (m * S elements).
 
     ``finish`` runs when the handle completes (frees temporaries); ``keep`` holds tensors alive
-    until then.
+    until then. ``ordered``: the all-gather stream already waits for what it must
+    (``order_all_gather``), else it waits for the caller's stream now.
     """
     if out.numel() != inp.numel() * dist.get_world_size(group):
         raise ValueError(
@@ -131,7 +191,7 @@ def all_gather_flat(
         )
     works: list[dist.Work] = []
     cpu_async = async_op and comm_stream_for(inp.device) is None
-    with _on_comm_stream(inp.device) as done:
+    with _on_comm_stream(inp.device, "all_gather", ordered=ordered) as done:
         work = dist.all_gather_single(out, inp, group=group, async_op=cpu_async)
         if cpu_async and work is not None:
             works.append(work)
@@ -175,12 +235,9 @@ def reduce_scatter_flat(
     rdtype = reduce_dtype or inp.dtype
     native_avg = op == "avg" and all(_supports_avg(g) for g in (shard_group, *replicate_groups))
     red = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
-    # Temporaries are made on the caller's stream (see [Note: streams and frees ...]).
-    send = inp if rdtype == inp.dtype else inp.to(rdtype)
     direct = not accumulate and rdtype == out.dtype
-    recv = out if direct else torch.empty(out.numel(), dtype=rdtype, device=out.device)
     works: list[dist.Work] = []
-    stream = comm_stream_for(inp.device)
+    stream = comm_stream_for(inp.device, "reduce_scatter")
     # Without a comm stream, async work can be chained only for the reduce-scatter; the
     # all-reduce over replicas and the epilogue run in wait().
     defer = async_op and stream is None
@@ -199,7 +256,11 @@ def reduce_scatter_flat(
         else:
             out.copy_(recv)
 
-    with _on_comm_stream(inp.device) as done:
+    with _on_comm_stream(inp.device, "reduce_scatter") as done:
+        # Temporaries made (and the cast run) on the reduce-scatter stream: see [Note: streams
+        # and frees without record_stream]
+        send = inp if rdtype == inp.dtype else inp.to(rdtype)
+        recv = out if direct else torch.empty(out.numel(), dtype=rdtype, device=out.device)
         work = dist.reduce_scatter_single(recv, send, op=red, group=shard_group, async_op=defer)
         if defer and work is not None:
             works.append(work)

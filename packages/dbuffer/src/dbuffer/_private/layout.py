@@ -17,9 +17,11 @@ blocks, ``local_units(i)[k]``, and one RaggedShard unit is ``n_i / sum(local_uni
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
@@ -87,19 +89,57 @@ class ContiguousLayout:
         return "contiguous:" + hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def local_units(self, i: int) -> tuple[int, ...]:
-        start, numel, block, size = self.offsets[i], self.numels[i], self.blocks[i], self.shard_size
+        start, numel = self.offsets[i], self.numels[i]
         if numel == 0:  # one (empty) unit on the rank where it starts, as the planner does
-            return _empty_units(start, size, self.world_size)
-        units = []
-        for k in range(self.world_size):
-            inside = max(0, min(start + numel, (k + 1) * size) - max(start, k * size))
-            units.append(inside // block)
-        return tuple(units)
+            return _empty_units(start, self.shard_size, self.world_size)
+        return span_units(start, numel, self.blocks[i], self.shard_size, self.world_size)
 
 
 def _empty_units(offset: int, size: int, world: int) -> tuple[int, ...]:
     owner = min(offset // size, world - 1)
-    return tuple(int(k == owner) for k in range(world))
+    return (0,) * owner + (1,) + (0,) * (world - owner - 1)
+
+
+def span_units(start: int, numel: int, block: int, size: int, world: int) -> tuple[int, ...]:
+    """Blocks of a tensor at ``[start, start + numel)`` in each of ``world`` shards of ``size``.
+
+    The tensor touches ranks ``first = start // S`` to ``last = (start + numel - 1) // S``: the
+    first holds ``min(stop, (first + 1) S) - start`` elements, the last ``stop - last S``, every
+    rank between a whole shard of ``S`` elements (``S / block`` blocks: both of its boundaries
+    fall on block boundaries, so the block divides ``S``), the rest nothing. Built from
+    repeated tuples, so the cost does not grow with ``world`` in Python steps.
+    """
+    stop = start + numel
+    first, last = start // size, (stop - 1) // size
+    if first == last:
+        return (0,) * first + (numel // block,) + (0,) * (world - first - 1)
+    head = ((first + 1) * size - start) // block
+    tail = (stop - last * size) // block
+    return (
+        (0,) * first
+        + (head,)
+        + (size // block,) * (last - first - 1)
+        + (tail,)
+        + (0,) * (world - last - 1)
+    )
+
+
+def first_cut(start: int, numel: int, block: int, size: int) -> int | None:
+    """The first shard boundary strictly inside ``[start, start + numel)`` that cuts a block.
+
+    Boundaries inside are ``b, b + S, b + 2S, ...`` with ``b`` the first multiple of ``S`` after
+    ``start``. ``b`` cuts iff ``(b - start) % block != 0``; if it does not, every later one cuts
+    iff ``S % block != 0`` (then ``b + S`` is the first), so two checks decide.
+    """
+    stop = start + numel
+    b = (start // size + 1) * size
+    if b >= stop:
+        return None
+    if (b - start) % block:
+        return b
+    if b + size < stop and size % block:
+        return b + size
+    return None
 
 
 def _place(
@@ -117,11 +157,9 @@ def _place(
     total = size * world
     for numel, block in zip(numels, blocks, strict=True):
         start = _round_up(cursor, align)
-        while start + numel <= total:
-            first = (start // size + 1) * size  # first boundary strictly after start
-            cut = next((b for b in range(first, start + numel, size) if (b - start) % block), None)
-            if cut is None:
-                break
+        # A start on the offending boundary never cuts it (and is aligned: S is a multiple of
+        # align); at most one move per boundary crossed, usually none.
+        while start + numel <= total and (cut := first_cut(start, numel, block, size)) is not None:
             start = cut
         if start + numel > total:
             return None
@@ -204,6 +242,59 @@ def _choose_dims(shape: tuple[int, ...], total_units: int) -> tuple[int, ...]:
     raise AssertionError("unreachable: the product of all dims is numel")  # pragma: no cover
 
 
+def _inside(k: int, offset: int, numel: int, size: int) -> int:
+    """Elements of ``[offset, offset + numel)`` inside rank ``k``'s shard."""
+    return max(0, min(offset + numel, (k + 1) * size) - max(offset, k * size))
+
+
+def _units_match(units: tuple[int, ...], unit: int, offset: int, numel: int, size: int) -> bool:
+    """Whether ``units[k] * unit`` is what rank k's shard holds of the tensor, for every k.
+
+    Only the ranks the tensor touches (``first`` to ``last``) hold anything: the two ends are
+    checked one by one, the ranks between must all hold a whole shard and the rest nothing,
+    which slice counts decide without a Python step per rank.
+    """
+    first, last = offset // size, (offset + numel - 1) // size
+    if any(units[:first]) or any(units[last + 1 :]):
+        return False
+    if units[first] * unit != _inside(first, offset, numel, size):
+        return False
+    if last == first:
+        return True
+    if units[last] * unit != _inside(last, offset, numel, size):
+        return False
+    middle = last - first - 1
+    if not middle:
+        return True
+    return size % unit == 0 and units[first + 1 : last].count(size // unit) == middle
+
+
+def _first_mismatch(
+    units: tuple[int, ...], unit: int, offset: int, numel: int, size: int
+) -> tuple[int, int]:
+    """The first rank whose units disagree with the layout (error path only)."""
+    for k, u in enumerate(units):
+        inside = _inside(k, offset, numel, size)
+        if inside != u * unit:
+            return k, inside
+    raise AssertionError("unreachable: _units_match found a mismatch")  # pragma: no cover
+
+
+def _short(units: tuple[int, ...]) -> str:
+    """``units`` for an error message; long tuples (thousands of ranks) elided."""
+    if len(units) <= 16:
+        return repr(units)
+    head, tail = ", ".join(map(str, units[:8])), ", ".join(map(str, units[-4:]))
+    return f"({head}, ..., {tail}) ({len(units)} ranks)"
+
+
+@functools.lru_cache(maxsize=1024)
+def _placement(dims: tuple[int, ...], units: tuple[int, ...]) -> RaggedShard:
+    """One ``RaggedShard`` per distinct (dims, units): identical layers share it (building one
+    checks every rank's units; placements are immutable)."""
+    return RaggedShard(dims, units)
+
+
 def slots_for(
     layout: BufferLayout, shapes: Sequence[Sequence[int]], names: Sequence[str], rank: int
 ) -> tuple[TensorSlot, ...]:
@@ -239,31 +330,32 @@ def slots_for(
                 f"{where}: range [{offset}, {offset + numel}) lies outside the flat "
                 f"buffer of {world} x {size} elements"
             )
-        units = tuple(int(u) for u in layout.local_units(i))
+        units = tuple(map(operator.index, layout.local_units(i)))
         if numel == 0:
             # Nothing to hold: one empty unit (dims=()) on one rank; any layout's units will do.
             units = _empty_units(offset, size, world)
         if len(units) != world:
             raise ValueError(
-                f"{where}: local_units {units} has {len(units)} entries for world_size {world}"
+                f"{where}: local_units {_short(units)} has {len(units)} entries for world_size "
+                f"{world}"
             )
         total = sum(units)
         if total <= 0 or numel % total:
             raise ValueError(
-                f"{where}: local_units {units} must sum to a positive divisor of its numel {numel}"
+                f"{where}: local_units {_short(units)} must sum to a positive divisor of its "
+                f"numel {numel}"
             )
         unit = numel // total
-        for k in range(world):
-            inside = max(0, min(offset + numel, (k + 1) * size) - max(offset, k * size))
-            if inside != units[k] * unit:
-                raise ValueError(
-                    f"{where}: rank {k} holds {inside} of its elements in "
-                    f"[{offset}, {offset + numel}) but local_units {units} give "
-                    f"{units[k] * unit} (unit {unit})"
-                )
+        if numel and not _units_match(units, unit, offset, numel, size):
+            k, inside = _first_mismatch(units, unit, offset, numel, size)
+            raise ValueError(
+                f"{where}: rank {k} holds {inside} of its elements in "
+                f"[{offset}, {offset + numel}) but local_units {_short(units)} give "
+                f"{units[k] * unit} (unit {unit})"
+            )
         lo = min(max(offset, rank * size), (rank + 1) * size)
         hi = max(lo, min(offset + numel, (rank + 1) * size))
-        placement = RaggedShard(_choose_dims(shape, total), units)
+        placement = _placement(_choose_dims(shape, total), units)
         slots.append(
             TensorSlot(
                 i,

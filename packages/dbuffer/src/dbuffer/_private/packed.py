@@ -16,10 +16,11 @@ agree on every offset; ``PackedAllGather`` checks that they do before the first 
 ``PackedAllGather.unshard`` fills the buffer's unsharded storage of a dtype like
 ``DBuffer.unshard``, but through bytes: ``encode(send)`` writes this rank's section (e.g. its
 shard, quantized), one all-gather moves every section, and ``decode(recv, out)`` writes the
-unsharded flat tensor ``out`` from all of them (e.g. dequantized) when the handle is waited. The
-send and receive buffers are temporaries made on the caller's stream and released when the
-handle completes ([Note: streams and frees without record_stream]); ``out``'s version counter is
-left as it was ([Note: version counters]).
+unsharded flat tensor ``out`` from all of them (e.g. dequantized). On an accelerator all three
+run on the all-gather stream after the shard's ``ready`` event, like ``DBuffer.unshard``'s cast,
+so a prefetch quantizes and dequantizes off the compute stream; the send and receive buffers are
+that stream's temporaries, released when the handle completes ([Note: streams and frees without
+record_stream]). ``out``'s version counter is left as it was ([Note: version counters]).
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from collections.abc import Callable, Sequence
 
 import attrs
 import torch
+import torch.distributed as dist
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
 from dbuffer._private.agreement import check_agreement
-from dbuffer._private.buffer import DBuffer
-from dbuffer._private.collectives import Handle, all_gather_flat
+from dbuffer._private.buffer import DBuffer, _allocate, _on
+from dbuffer._private.collectives import Handle, _on_comm_stream, note_free, order_all_gather
 
 __all__ = ["PackedAllGather", "PackedLayout", "packed_layout"]
 
@@ -149,30 +151,65 @@ class PackedAllGather:
         *,
         dtype: torch.dtype,
         async_op: bool = False,
+        ready: torch.Event | None = None,
+        after: Callable[[torch.Tensor], None] | None = None,
     ) -> Handle:
         """Allocate the buffer's unsharded storage of ``dtype``, ``encode(send)`` this rank's
         section (``section_bytes`` uint8), all-gather every section into ``recv``
-        (``world_size * section_bytes`` uint8), and when the handle completes
-        ``decode(recv, out)`` into the flat unsharded tensor ``out``. One collective."""
+        (``world_size * section_bytes`` uint8) and ``decode(recv, out)`` into the flat
+        unsharded tensor ``out``. One collective (none on one rank: ``recv`` is ``send``).
+
+        Streams as for ``DBuffer.unshard`` ([Note: streams and frees without record_stream]):
+        on an accelerator the buffers are allocated, and ``encode``, the collective and
+        ``decode`` run, on the all-gather stream after ``ready``; on CPU an asynchronous
+        gather decodes when the handle is waited. ``after(recv)`` runs in ``wait`` on the
+        caller's stream (after the collective is ordered before it): e.g. a user hook reading
+        the codes."""
         buffer = self.buffer
+        buffer._require_shard("unshard")
         buffer.wait()  # the shard may still be written by a collective of this buffer
-        buffer.alloc_unsharded(dtype=dtype)
+        world = buffer.world_size
         out = buffer.unsharded_flat(dtype)
         section = self.layout.section_bytes
-        send = torch.empty(section, dtype=torch.uint8, device=buffer.device)
-        recv = torch.empty(section * buffer.world_size, dtype=torch.uint8, device=buffer.device)
-        with torch.no_grad():
-            encode(send)
+        stream = order_all_gather(buffer.device, ready)
+        with _on(stream):
+            _allocate(out)
+            send = torch.empty(section, dtype=torch.uint8, device=buffer.device)
+            recv = send
+            if world > 1:
+                recv = torch.empty(section * world, dtype=torch.uint8, device=buffer.device)
+            with torch.no_grad():
+                encode(send)
+        defer = async_op and stream is None and world > 1  # gloo: decode once the work is done
+        works: list[dist.Work] = []
 
-        def finish() -> None:
-            with torch.no_grad(), _unsafe_preserve_version_counter(out):
+        def run_decode() -> None:
+            with torch.no_grad():
                 decode(recv, out)
 
-        handle = all_gather_flat(
-            recv,
-            send,
-            buffer.mesh.get_group(buffer.shard_axis),
-            async_op=async_op,
-            finish=finish,
+        # the version counter is put back when the handle is waited (see [Note: version
+        # counters]): an async gloo gather bumps it in the background
+        guard = _unsafe_preserve_version_counter(out)
+        with guard, _on_comm_stream(buffer.device, "all_gather", ordered=True) as done:
+            if world > 1:
+                group = buffer.mesh.get_group(buffer.shard_axis)
+                work = dist.all_gather_single(recv, send, group=group, async_op=defer)
+                if defer and work is not None:
+                    works.append(work)
+            if not defer:
+                run_decode()
+
+        def finish() -> None:
+            if defer:
+                run_decode()
+            guard.__exit__(None, None, None)
+            if after is not None:
+                after(recv)
+                note_free(buffer.device)  # recv (all-gather stream memory) was read here
+
+        handle = Handle(
+            works, event=done[0] if done else None, finish=finish, keep=(send, recv, out)
         )
+        if not async_op:
+            handle.wait()
         return buffer._track(handle)

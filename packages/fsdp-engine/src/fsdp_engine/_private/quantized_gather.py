@@ -43,13 +43,11 @@ from fsdp_engine._private.quantize import (
 )
 
 __all__ = [
-    "GatherStrategy",
-    "PlainGather",
     "QuantizedAllGather",
     "QuantizedGather",
     "QuantizedWeight",
     "TileAlignedBlocks",
-    "gather_strategy",
+    "quantized_gather",
     "select_quantized",
 ]
 
@@ -87,6 +85,10 @@ def _as_block(value: object) -> tuple[int, int]:
 def _check_min_numel(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"QuantizedAllGather.min_numel must be an int >= 1, got {value!r}")
+
+
+# the weight dtypes a quantized all-gather reads (float8 parameters travel as their own bytes)
+_QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 @attrs.frozen
@@ -134,9 +136,10 @@ class QuantizedAllGather:
         block: ``(rows, cols)`` of a block of the weight's matrix ``(prod(shape[:-1]),
             shape[-1])``: ``(128, 128)`` tiles (DeepSeek-V3's weight format) or ``(1, 128)``
             row blocks.
-        min_numel: by default weights of at least 2 dims and ``min_numel`` elements whose rows
-            are a multiple of the block's rows are quantized; the others (norms, biases, small
-            tensors) travel in the compute dtype.
+        min_numel: by default floating weights (fp32/bf16/fp16/fp64, not tensor-parallel
+            DTensors) of at least 2 dims and ``min_numel`` elements whose rows are a multiple of
+            the block's rows are quantized; the others (norms, biases, small tensors) travel in
+            the compute dtype.
         filter: ``filter(name, param) -> bool`` replaces that default choice. A chosen weight
             whose rows are not a multiple of the block's rows is refused by name at
             ``fully_shard`` (a shard boundary would cut its partial last row of blocks).
@@ -156,13 +159,12 @@ class QuantizedAllGather:
         """Whether the weight ``name`` travels quantized (the default rule, or ``filter``)."""
         if self.filter is not None:
             return bool(self.filter(name, param))
-        if param.dim() < 2 or param.numel() < self.min_numel or not param.is_floating_point():
+        if isinstance(param, DTensor):  # tensor-parallel shards: not yet (see select_quantized)
+            return False
+        if param.dim() < 2 or param.numel() < self.min_numel or param.dtype not in _QUANTIZABLE:
             return False
         rows, _ = panel_shape(tuple(param.shape), self.block)
         return rows % self.block[0] == 0
-
-
-_QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def select_quantized(
@@ -247,19 +249,6 @@ class _Piece:
     scales: int
 
 
-class GatherStrategy(Protocol):
-    """How a group's unsharded parameters are filled from the shards: one collective."""
-
-    def unshard(self, params: DBuffer, *, dtype: torch.dtype, async_op: bool) -> Handle: ...
-
-
-class PlainGather:
-    """The default: one all-gather of the shard in the compute dtype (``DBuffer.unshard``)."""
-
-    def unshard(self, params: DBuffer, *, dtype: torch.dtype, async_op: bool) -> Handle:
-        return params.unshard(dtype=dtype, async_op=async_op)
-
-
 class QuantizedGather:
     """One packed all-gather of a group's codes, scales and unquantized values
     ([Note: quantized all-gather of a group])."""
@@ -268,7 +257,7 @@ class QuantizedGather:
         self, policy: QuantizedAllGather, params: DBuffer, selected: Sequence[bool]
     ) -> None:
         self.policy = policy
-        self.buffer = params
+        self.buffer = params  # the layout's geometry (a re-typed buffer has the same slots)
         self.selected = tuple(selected)
         self.code_dtype = code_dtype(policy.format)
         self.panels = [panel_shape(tuple(s.shape), policy.block) for s in params.slots]
@@ -354,23 +343,42 @@ class QuantizedGather:
             self._gathers[dtype] = gather
         return gather
 
-    def unshard(self, params: DBuffer, *, dtype: torch.dtype, async_op: bool) -> Handle:
-        if params is not self.buffer:
-            raise ValueError("QuantizedGather.unshard: built for another buffer")
+    def unshard(
+        self,
+        params: DBuffer,
+        *,
+        dtype: torch.dtype,
+        async_op: bool,
+        ready: torch.Event | None = None,
+    ) -> Handle:
+        """Fill ``params``' unsharded storage of ``dtype`` (the compute dtype): quantize this
+        rank's shard, one packed all-gather, dequantize every piece."""
         gather = self._gather(dtype)
+        if gather.buffer is not params:  # the group's buffer was re-typed (``module.to``)
+            gather = self._gathers[dtype] = PackedAllGather(params, gather.layout, check=False)
         layout = gather.layout
+        hook = self.policy.hook
         return gather.unshard(
-            lambda send: self._encode(layout, send, dtype),
+            lambda send: self._encode(params, layout, send, dtype),
             lambda recv, out: self._decode(layout, recv, out),
             dtype=dtype,
             async_op=async_op,
+            ready=ready,
+            after=None if hook is None else lambda recv: self._call_hook(hook, layout, recv),
         )
 
-    def _encode(self, layout: PackedLayout, send: torch.Tensor, dtype: torch.dtype) -> None:
+    def _call_hook(
+        self, hook: Callable[[QuantizedWeight], None], layout: PackedLayout, recv: torch.Tensor
+    ) -> None:
+        for weight in self.gathered(layout, recv):
+            hook(weight)
+
+    def _encode(
+        self, params: DBuffer, layout: PackedLayout, send: torch.Tensor, dtype: torch.dtype
+    ) -> None:
         """This rank's section: its shares quantized (codes, scales) or cast to ``dtype``."""
-        buffer = self.buffer
-        rank = buffer.rank
-        locals_ = buffer.local_views()
+        rank = params.rank
+        locals_ = params.local_views()
         for p in self.pieces[rank]:
             share = locals_[p.index]
             if p.scales < 0:
@@ -408,9 +416,6 @@ class QuantizedGather:
                     self.policy.block,
                     out=target.view(rows, width),
                 )
-        if self.policy.hook is not None:
-            for weight in self.gathered(layout, recv):
-                self.policy.hook(weight)
 
     def gathered(self, layout: PackedLayout, recv: torch.Tensor) -> list[QuantizedWeight]:
         """Each quantized weight's codes and scales, assembled from every rank's pieces."""
@@ -444,17 +449,18 @@ class QuantizedGather:
         return out
 
 
-def gather_strategy(
+def quantized_gather(
     policy: QuantizedAllGather | None, params: DBuffer, selected: Sequence[bool]
-) -> GatherStrategy:
-    """The group's unshard strategy: quantized when the policy chose any of its weights.
+) -> QuantizedGather | None:
+    """The group's quantized all-gather, or None (the plain all-gather) when there is no policy
+    or it chose none of the group's weights.
 
     With a policy, every rank compares the byte layout its choice implies (a collective at
     ``fully_shard``), chosen weights or not: a rank-dependent ``filter`` raises
     ``LayoutMismatchError`` on every rank instead of leaving ranks in different collectives.
     """
     if policy is None:
-        return PlainGather()
+        return None
     quantized = QuantizedGather(policy, params, selected)
     quantized.layout(torch.float32)  # the agreement check (any dtype encodes the choice)
-    return quantized if any(selected) else PlainGather()
+    return quantized if any(selected) else None

@@ -19,6 +19,22 @@ fingerprint all-gather that turns a disagreement between ranks into an error ins
 abort), and every rank stores the whole block's absmax. Results stay bit-identical to single
 device; nothing else moves.
 
+[Note: runs, chunks and memory]
+Parameters that lie next to each other in one storage (a ``fully_shard`` group's flat shard) and
+share a param group, a state kind (8-bit or fp32) and a step count form a *run* (see ``runs``):
+one flat view of the parameters, of the gradients, of the codes and absmaxes (the state lives in
+one flat buffer per storage, ``state[p]`` holds views), so the ~50 kernels of an update run once
+per chunk of a run instead of once per parameter. For 8-bit runs every parameter but the last
+must end on a block boundary and every one but the first start on one, so the run is one grid
+of blocks (block-aligned shards from the block policy give exactly that).
+
+Each run is processed in chunks of whole blocks with one set of scratch buffers reused for every
+chunk (``quant.Scratch``: ~25 bytes per chunk element), the codes and absmaxes written in place.
+The chunk is sized from the step's total local elements so the transient memory of ``step()``
+stays below ~3 bytes per element beyond the stored state (capped at ``2**20`` elements: at scale
+the scratch is a small constant), instead of ~40 bytes per element for dequantize-update-
+quantize on whole tensors.
+
 [Note: non-finite gradients]
 As in ``torch.optim.AdamW`` nothing is checked: a NaN/Inf gradient element makes that element's
 parameter NaN on that step. Because the moments are stored per block, the block's absmax
@@ -42,16 +58,31 @@ from optim_blockwise._private.agree import check_agreement, fingerprint
 from optim_blockwise._private.base import ShardedOptimizer
 from optim_blockwise._private.layout import ParamLayout, local_flat
 from optim_blockwise._private.policy import AdamW8bitBlockPolicy
+from optim_blockwise._private.runs import (
+    Slot,
+    compact,
+    flat_view,
+    follows,
+    grads_follow,
+    local_of,
+    slot_of,
+)
 from optim_blockwise._private.state import restore_state_dtypes, sharded_state_dict
 from optim_blockwise._private.validate import check_betas, check_nonnegative
 
 __all__ = ["AdamW8bit", "adamw8bit_block_policy"]
 
+_CHUNK_CAP = 2**20  # elements: the scratch stays ~25 MiB however large the model
+_SCRATCH_PER_ELEMENT = 25  # bytes of quant.Scratch per chunk element
+_TARGET_TRANSIENT = 3  # bytes per stepped element (the bound is 4)
+_EIGHT_BIT_KEYS = ("exp_avg_codes", "exp_avg_absmax", "exp_avg_sq_codes", "exp_avg_sq_absmax")
+_FP32_KEYS = ("exp_avg", "exp_avg_sq")
+
 
 def adamw8bit_block_policy(
     block_size: int = 256, min_8bit_size: int = 4096
 ) -> AdamW8bitBlockPolicy:
-    """A block policy making every shard hold whole quantization blocks (see ``AdamW8bit``)."""
+    """A block policy keeping shards on quantization blocks (see ``AdamW8bitBlockPolicy``)."""
     return AdamW8bitBlockPolicy(block_size, min_8bit_size)
 
 
@@ -59,6 +90,14 @@ def _moments(m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta1: float, be
     """In place: ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2`` (unfused, see Note)."""
     m.mul_(beta1).add_(g * (1.0 - beta1))
     v.mul_(beta2).add_(g.mul(g).mul_(1.0 - beta2))
+
+
+def _moments_into(
+    m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta1: float, beta2: float, tmp: torch.Tensor
+) -> None:
+    """``_moments`` with its temporaries in ``tmp`` (scratch): the same ops, in the same order."""
+    m.mul_(beta1).add_(torch.mul(g, 1.0 - beta1, out=tmp))
+    v.mul_(beta2).add_(torch.mul(g, g, out=tmp).mul_(1.0 - beta2))
 
 
 @attrs.frozen(eq=False)
@@ -74,6 +113,29 @@ class _Item:
     """Its shards cut quantization blocks: boundary absmaxes are exchanged."""
 
 
+@attrs.frozen(eq=False)
+class _Place:
+    """Where a parameter's data and state live (made once per layout)."""
+
+    slot: Slot
+    eight_bit: bool
+    head: int
+    """Offset of its first local element inside its first quantization block."""
+    blocks: int
+    """Quantization blocks its local elements touch."""
+    offset: int
+    """Element offset of its state in the flat state buffers of its storage."""
+    block_offset: int
+    """Block offset of its absmaxes in the flat absmax buffers of its storage."""
+
+
+@attrs.frozen(eq=False)
+class _Run:
+    items: tuple[int, ...]
+    """Indices into the step's items, in storage order."""
+    numel: int
+
+
 def _cuts_blocks(layout: ParamLayout, block: int) -> bool:
     return any(lo % block for lo, hi in layout.ranges if hi > lo)
 
@@ -82,13 +144,16 @@ class AdamW8bit(ShardedOptimizer):
     """AdamW whose moments are stored in 8 bits with blockwise dynamic quantization.
 
     ``m`` uses the signed dynamic map, ``v`` the unsigned one, each block of ``block_size``
-    consecutive elements (counted from the start of the *global* tensor) has one fp32 absmax;
-    the update is computed in fp32. Tensors with fewer than ``min_8bit_size`` elements (decided
-    on the global shape) keep fp32 moments, as bitsandbytes and torchao do.
+    consecutive elements (counted from the start of the *global* tensor; the last block of a
+    tensor may be shorter) has one fp32 absmax; the update is computed in fp32. Tensors with
+    fewer than ``min_8bit_size`` elements (decided on the global shape) keep fp32 moments, as
+    bitsandbytes and torchao do.
 
     Works on plain tensors, ``RaggedShard`` DTensors and FSDP2 ``Shard(0)`` DTensors; with
-    block-aligned shards it issues no collective. ``state_dict()`` holds each rank's local state
-    (codes ``uint8``, absmaxes ``fp32``) and loads back on the same sharding.
+    block-aligned shards it issues no collective. Parameters that are consecutive views of one
+    storage (a ``fully_shard`` group) are updated as one flat run, in bounded chunks (module
+    note). ``state_dict()`` holds each rank's local state (codes ``uint8``, absmaxes ``fp32``)
+    as DTensors for sharded parameters (resharded by distributed checkpointing).
 
     State memory: 2 bytes per element plus ``8 / block_size`` bytes of absmax (2.03 at 256).
     """
@@ -115,6 +180,12 @@ class AdamW8bit(ShardedOptimizer):
         self.block_size = block_size
         self.min_8bit_size = min_8bit_size
         self._layouts: dict[torch.Tensor, ParamLayout] = {}
+        self._places: dict[int, _Place] = {}
+        self._places_key: tuple[object, ...] | None = None
+        self._buffers: dict[tuple[object, str], torch.Tensor] = {}
+        self._counts: dict[int, float] = {}
+        self.last_step_stats: dict[str, int] = {}
+        """Runs and chunks of the last step, and its scratch size (for benchmarks)."""
 
     @staticmethod
     def block_policy(block_size: int = 256, min_8bit_size: int = 4096) -> AdamW8bitBlockPolicy:
@@ -127,34 +198,140 @@ class AdamW8bit(ShardedOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         restore_state_dtypes(self, state_dict, super().load_state_dict)
+        self._adopt()
 
-    # -- helpers -----------------------------------------------------------------------------
+    # -- where state lives -------------------------------------------------------------------
 
-    def _init_state(self, item: _Item) -> dict[str, Any]:
+    def _all_params(self) -> list[tuple[dict[str, Any], str, torch.Tensor]]:
+        return [
+            (group, self._name(group, index, p), p)
+            for group in self.param_groups
+            for index, p in enumerate(group["params"])
+        ]
+
+    def _current_places(self) -> dict[int, _Place]:
+        """Every parameter's place, remade when a parameter's storage moved or was added."""
+        everything = self._all_params()
+        key = tuple((id(p), local_of(p).data_ptr()) for _, _, p in everything)
+        if key != self._places_key:
+            old = self._places
+            self._places = self._make_places(everything)
+            self._places_key = key
+            if old and any(
+                old.get(pid) is None or old[pid] != place for pid, place in self._places.items()
+            ):
+                self._adopt()
+        return self._places
+
+    def _make_places(
+        self, everything: list[tuple[dict[str, Any], str, torch.Tensor]]
+    ) -> dict[int, _Place]:
+        block = self.block_size
+        slots, kinds, heads, blocks = [], [], [], []
+        for _, name, p in everything:
+            layout = self._layout(p, name)
+            n = layout.local_numel
+            eight = layout.numel >= self.min_8bit_size
+            head = layout.start % block if eight else 0
+            slots.append(slot_of(p))
+            kinds.append(eight)
+            heads.append(head)
+            blocks.append(-(-(head + n) // block) if (eight and n) else 0)
+        places: dict[int, _Place] = {}
+        for eight in (True, False):
+            # 8-bit and fp32 state live in separate buffers: compact each kind on its own
+            chosen = [i for i, k in enumerate(kinds) if k == eight]
+            sub = [slots[i] for i in chosen]
+            offsets = compact(sub)
+            block_offsets = compact(sub, [blocks[i] for i in chosen])
+            for j, i in enumerate(chosen):
+                places[id(everything[i][2])] = _Place(
+                    slots[i], eight, heads[i], blocks[i], offsets[j], block_offsets[j]
+                )
+        return places
+
+    def _buffer(self, place: _Place, key: str, length: int) -> torch.Tensor:
+        """The flat ``key`` state buffer of ``place``'s storage (made on first use)."""
+        bkey = (place.slot.storage, key)
+        buf = self._buffers.get(bkey)
+        if buf is None:
+            per_block = key.endswith("_absmax")
+            sizes = [
+                (q.block_offset + q.blocks) if per_block else (q.offset + q.slot.numel)
+                for q in self._places.values()
+                if q.slot.storage == place.slot.storage and q.eight_bit == place.eight_bit
+            ]
+            device = place.slot.storage[2]
+            total = max(sizes, default=0)
+            if key.endswith("_codes"):
+                signed = key.startswith("exp_avg_codes")
+                zero = int((quant.dynamic_map(signed) == 0).nonzero()[0, 0])
+                buf = torch.full((total,), zero, dtype=torch.uint8, device=device)
+            else:
+                buf = torch.zeros(total, dtype=torch.float32, device=device)
+            self._buffers[bkey] = buf
+        assert buf.numel() >= length
+        return buf
+
+    def _views(self, place: _Place) -> dict[str, torch.Tensor]:
+        n, b = place.slot.numel, place.blocks
+        out = {}
+        if place.eight_bit:
+            for key in _EIGHT_BIT_KEYS:
+                if key.endswith("_absmax"):
+                    lo = place.block_offset
+                    out[key] = self._buffer(place, key, lo + b)[lo : lo + b]
+                else:
+                    out[key] = self._buffer(place, key, place.offset + n)[
+                        place.offset : place.offset + n
+                    ]
+        else:
+            for key in _FP32_KEYS:
+                out[key] = self._buffer(place, key, place.offset + n)[
+                    place.offset : place.offset + n
+                ]
+        return out
+
+    def _init_state(self, item: _Item, place: _Place) -> dict[str, Any]:
         state = cast(dict[str, Any], self.state[item.param])
         if state:
             return state
-        n = item.layout.local_numel
-        device = local_flat(item.param, item.name).device
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        if item.eight_bit:
-            head = item.layout.start % self.block_size
-            nblocks = -(-(head + n) // self.block_size) if n else 0
-            for key, signed in (("exp_avg", True), ("exp_avg_sq", False)):
-                zero_code = int((quant.dynamic_map(signed) == 0).nonzero()[0, 0])
-                state[f"{key}_codes"] = torch.full(
-                    (n,), zero_code, dtype=torch.uint8, device=device
-                )
-                state[f"{key}_absmax"] = torch.zeros(nblocks, dtype=torch.float32, device=device)
-        else:
-            state["exp_avg"] = torch.zeros(n, dtype=torch.float32, device=device)
-            state["exp_avg_sq"] = torch.zeros(n, dtype=torch.float32, device=device)
+        state.update(self._views(place))
+        self._counts[id(item.param)] = 0.0
         return state
 
-    def _dequant(self, state: dict[str, Any], key: str, signed: bool, head: int) -> torch.Tensor:
-        return quant.dequantize_blockwise(
-            state[f"{key}_codes"], state[f"{key}_absmax"], self.block_size, signed=signed, head=head
-        )
+    def _adopt(self) -> None:
+        """Copy every parameter's state into the flat buffers of the current places and point
+        ``self.state`` at them (after a load, or when parameters moved)."""
+        old = {p: dict(s) for p, s in self.state.items()}
+        self._buffers = {}
+        self._counts = {}
+        if self._places_key is None:
+            self._places = self._make_places(self._all_params())
+            self._places_key = tuple(
+                (id(p), local_of(p).data_ptr()) for _, _, p in self._all_params()
+            )
+        for _, name, p in self._all_params():
+            entry = old.get(p)
+            if not entry:
+                continue
+            views = self._views(self._places[id(p)])
+            for key, view in views.items():
+                value = entry.get(key)
+                if not isinstance(value, torch.Tensor):
+                    raise ValueError(
+                        f"parameter {name!r}: the loaded state has no {key!r} (expected "
+                        f"{sorted(views)}: its state kind is decided on the global numel)"
+                    )
+                src = local_of(value).reshape(-1)
+                if src.numel() != view.numel():
+                    raise ValueError(
+                        f"parameter {name!r}: state {key!r} has {src.numel()} local elements, "
+                        f"this layout needs {view.numel()}"
+                    )
+                view.copy_(src)
+                self.state[p][key] = view
 
     # -- boundary absmax exchange (unaligned shards only) --------------------------------------
     def _boundary_partials(self, item: _Item, state: dict[str, Any]) -> torch.Tensor:
@@ -229,12 +406,67 @@ class AdamW8bit(ShardedOptimizer):
         return result
 
     # -- the step ----------------------------------------------------------------------------
+    def _count(self, param: torch.Tensor, state: dict[str, Any]) -> float:
+        """The step number before this step, kept on the host (read once after a load)."""
+        count = self._counts.get(id(param))
+        if count is None:
+            count = float(state["step"].item())
+            self._counts[id(param)] = count
+        return count
+
+    def _runs(self, items: list[_Item], places: list[_Place]) -> list[_Run]:
+        """Consecutive items (storage order) that one flat update can serve (module note)."""
+        order = sorted(
+            range(len(items)), key=lambda i: (places[i].slot.storage[0], places[i].slot.offset)
+        )
+        runs: list[_Run] = []
+        current: list[int] = []
+        numel = 0
+        block = self.block_size
+        for i in order:
+            item, place = items[i], places[i]
+            if place.slot.numel == 0:
+                continue  # nothing to compute (its step still counts)
+            grad = local_of(cast(torch.Tensor, item.param.grad))
+            if current:
+                j = current[-1]
+                prev, prev_place = items[j], places[j]
+                joins = (
+                    not item.exchange
+                    and not prev.exchange
+                    and item.group is prev.group
+                    and place.eight_bit == prev_place.eight_bit
+                    and self._counts[id(item.param)] == self._counts[id(prev.param)]
+                    and follows(prev_place.slot, place.slot)
+                    and grads_follow(
+                        local_of(cast(torch.Tensor, prev.param.grad)),
+                        grad,
+                        prev_place.slot.numel,
+                    )
+                    and (
+                        not place.eight_bit
+                        or (
+                            place.head == 0
+                            and (prev_place.head + prev_place.slot.numel) % block == 0
+                        )
+                    )
+                )
+                if not joins:
+                    runs.append(_Run(tuple(current), numel))
+                    current, numel = [], 0
+            current.append(i)
+            numel += place.slot.numel
+        if current:
+            runs.append(_Run(tuple(current), numel))
+        return runs
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        all_places = self._current_places()
         items: list[_Item] = []
         for group, name, param in self._params_with_grads():
             layout = self._layout(param, name)
@@ -247,50 +479,172 @@ class AdamW8bit(ShardedOptimizer):
             eight_bit = layout.numel >= self.min_8bit_size
             exchange = eight_bit and layout.is_sharded and _cuts_blocks(layout, self.block_size)
             items.append(_Item(param, name, group, layout, eight_bit, exchange))
-        states = [self._init_state(item) for item in items]
+            for t in (param, param.grad):  # checked like local_flat, without making a view
+                if not local_of(t).is_contiguous():
+                    local_flat(t, name)
+        places = [all_places[id(item.param)] for item in items]
+        states = [self._init_state(item, place) for item, place in zip(items, places, strict=True)]
+        for item, state in zip(items, states, strict=True):
+            self._count(item.param, state)
         edges = self._exchange_boundaries(items, states)
-        for i, (item, state) in enumerate(zip(items, states, strict=True)):
-            self._update(item, state, edges.get(i))
+        runs = self._runs(items, places)
+        total = sum(r.numel for r in runs)
+        block = self.block_size
+        chunk = max(block, min(_CHUNK_CAP, total * _TARGET_TRANSIENT // _SCRATCH_PER_ELEMENT))
+        chunk = -(-chunk // block) * block
+        scratch: quant.Scratch | None = None
+        chunks = 0
+        for run in runs:
+            if run.numel == 0:
+                continue
+            if scratch is None:
+                device = local_of(items[run.items[0]].param).device
+                scratch = quant.Scratch(min(chunk, max(total, 1)) + 2 * block, device)
+            chunks += self._update_run(run, items, places, states, edges, chunk, scratch)
+        steps = [s["step"] for s in states]
+        if steps:
+            torch._foreach_add_(steps, 1.0)
+        for item in items:
+            self._counts[id(item.param)] += 1.0
+        self.last_step_stats = {
+            "runs": len(runs),
+            "chunks": chunks,
+            "scratch_elements": scratch.capacity if scratch is not None else 0,
+        }
         return loss
 
-    def _update(
+    def _update_run(
         self,
-        item: _Item,
-        state: dict[str, Any],
-        edges: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> None:
-        group = item.group
+        run: _Run,
+        items: list[_Item],
+        places: list[_Place],
+        states: list[dict[str, Any]],
+        edges: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        chunk: int,
+        scratch: quant.Scratch,
+    ) -> int:
+        """Update one run in chunks of whole blocks; returns the number of chunks."""
+        first = items[run.items[0]]
+        place = places[run.items[0]]
+        group = first.group
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
-        state["step"] += 1
-        step = float(state["step"].item())
-        p_local = local_flat(item.param, item.name)
-        assert item.param.grad is not None
-        g = local_flat(item.param.grad, item.name).float()
-        if p_local.numel() == 0:
-            return
-        head = item.layout.start % self.block_size
-        if item.eight_bit:
-            m = self._dequant(state, "exp_avg", True, head)
-            v = self._dequant(state, "exp_avg_sq", False, head)
-        else:
-            m, v = state["exp_avg"], state["exp_avg_sq"]
-        p32 = p_local if p_local.dtype == torch.float32 else p_local.float()
-        p32.mul_(1.0 - lr * wd)
-        _moments(m, v, g, beta1, beta2)
+        step = self._counts[id(first.param)] + 1.0
         bias1 = 1.0 - beta1**step
         bias2_sqrt = math.sqrt(1.0 - beta2**step)
-        denom = v.sqrt().div_(bias2_sqrt).add_(eps)
-        p32.sub_(m.div(denom).mul_(lr / bias1))
-        if p32 is not p_local:
-            p_local.copy_(p32)
-        if item.eight_bit:
-            for key, value, signed, index in (("exp_avg", m, True, 0), ("exp_avg_sq", v, False, 1)):
-                absmax = quant.block_absmax(value, self.block_size, head)
-                if edges is not None:
-                    absmax[0] = edges[0][index]
-                    absmax[-1] = edges[1][index]
-                state[f"{key}_absmax"] = absmax
-                state[f"{key}_codes"] = quant.quantize_blockwise(
-                    value, absmax, self.block_size, signed=signed, head=head
-                )
+        assert first.param.grad is not None
+        if len(run.items) == 1:
+            p_all = local_flat(first.param, first.name)
+            g_all = local_flat(first.param.grad, first.name)
+            state = states[run.items[0]]
+            views = {k: state[k] for k in (_EIGHT_BIT_KEYS if place.eight_bit else _FP32_KEYS)}
+        else:
+            p_all = flat_view(local_of(first.param), run.numel)
+            g_all = flat_view(local_of(first.param.grad), run.numel)
+            views = self._run_views(place, run.numel)
+        block = self.block_size
+        head = place.head if place.eight_bit else 0
+        edge = edges.get(run.items[0]) if len(run.items) == 1 else None
+        n_total = run.numel
+        lo, count = 0, 0
+        while lo < n_total:
+            # chunk boundaries on block boundaries of the run's grid
+            if place.eight_bit:
+                hi = min(n_total, ((head + lo + chunk) // block) * block - head)
+            else:
+                hi = min(n_total, lo + chunk)
+            self._update_chunk(
+                p_all[lo:hi],
+                g_all[lo:hi],
+                views,
+                lo,
+                hi,
+                head,
+                place.eight_bit,
+                (beta1, beta2, lr, eps, wd, bias1, bias2_sqrt),
+                scratch,
+                edge,
+                first_chunk=lo == 0,
+                last_chunk=hi == n_total,
+            )
+            lo = hi
+            count += 1
+        return count
+
+    def _run_views(self, place: _Place, numel: int) -> dict[str, torch.Tensor]:
+        """Flat state slices of a run that starts at ``place``."""
+        out = {}
+        if place.eight_bit:
+            blocks = -(-(place.head + numel) // self.block_size)
+            for key in _EIGHT_BIT_KEYS:
+                if key.endswith("_absmax"):
+                    lo = place.block_offset
+                    out[key] = self._buffer(place, key, lo + blocks)[lo : lo + blocks]
+                else:
+                    out[key] = self._buffer(place, key, place.offset + numel)[
+                        place.offset : place.offset + numel
+                    ]
+        else:
+            for key in _FP32_KEYS:
+                out[key] = self._buffer(place, key, place.offset + numel)[
+                    place.offset : place.offset + numel
+                ]
+        return out
+
+    def _update_chunk(
+        self,
+        p: torch.Tensor,
+        g_in: torch.Tensor,
+        views: dict[str, torch.Tensor],
+        lo: int,
+        hi: int,
+        head: int,
+        eight_bit: bool,
+        hyper: tuple[float, ...],
+        scratch: quant.Scratch,
+        edge: tuple[torch.Tensor, torch.Tensor] | None,
+        *,
+        first_chunk: bool,
+        last_chunk: bool,
+    ) -> None:
+        beta1, beta2, lr, eps, wd, bias1, bias2_sqrt = hyper
+        n = hi - lo
+        block = self.block_size
+        f = scratch.f
+        p32 = p if p.dtype == torch.float32 else f[3][:n].copy_(p)
+        g = g_in if g_in.dtype == torch.float32 else g_in.float()
+        if eight_bit:
+            h = head if first_chunk else 0
+            b_lo = (head + lo) // block
+            nb = -(-(h + n) // block)
+            m_pad, v_pad = f[0][: nb * block], f[1][: nb * block]
+            codes_m = views["exp_avg_codes"][lo:hi]
+            codes_v = views["exp_avg_sq_codes"][lo:hi]
+            abs_m = views["exp_avg_absmax"][b_lo : b_lo + nb]
+            abs_v = views["exp_avg_sq_absmax"][b_lo : b_lo + nb]
+            m = quant.dequantize_into(m_pad, codes_m, abs_m, block, h, True, scratch.i[0])
+            v = quant.dequantize_into(v_pad, codes_v, abs_v, block, h, False, scratch.i[0])
+        else:
+            m = views["exp_avg"][lo:hi]
+            v = views["exp_avg_sq"][lo:hi]
+        p32.mul_(1.0 - lr * wd)
+        denom = f[2][:n]
+        _moments_into(m, v, g, beta1, beta2, denom)
+        torch.sqrt(v, out=denom)
+        denom.div_(bias2_sqrt).add_(eps)
+        torch.div(m, denom, out=denom)
+        p32.sub_(denom.mul_(lr / bias1))
+        if p32 is not p:
+            p.copy_(p32)
+        if not eight_bit:
+            return
+        quant.absmax_into(abs_m, m_pad, block, h, n, False, f[2])
+        quant.absmax_into(abs_v, v_pad, block, h, n, True, f[2])
+        if edge is not None:  # blocks shared with neighbouring ranks: the global absmax
+            if first_chunk:
+                abs_m[0], abs_v[0] = edge[0][0], edge[0][1]
+            if last_chunk:
+                abs_m[-1], abs_v[-1] = edge[1][0], edge[1][1]
+        # v first: its buffer then serves as scratch for m's quantization
+        quant.quantize_into(codes_v, v_pad, abs_v, block, h, False, scratch, f[2], f[3])
+        quant.quantize_into(codes_m, m_pad, abs_m, block, h, True, scratch, f[2], f[1])

@@ -1,8 +1,10 @@
 """Detect ranks that disagree on what they are about to exchange, before the exchange.
 
 gloo aborts the process (SIGABRT) when ranks pass self-consistent but mutually different sizes to
-a collective, and NCCL hangs. Every batched exchange of this package is therefore preceded by a
-fixed-size all-gather of a fingerprint of its layout, and a mismatch raises on every rank.
+a collective, and NCCL hangs. Every batched exchange of this package is therefore preceded by the
+agreement check every package shares (``ragged_dtensor.check_ranks_agree``: a fixed-size digest
+all-gather, the records only when they differ) on a fingerprint of its layout, and a mismatch
+raises on every rank.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import zlib
 
 import torch
 import torch.distributed as dist
+
+from ragged_dtensor import check_ranks_agree
 
 __all__ = ["fingerprint", "check_agreement"]
 
@@ -28,15 +32,16 @@ def check_agreement(
     what: str,
     names: list[str],
 ) -> None:
-    """Raise ``RuntimeError`` on every rank unless all ranks pass the same ``(digest, count)``."""
-    world = dist.get_world_size(group)
-    mine = torch.tensor([digest, count], dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine, group=group)
-    values = [tuple(int(v) for v in t.tolist()) for t in gathered]
-    if any(v != values[0] for v in values):
-        raise RuntimeError(
-            f"{what}: ranks of a process group disagree on the tensors to exchange this step "
-            f"((fingerprint, count) per rank: {values}); every rank must step the same "
-            f"parameters with gradients (this rank: {names})"
-        )
+    """Raise ``RuntimeError`` on every rank unless all ranks pass the same ``(digest, count)``.
+
+    ``device`` is unused: the shared check picks the group's own device for its digest."""
+    del device
+    check_ranks_agree(
+        group,
+        {"exchange fingerprint": str(digest), "number of tensors": str(count)},
+        what=(
+            f"{what}: ranks of a process group disagree on the tensors to exchange this step; "
+            f"every rank must step the same parameters with gradients (this rank: {names})"
+        ),
+        error=RuntimeError,
+    )

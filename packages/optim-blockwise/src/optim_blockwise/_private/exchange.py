@@ -1,27 +1,89 @@
-"""Batched ragged exchange: every matrix's shards to its root, and the roots' results back.
+"""Owner exchange: every unit's pieces to its owner and the owner's results back, in buckets
+pipelined against the owner's compute.
 
-[Note: one all-to-all each way per step]
-Matrix ``i`` is held as flat ranges ``ranges[i][k]`` over the ranks ``k`` of one axis and has a
-root ``roots[i]``. Gathering is one uneven ``all_to_all_single``: rank ``k`` sends to rank ``d``
-the concatenation, in matrix order, of its pieces of every matrix rooted at ``d``; the root then
-finds each piece at a known offset and, since the ranges are increasing in ``k`` and tile the
-matrix, concatenating the pieces over ``k`` is the matrix's row-major storage. Scattering back is
-the mirror image. Each matrix crosses the network at most once each way, excluding the root's own
-piece: traffic <= 2x the exchanged bytes, against ``world``x for gather-to-all. Payloads travel as
-raw bytes (``uint8`` views), so any dtype works on any backend (gloo has no bf16 all-to-all).
+[Note: units, owners, buckets]
+A *unit* is a flat tensor that some rank must see whole (a matrix for Muon, one expert's matrix
+of a 3-D weight, a preconditioner block). Unit ``i`` is held as flat ranges ``ranges[i][k]`` over
+the ranks ``k`` of one mesh axis (increasing in ``k``, tiling ``[0, numel)``; empty ranges
+allowed) and has an owner ``owners[i]`` (see ``owners.assign_owners``). The units are split into
+buckets; each owner's units are cut into consecutive chunks of about equal weight, and bucket
+``b`` holds chunk ``b`` of every owner, so every bucket keeps every owner about equally busy.
 
-Plan (pure, cached per layout) then execute, like DTensor's redistribution.
+Per bucket, two uneven ``all_to_all_single`` calls:
+
+- gather: rank ``k`` sends owner ``d`` the concatenation, in unit order, of its pieces of every
+  unit of the bucket that ``d`` owns. Because the ranges are increasing in ``k`` and tile the
+  unit, concatenating the pieces an owner receives over ``k`` is the unit's flat data;
+- scatter (the mirror image): every owner sends each rank that rank's piece of each result.
+
+Each unit crosses the network at most once each way (the owner's own piece stays local in the
+collective): traffic <= 2x the exchanged bytes, against ``world``x for gather-to-all. Payloads
+travel as raw bytes (``uint8`` views), so any dtype works on any backend (gloo has no bf16
+all-to-all).
+
+[Note: the pipeline]
+``run`` keeps ``in_flight`` gathers ahead of the compute (two, like torchtitan's DistMuon):
+
+    start gather 0, 1;  overlap()            # e.g. the elementwise work of other parameters
+    for b: wait gather b; compute b; start scatter b; start gather b + 2;
+           wait scatter b - 1; apply b - 1
+    wait the last scatter; apply it
+
+so the communication of one bucket runs under the compute of its neighbours and only the first
+gather and the last scatter are exposed. ``piece(i)`` is called when unit ``i``'s bucket is about
+to be sent, so work that produces pieces (Muon's momentum) is interleaved too. The order of
+collectives depends only on the plan, which every rank computes from the same global
+description: identical on every rank by construction.
+
+[Note: presence flags, no host synchronization]
+A step must not read device data on the host. Which units have data this step (e.g. which
+parameters have gradients) can differ between ranks by mistake, and a per-step agreement
+collective would need exactly such a read. Instead, with ``present`` given, each piece travels
+with one flag byte (in the same buffer, after the data for each destination, padded to 16 bytes);
+the owner turns the flags of a unit into a status (0: no rank has data, 1: every rank, 2:
+mixed) and sends every unit's status to every rank with the results. Each rank then checks the
+statuses with ``torch._assert_async`` (device-side on accelerators, no host read; on CPU it
+raises at once): a mixed unit raises on every rank at the same point instead of applying a
+result computed from a partial gradient. Sizes never depend on the flags, so the collectives
+always match.
+
+Plan (pure, cached by the caller per layout) then execute, like DTensor's redistribution.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
 import torch.distributed as dist
 
-__all__ = ["ExchangePlan", "plan_exchange", "gather_to_roots", "scatter_from_roots"]
+__all__ = [
+    "Bucket",
+    "BucketLayout",
+    "ExchangePlan",
+    "ExchangeStats",
+    "MixedPresenceError",
+    "plan_exchange",
+    "run",
+]
+
+_ALIGN = 16  # bytes: flag segments are padded so the next data segment stays aligned
+
+
+@attrs.frozen
+class Bucket:
+    """One round of the exchange: its units and this rank's element counts."""
+
+    units: tuple[int, ...]
+    """The bucket's units in exchange order: by owner, then by unit index."""
+    owned: tuple[tuple[int, ...], ...]
+    """Per rank: the units of this bucket it owns, in unit order."""
+    send_counts: tuple[int, ...]
+    """Gather: elements this rank sends to each rank (= receives from it in the scatter)."""
+    recv_counts: tuple[int, ...]
+    """Gather: elements this rank receives from each rank (= sends to it in the scatter)."""
 
 
 @attrs.frozen
@@ -31,119 +93,323 @@ class ExchangePlan:
     coord: int
     world: int
     ranges: tuple[tuple[tuple[int, int], ...], ...]
-    roots: tuple[int, ...]
-    send_counts: tuple[int, ...]
-    """Elements this rank sends to each rank when gathering (= receives when scattering)."""
-    recv_counts: tuple[int, ...]
-    """Elements this rank receives from each rank when gathering (= sends when scattering)."""
-    mine: tuple[int, ...]
-    """Indices of the matrices rooted here, in matrix order."""
+    owners: tuple[int, ...]
+    buckets: tuple[Bucket, ...]
 
     def local_numel(self, i: int) -> int:
         lo, hi = self.ranges[i][self.coord]
         return hi - lo
 
+    def numel(self, i: int) -> int:
+        return self.ranges[i][-1][1] if self.ranges[i] else 0
+
+    @property
+    def mine(self) -> tuple[int, ...]:
+        """Units owned by this rank, in unit order."""
+        return tuple(i for i, d in enumerate(self.owners) if d == self.coord)
+
     @property
     def moved_elements(self) -> int:
         """Elements this rank sends over the network per direction (own pieces excluded)."""
-        return sum(n for d, n in enumerate(self.send_counts) if d != self.coord)
+        return sum(n for b in self.buckets for d, n in enumerate(b.send_counts) if d != self.coord)
+
+
+@attrs.define
+class ExchangeStats:
+    """What one ``run`` issued on this rank (for benchmarks and tests)."""
+
+    collectives: int = 0
+    bytes_sent: int = 0
+    """Bytes put on the network by this rank (its own pieces excluded), both directions."""
+
+
+class MixedPresenceError(RuntimeError):
+    """Some ranks had data (e.g. a gradient) for a unit and others did not."""
+
+
+def _chunks(units: Sequence[int], weights: Sequence[int], parts: int) -> list[list[int]]:
+    """``units`` (in order) cut into ``parts`` consecutive chunks of about equal weight: a unit
+    goes to chunk ``floor(parts * (weight before it + half its weight) / total)``."""
+    out: list[list[int]] = [[] for _ in range(parts)]
+    total = sum(weights[i] for i in units)
+    before = 0
+    for i in units:
+        w = weights[i]
+        b = min(parts - 1, (parts * (2 * before + w)) // (2 * total)) if total else 0
+        out[b].append(i)
+        before += w
+    return out
 
 
 def plan_exchange(
-    coord: int, ranges: Sequence[Sequence[tuple[int, int]]], roots: Sequence[int]
+    coord: int,
+    ranges: Sequence[Sequence[tuple[int, int]]],
+    owners: Sequence[int],
+    *,
+    buckets: int = 1,
+    weights: Sequence[int] | None = None,
 ) -> ExchangePlan:
+    """The exchange of units with ``ranges`` (per unit, per rank) to ``owners`` in ``buckets``
+    rounds; ``weights`` (default: numel) balance each owner's units over the buckets."""
     world = len(ranges[0]) if ranges else 1
-    send = [0] * world
-    recv = [0] * world
-    for i, root in enumerate(roots):
-        lo, hi = ranges[i][coord]
-        send[root] += hi - lo
-        if root == coord:
-            for k, (a, b) in enumerate(ranges[i]):
-                recv[k] += b - a
-    mine = tuple(i for i, r in enumerate(roots) if r == coord)
+    for i, r in enumerate(ranges):
+        if len(r) != world or any(a > b for a, b in r):
+            raise ValueError(f"plan_exchange: unit {i} has ranges {tuple(r)} for {world} ranks")
+        if any(r[k][1] != r[k + 1][0] for k in range(world - 1)) or r[0][0] != 0:
+            raise ValueError(f"plan_exchange: unit {i}'s ranges {tuple(r)} do not tile it")
+    if any(not 0 <= d < world for d in owners) or len(owners) != len(ranges):
+        raise ValueError(f"plan_exchange: owners {tuple(owners)} for {len(ranges)} units")
+    sizes = [r[-1][1] for r in ranges]
+    weight = list(weights) if weights is not None else sizes
+    count = max(1, buckets)
+    per_owner = [[i for i, d in enumerate(owners) if d == k] for k in range(world)]
+    cut = [_chunks(units, weight, count) for units in per_owner]
+    out = []
+    for b in range(count):
+        owned = tuple(tuple(cut[k][b]) for k in range(world))
+        units = tuple(i for k in range(world) for i in owned[k])
+        if not units:
+            continue
+        send = [0] * world
+        recv = [0] * world
+        for i in units:
+            lo, hi = ranges[i][coord]
+            send[owners[i]] += hi - lo
+            if owners[i] == coord:
+                for k, (a, z) in enumerate(ranges[i]):
+                    recv[k] += z - a
+        out.append(Bucket(units, owned, tuple(send), tuple(recv)))
     return ExchangePlan(
         coord,
         world,
-        tuple(tuple((int(a), int(b)) for a, b in r) for r in ranges),
-        tuple(roots),
-        tuple(send),
-        tuple(recv),
-        mine,
+        tuple(tuple((int(a), int(z)) for a, z in r) for r in ranges),
+        tuple(int(d) for d in owners),
+        tuple(out),
     )
 
 
-def _a2a_bytes(
-    output: torch.Tensor,
+def _pad(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class BucketLayout:
+    """Byte layout of one bucket's two all-to-alls on this rank, for one element size; the pure
+    packing and unpacking of the buffers (the collectives are ``run``'s).
+
+    Gather, to each rank ``d``: ``[data of d's units][one flag per unit d owns, padded]``.
+    Scatter, from each owner ``d``: ``[this rank's pieces of d's results][statuses, padded]``.
+    """
+
+    def __init__(self, plan: ExchangePlan, bucket: Bucket, size: int, flags: bool) -> None:
+        self.plan, self.bucket, self.size, self.flags = plan, bucket, size, flags
+        w, me = plan.world, plan.coord
+        self.flag_bytes = [(_pad(len(bucket.owned[d])) if flags else 0) for d in range(w)]
+        own = self.flag_bytes[me]
+        self.gather_send = [bucket.send_counts[d] * size + self.flag_bytes[d] for d in range(w)]
+        self.gather_recv = [bucket.recv_counts[k] * size + own for k in range(w)]
+        self.scatter_send = self.gather_recv  # the mirror image
+        self.scatter_recv = self.gather_send
+
+    @property
+    def mine(self) -> tuple[int, ...]:
+        return self.bucket.owned[self.plan.coord]
+
+    def pack_gather(
+        self, pieces: dict[int, torch.Tensor], present: Sequence[bool] | None, device: torch.device
+    ) -> torch.Tensor:
+        """This rank's gather send buffer from its flat piece of every unit of the bucket."""
+        parts: list[torch.Tensor] = []
+        for d in range(self.plan.world):
+            for i in self.bucket.owned[d]:
+                if self.plan.local_numel(i):
+                    parts.append(pieces[i].view(torch.uint8))
+            if self.flags:
+                assert present is not None
+                values = [present[i] for i in self.bucket.owned[d]]
+                parts.append(_flags_tensor(values, self.flag_bytes[d], device))
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
+
+    def unpack_gather(
+        self, recv: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """On the owner: each owned unit's whole flat data, and the status of each (0: present
+        on no rank, 1: on every rank, 2: mixed; ``None`` without flags)."""
+        plan, size, mine = self.plan, self.size, self.mine
+        parts: dict[int, list[torch.Tensor]] = {i: [] for i in mine}
+        rows = []
+        pos = 0
+        for k in range(plan.world):
+            for i in mine:
+                lo, hi = plan.ranges[i][k]
+                parts[i].append(recv[pos : pos + (hi - lo) * size])
+                pos += (hi - lo) * size
+            if self.flags:
+                rows.append(recv[pos : pos + len(mine)])
+                pos += self.flag_bytes[plan.coord]
+        fulls = {i: torch.cat(p).view(dtype) for i, p in parts.items()}
+        status = None
+        if self.flags and mine:
+            count = torch.stack(rows).to(torch.int32).sum(0)
+            mixed = (count > 0) & (count < plan.world)
+            status = (count == plan.world).to(torch.uint8) + 2 * mixed.to(torch.uint8)
+        return fulls, status
+
+    def pack_scatter(
+        self, results: dict[int, torch.Tensor], status: torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor:
+        """The owner's scatter send buffer: every rank's piece of each result, and statuses."""
+        plan, mine = self.plan, self.mine
+        out: list[torch.Tensor] = []
+        for k in range(plan.world):
+            for i in mine:
+                lo, hi = plan.ranges[i][k]
+                if hi > lo:
+                    out.append(results[i][lo:hi].view(torch.uint8))
+            if self.flags:
+                seg = torch.zeros(self.flag_bytes[plan.coord], dtype=torch.uint8, device=device)
+                if status is not None:
+                    seg[: len(mine)] = status
+                out.append(seg)
+        return torch.cat(out) if out else torch.empty(0, dtype=torch.uint8, device=device)
+
+    def unpack_scatter(
+        self, back: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """This rank's piece of every unit's result (views of ``back``), and every unit's
+        status in ``bucket.units`` order (``None`` without flags)."""
+        plan, size = self.plan, self.size
+        pieces: dict[int, torch.Tensor] = {}
+        statuses = []
+        pos = 0
+        for d in range(plan.world):
+            for i in self.bucket.owned[d]:
+                n = plan.local_numel(i) * size
+                pieces[i] = back[pos : pos + n].view(dtype)
+                pos += n
+            if self.flags:
+                statuses.append(back[pos : pos + len(self.bucket.owned[d])])
+                pos += self.flag_bytes[d]
+        return pieces, (torch.cat(statuses) if self.flags else None)
+
+
+def _a2a(
+    out: torch.Tensor,
     inp: torch.Tensor,
-    out_counts: Sequence[int],
-    in_counts: Sequence[int],
+    out_splits: list[int],
+    in_splits: list[int],
     group: dist.ProcessGroup,
 ) -> dist.Work | None:
-    size = inp.element_size()
     work: dist.Work | None = dist.all_to_all_single(
-        output.view(torch.uint8),
-        inp.view(torch.uint8),
-        [n * size for n in out_counts],
-        [n * size for n in in_counts],
-        group=group,
-        async_op=True,
+        out, inp, out_splits, in_splits, group=group, async_op=True
     )
     return work
 
 
-def gather_to_roots(
-    plan: ExchangePlan, locals_: Sequence[torch.Tensor], group: dist.ProcessGroup
-) -> tuple[dist.Work | None, torch.Tensor]:
-    """Start the gather; returns ``(work, received)``. ``locals_[i]`` is this rank's flat piece
-    of matrix ``i`` (all of one dtype/device). Call ``assemble`` after ``work.wait()``."""
-    ref = locals_[0]
-    order = sorted(range(len(plan.roots)), key=lambda i: (plan.roots[i], i))
-    pieces = [locals_[i] for i in order if locals_[i].numel()]
-    send = torch.cat(pieces) if pieces else ref.new_empty(0)
-    recv = ref.new_empty(sum(plan.recv_counts))
-    work = _a2a_bytes(recv, send, plan.recv_counts, plan.send_counts, group)
-    return work, recv
-
-
-def assemble(plan: ExchangePlan, received: torch.Tensor) -> dict[int, torch.Tensor]:
-    """Flat full matrices rooted here, from the gather's receive buffer."""
-    src_offset = [sum(plan.recv_counts[:k]) for k in range(plan.world)]
-    chunks: dict[int, list[torch.Tensor]] = {i: [] for i in plan.mine}
-    for k in range(plan.world):
-        pos = src_offset[k]
-        for i in plan.mine:
-            lo, hi = plan.ranges[i][k]
-            chunks[i].append(received[pos : pos + hi - lo])
-            pos += hi - lo
-    return {i: torch.cat(parts) for i, parts in chunks.items()}
-
-
-def scatter_from_roots(
-    plan: ExchangePlan,
-    results: dict[int, torch.Tensor],
-    like: torch.Tensor,
-    group: dist.ProcessGroup,
-) -> tuple[dist.Work | None, torch.Tensor]:
-    """Start sending each root result's pieces back; ``results[i]`` is matrix ``i`` flat."""
-    pieces = []
-    for k in range(plan.world):
-        for i in plan.mine:
-            lo, hi = plan.ranges[i][k]
-            if hi > lo:
-                pieces.append(results[i][lo:hi])
-    send = torch.cat(pieces) if pieces else like.new_empty(0)
-    recv = like.new_empty(sum(plan.send_counts))
-    work = _a2a_bytes(recv, send, plan.send_counts, plan.recv_counts, group)
-    return work, recv
-
-
-def split_scattered(plan: ExchangePlan, received: torch.Tensor) -> dict[int, torch.Tensor]:
-    """This rank's flat piece of every matrix, from the scatter's receive buffer."""
-    out: dict[int, torch.Tensor] = {}
-    pos = 0
-    for i in sorted(range(len(plan.roots)), key=lambda j: (plan.roots[j], j)):
-        n = plan.local_numel(i)
-        out[i] = received[pos : pos + n]
-        pos += n
+def _flags_tensor(values: Sequence[bool], padded: int, device: torch.device) -> torch.Tensor:
+    out = torch.zeros(padded, dtype=torch.uint8, device=device)
+    if any(values):
+        if all(values):
+            out[: len(values)] = 1  # a fill: nothing travels from the host
+        else:
+            out[: len(values)] = torch.tensor(values, dtype=torch.uint8).to(device)
     return out
+
+
+def run(
+    plan: ExchangePlan,
+    group: dist.ProcessGroup,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    piece: Callable[[int], torch.Tensor],
+    compute: Callable[[Bucket, dict[int, torch.Tensor]], dict[int, torch.Tensor]],
+    apply: Callable[[Bucket, dict[int, torch.Tensor]], None],
+    present: Sequence[bool] | None = None,
+    overlap: Callable[[], None] | None = None,
+    in_flight: int = 2,
+    what: str = "exchange",
+    names: Callable[[int], str] | None = None,
+) -> ExchangeStats:
+    """Run every bucket of ``plan`` through the pipeline of the module note.
+
+    - ``piece(i)``: this rank's flat piece of unit ``i`` (``dtype``, ``local_numel(i)``
+      elements), called just before unit ``i``'s bucket is sent (for empty pieces too);
+    - ``compute(bucket, fulls)``: on the owner, ``fulls[i]`` is unit ``i``'s whole flat data for
+      every unit of the bucket owned here; returns the flat results (same dtype and numel);
+    - ``apply(bucket, pieces)``: ``pieces[i]`` is this rank's piece of unit ``i``'s result for
+      every unit of the bucket (views of a receive buffer, valid during the call);
+    - ``present[i]``: this rank has data for unit ``i`` this step (see the presence note);
+      a unit present on some ranks only raises ``MixedPresenceError`` on every rank (on CPU;
+      a device-side assert elsewhere); ``names(i)`` names it in the message;
+    - ``overlap()``: called once the first gathers are in flight.
+    """
+    size = torch.empty(0, dtype=dtype).element_size()
+    flags = present is not None
+    stats = ExchangeStats()
+    me = plan.coord
+    layouts = [BucketLayout(plan, b, size, flags) for b in plan.buckets]
+    gathers: dict[int, tuple[dist.Work | None, torch.Tensor]] = {}
+    scatters: deque[tuple[int, dist.Work | None, torch.Tensor]] = deque()
+
+    def start_gather(b: int) -> None:
+        lay = layouts[b]
+        pieces = {i: piece(i) for i in plan.buckets[b].units}
+        send = lay.pack_gather(pieces, present, device)
+        recv = torch.empty(sum(lay.gather_recv), dtype=torch.uint8, device=device)
+        gathers[b] = (_a2a(recv, send, lay.gather_recv, lay.gather_send, group), recv)
+        stats.collectives += 1
+        stats.bytes_sent += sum(n for d, n in enumerate(lay.gather_send) if d != me)
+
+    def owner_side(b: int) -> None:
+        lay = layouts[b]
+        work, recv = gathers.pop(b)
+        if work is not None:
+            work.wait()
+        fulls, status = lay.unpack_gather(recv, dtype)
+        results = compute(plan.buckets[b], fulls) if lay.mine else {}
+        send = lay.pack_scatter(results, status, device)
+        back = torch.empty(sum(lay.scatter_recv), dtype=torch.uint8, device=device)
+        scatters.append((b, _a2a(back, send, lay.scatter_recv, lay.scatter_send, group), back))
+        stats.collectives += 1
+        stats.bytes_sent += sum(n for k, n in enumerate(lay.scatter_send) if k != me)
+
+    def finish_scatter() -> None:
+        b, work, back = scatters.popleft()
+        if work is not None:
+            work.wait()
+        pieces, statuses = layouts[b].unpack_scatter(back, dtype)
+        if statuses is not None:
+            _check_statuses(plan.buckets[b], statuses, what, names)
+        apply(plan.buckets[b], pieces)
+
+    ahead = max(1, in_flight)
+    for b in range(min(ahead, len(plan.buckets))):
+        start_gather(b)
+    if overlap is not None:
+        overlap()
+    for b in range(len(plan.buckets)):
+        owner_side(b)
+        if b + ahead < len(plan.buckets):
+            start_gather(b + ahead)
+        while len(scatters) > 1:
+            finish_scatter()
+    while scatters:
+        finish_scatter()
+    return stats
+
+
+def _check_statuses(
+    bucket: Bucket, statuses: torch.Tensor, what: str, names: Callable[[int], str] | None
+) -> None:
+    """Raise on every rank when some unit was present on only some ranks (no host read)."""
+    message = (
+        f"{what}: ranks disagree on which parameters have gradients this step (present on "
+        f"some ranks, None on others); every rank must step the same parameters"
+    )
+    try:
+        torch._assert_async((statuses != 2).all(), message)
+    except RuntimeError as exc:  # CPU: raised here; name the units (host reads are fine now)
+        order = [i for d in range(len(bucket.owned)) for i in bucket.owned[d]]
+        bad = [order[j] for j, s in enumerate(statuses.tolist()) if s == 2]
+        label = [names(i) if names else f"unit {i}" for i in bad]
+        raise MixedPresenceError(f"{message} (mixed: {label})") from exc

@@ -4,44 +4,45 @@
 Newton-Schulz needs the whole matrix, the momentum does not. Per step:
 
 1. every rank updates the momentum of its own shard (fp32) and forms the Nesterov update;
-2. one uneven all-to-all (per process group, all matrices batched) sends each matrix's pieces to
-   its root; pieces travel in ``ns_dtype`` since NS casts to it first anyway (bf16 halves the
-   bytes and changes nothing numerically);
-3. each root orthogonalizes its matrices; roots are assigned once per layout by greedy
-   largest-NS-cost-first onto the least-loaded rank, so NS work is balanced and every matrix is
-   orthogonalized exactly once;
-4. one more all-to-all sends every rank its pieces of the results, and each rank applies its
-   piece with the matrix's shape-aware learning rate.
+2. the updates travel to each matrix's owner in buckets of uneven all-to-alls (per process
+   group and NS dtype, see ``exchange``); pieces travel in ``ns_dtype`` since NS casts to it
+   first anyway (bf16 halves the bytes and changes nothing numerically);
+3. each owner orthogonalizes its matrices of the bucket, same-shape matrices (and the experts of
+   3-D weights) in one batched NS; owners are assigned once per layout, balancing NS flops and
+   root memory, so every matrix is orthogonalized exactly once;
+4. the results travel back in the mirror all-to-all and each rank applies its piece with the
+   matrix's shape-aware learning rate.
 
-While the gather is in flight the AdamW-path parameters are updated and weight decay is applied,
-and during the scatter the next process group's work proceeds. Each step checks (one tiny
-all-gather) that all ranks agree on the exchange plan, so a disagreement (e.g. a gradient that is
-None on one rank only) raises a clear error instead of aborting gloo or hanging.
+Two gathers are kept in flight ahead of the NS: while the first ones fly, the AdamW-path
+parameters are updated, weight decay is applied and unsharded matrices are orthogonalized;
+afterwards each bucket's exchange runs under its neighbours' NS. The exchange plan is made once
+and again only when the Muon parameters, their layouts or the groups' NS settings change (then
+the ranks check they agree, see ``muon_plan``); a steady-state step has no agreement collective
+and reads nothing from the device: a gradient present on some ranks only is caught by presence
+flags inside the exchange and raises on every rank.
 
-Traffic: each matrix is moved at most once each way, except the root's own piece, i.e. at most
+Traffic: each matrix is moved at most once each way, except the owner's own piece, i.e. at most
 2x the momentum bytes per step (in ``ns_dtype``), against ``world``x for gather-to-all.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable
 from typing import Any, cast
 
-import attrs
 import torch
 import torch.distributed as dist
 
 from optim_blockwise._private import exchange
-from optim_blockwise._private.agree import check_agreement, fingerprint
 from optim_blockwise._private.base import ShardedOptimizer
-from optim_blockwise._private.layout import ParamLayout, local_flat
+from optim_blockwise._private.layout import local_flat
+from optim_blockwise._private.muon_plan import GroupPlan, MuonItem, Unit, plan_group
 from optim_blockwise._private.newton_schulz import (
     DEFAULT_NS_COEFFICIENTS,
     adjust_lr,
-    assign_roots,
     newton_schulz,
-    ns_flops,
 )
 from optim_blockwise._private.policy import MuonBlockPolicy
 from optim_blockwise._private.state import restore_state_dtypes, sharded_state_dict
@@ -78,26 +79,15 @@ def _as_dtype(value: torch.dtype | str) -> torch.dtype:
     return dtype
 
 
-@attrs.frozen(eq=False)
-class _Item:
-    param: torch.Tensor
-    name: str
-    group: dict[str, Any]
-    layout: ParamLayout
-
-
-@attrs.frozen
-class _GroupPlan:
-    plan: exchange.ExchangePlan
-    fingerprint: int
-
-
 class Muon(ShardedOptimizer):
     """Muon (momentum + Newton-Schulz orthogonalization) with an AdamW path per param group.
 
-    A param group's ``use_muon`` selects the path: ``True`` (every param must be 2-D), ``False``
-    (AdamW: use it for embeddings, the output head, norms, biases) or ``None`` (default: 2-D
-    params take Muon, others AdamW). The AdamW path uses the group's ``lr`` and
+    A param group's ``use_muon`` selects the path: ``True`` (every param must be a 2-D matrix
+    or a 3-D stack of expert matrices), ``False`` (AdamW: use it for embeddings, the output
+    head, norms, biases) or ``None`` (default: 2-D and 3-D params take Muon, others AdamW). A
+    3-D parameter ``(E, m, n)`` is ``E`` matrices (MoE experts), each orthogonalized and scaled
+    on its own, as ``E`` separate 2-D parameters would be; put other 3-D weights (e.g. conv
+    kernels) in a ``use_muon=False`` group. The AdamW path uses the group's ``lr`` and
     ``weight_decay`` (or ``adamw_lr`` / ``adamw_weight_decay`` if the group sets them) and
     ``adamw_betas`` / ``adamw_eps``.
 
@@ -108,8 +98,14 @@ class Muon(ShardedOptimizer):
     (bf16 default like the reference; ``torch.float32`` is ~1e-6 accurate).
 
     Parameters may be plain tensors, ``RaggedShard`` DTensors or FSDP2 ``Shard(0)`` DTensors:
-    see the module note for the distributed algorithm. ``state_dict()`` holds each rank's local
-    state (fp32 momentum / moments of its shard) and loads back on the same sharding.
+    see the module note for the distributed algorithm. ``bucket_cap_mb`` is the payload of one
+    exchange bucket, ``in_flight`` how many gathers run ahead of the NS, ``expert_group_flops``
+    the NS work of one batched group of experts of a 3-D parameter (smaller groups spread a
+    parameter's experts over more owners). ``check_consistency``
+    (default on) checks, when a plan is made, that every rank made the same one, and in every
+    step that every rank has the same gradients (flags inside the exchange, no extra
+    collective). ``state_dict()`` holds each rank's local state (fp32 momentum / moments of its
+    shard) as DTensors that reshard through distributed checkpointing.
     """
 
     def __init__(
@@ -129,6 +125,9 @@ class Muon(ShardedOptimizer):
         adamw_eps: float = 1e-8,
         use_muon: bool | None = None,
         check_consistency: bool = True,
+        bucket_cap_mb: float = 1.0,
+        in_flight: int = 2,
+        expert_group_flops: int = 2**24,
     ) -> None:
         check_nonnegative("lr", lr)
         if not (math.isfinite(momentum) and 0.0 <= momentum < 1.0):
@@ -142,6 +141,14 @@ class Muon(ShardedOptimizer):
         if len(ns_coefficients) != 3 or not all(math.isfinite(c) for c in ns_coefficients):
             raise ValueError(
                 f"ns_coefficients must be three finite numbers (a, b, c), got {ns_coefficients}"
+            )
+        if not (isinstance(bucket_cap_mb, int | float) and bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
+        if not (isinstance(in_flight, int) and in_flight >= 1):
+            raise ValueError(f"in_flight must be an integer >= 1, got {in_flight!r}")
+        if not (isinstance(expert_group_flops, int) and expert_group_flops >= 1):
+            raise ValueError(
+                f"expert_group_flops must be an integer >= 1, got {expert_group_flops!r}"
             )
         adjust_lr(1.0, adjust_lr_fn, (1, 1))  # validates the convention
         defaults = {
@@ -160,18 +167,27 @@ class Muon(ShardedOptimizer):
         }
         super().__init__(params, defaults)
         self.check_consistency = check_consistency
-        self._layouts: dict[torch.Tensor, ParamLayout] = {}
-        self._plans: dict[tuple[object, ...], _GroupPlan] = {}
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.in_flight = in_flight
+        self.expert_group_flops = expert_group_flops
+        self._layouts = {}
+        self._plan_key: tuple[object, ...] | None = None
+        self._plans: list[GroupPlan] = []
+        self._adamw_items: list[MuonItem] = []
+        self._counts: dict[torch.Tensor, float] = {}
+        self.plans_made = 0
+        """How many times the exchange plan was made (and agreed on): once per layout."""
         self.last_step_stats: dict[str, int] = {}
         """Collectives and bytes this rank sent in the last step (for benchmarks)."""
         for gi, group in enumerate(self.param_groups):
             if group["use_muon"] is True:
                 for index, p in enumerate(group["params"]):
-                    if p.dim() != 2:
+                    if p.dim() not in (2, 3):
                         raise ValueError(
                             f"param_groups[{gi}] has use_muon=True but parameter "
                             f"{self._name(group, index, p)!r} has shape {tuple(p.shape)}; Muon "
-                            f"needs 2-D matrices (put others in a group with use_muon=False)"
+                            f"needs 2-D matrices or 3-D stacks of expert matrices (put others "
+                            f"in a group with use_muon=False)"
                         )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -190,44 +206,59 @@ class Muon(ShardedOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         restore_state_dtypes(self, state_dict, super().load_state_dict)
+        self._counts.clear()
 
-    # -- helpers -----------------------------------------------------------------------------
+    # -- the plan ----------------------------------------------------------------------------
 
-    def _state(self, item: _Item, keys: tuple[str, ...]) -> dict[str, Any]:
-        state = cast(dict[str, Any], self.state[item.param])
-        if not state:
-            device = local_flat(item.param, item.name).device
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            for key in keys:
-                state[key] = torch.zeros(
-                    item.layout.local_numel, dtype=torch.float32, device=device
+    def _key(self) -> tuple[object, ...]:
+        """Everything the plan depends on (see muon_plan's note); cheap, no device access."""
+        key: list[object] = [self.bucket_cap_mb, self.check_consistency, self.expert_group_flops]
+        for group in self.param_groups:
+            key.append((group["use_muon"], group["ns_dtype"], group["ns_steps"]))
+            key.extend((id(p), p.requires_grad) for p in group["params"])
+        return tuple(key)
+
+    def _on_muon_path(self, group: dict[str, Any], param: torch.Tensor) -> bool:
+        use = group["use_muon"]
+        return param.dim() in (2, 3) if use is None else bool(use)
+
+    def _make_plans(self) -> None:
+        by_key: dict[tuple[dist.ProcessGroup | None, torch.dtype], list[MuonItem]] = {}
+        adamw: list[MuonItem] = []
+        for group in self.param_groups:
+            for index, param in enumerate(group["params"]):
+                if not self._on_muon_path(group, param):
+                    name = self._name(group, index, param)
+                    adamw.append(MuonItem(param, name, group, self._layout(param, name)))
+                    continue
+                if not param.requires_grad:
+                    continue
+                if param.dim() not in (2, 3):
+                    raise ValueError(
+                        f"parameter {self._name(group, index, param)!r} has shape "
+                        f"{tuple(param.shape)}; Muon needs 2-D matrices or 3-D stacks of "
+                        f"expert matrices (put others in a group with use_muon=False)"
+                    )
+                name = self._name(group, index, param)
+                layout = self._layout(param, name)
+                pg = layout.group if layout.is_sharded else None
+                dtype = _as_dtype(group["ns_dtype"])
+                by_key.setdefault((pg, dtype), []).append(MuonItem(param, name, group, layout))
+        plans = []
+        for (pg, dtype), items in by_key.items():
+            plans.append(
+                plan_group(
+                    tuple(items),
+                    pg,
+                    dtype,
+                    bucket_cap_mb=self.bucket_cap_mb,
+                    expert_group_flops=self.expert_group_flops,
+                    check=self.check_consistency,
                 )
-        return state
-
-    def _group_plan(self, items: list[_Item], pg: dist.ProcessGroup | None) -> _GroupPlan:
-        key = (pg, *(item.param for item in items))
-        cached = self._plans.get(key)
-        if cached is not None:
-            return cached
-        coord = items[0].layout.coord
-        world = items[0].layout.world
-        for item in items:
-            if item.layout.world != world or item.layout.coord != coord:
-                raise ValueError(
-                    f"parameter {item.name!r} ({item.layout.placement}) shares a process group "
-                    f"with {items[0].name!r} but has a different axis size/coordinate"
-                )
-        shares = [[hi - lo for lo, hi in item.layout.ranges] for item in items]
-        costs = [ns_flops(item.layout.global_shape, item.group["ns_steps"]) for item in items]
-        roots = assign_roots(costs, shares)
-        ranges = [item.layout.ranges for item in items]
-        plan = exchange.plan_exchange(coord, ranges, roots)
-        digest = fingerprint(
-            [(i.layout.global_shape, i.layout.ranges, str(i.group["ns_dtype"])) for i in items]
-        )
-        cached = _GroupPlan(plan, digest)
-        self._plans[key] = cached
-        return cached
+            )
+        self._plans = plans
+        self._adamw_items = adamw
+        self.plans_made += 1
 
     # -- the step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -236,124 +267,199 @@ class Muon(ShardedOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        muon_items: list[_Item] = []
-        adamw_items: list[_Item] = []
-        for group, name, param in self._params_with_grads():
-            item = _Item(param, name, group, self._layout(param, name))
-            use = group["use_muon"]
-            if use is None:
-                use = param.dim() == 2
-            (muon_items if use else adamw_items).append(item)
-
-        # 1. momentum on the local shard; the update to orthogonalize, in ns_dtype.
-        updates: list[torch.Tensor] = []
-        for item in muon_items:
-            state = self._state(item, ("momentum_buffer",))
-            state["step"] += 1
-            assert item.param.grad is not None
-            g = local_flat(item.param.grad, item.name).float()
-            buf = state["momentum_buffer"]
-            beta = item.group["momentum"]
-            buf.mul_(beta).add_(g * (1.0 - beta))
-            update = g.mul(1.0 - beta).add_(buf * beta) if item.group["nesterov"] else buf
-            updates.append(update.to(_as_dtype(item.group["ns_dtype"])))
-
-        by_pg: dict[dist.ProcessGroup | None, list[int]] = {}
-        for i, item in enumerate(muon_items):
-            pg = item.layout.group if item.layout.is_sharded else None
-            by_pg.setdefault(pg, []).append(i)
+        key = self._key()
+        if key != self._plan_key:
+            self._make_plans()
+            self._plan_key = key
+        updates: dict[int, torch.Tensor | None] = {}
         stats = {"collectives": 0, "bytes_sent": 0}
+        sharded = [gp for gp in self._plans if gp.exchange is not None]
+        local = [gp for gp in self._plans if gp.exchange is None]
 
-        # 2. start the gathers (one all-to-all per process group and dtype).
-        pending = []
-        for pg, indices in by_pg.items():
-            if pg is None:
-                continue
-            for dtype in sorted({updates[i].dtype for i in indices}, key=str):
-                sel = [i for i in indices if updates[i].dtype == dtype]
-                items = [muon_items[i] for i in sel]
-                gp = self._group_plan(items, pg)
-                if self.check_consistency:
-                    check_agreement(
-                        pg,
-                        gp.fingerprint,
-                        len(items),
-                        updates[sel[0]].device,
-                        "Muon",
-                        [item.name for item in items],
-                    )
-                    stats["collectives"] += 1
-                work, recv = exchange.gather_to_roots(gp.plan, [updates[i] for i in sel], pg)
-                stats["collectives"] += 1
-                stats["bytes_sent"] += gp.plan.moved_elements * updates[sel[0]].element_size()
-                pending.append((pg, sel, gp.plan, work, recv))
+        def overlap() -> None:
+            # Everything that needs no owner: it runs while the first gathers fly.
+            for item in self._adamw_items:
+                if item.param.grad is not None:
+                    self._adamw(item)
+            for gp in self._plans:
+                for item in gp.items:
+                    if item.param.grad is None:
+                        continue
+                    decay = 1.0 - item.group["lr"] * item.group["weight_decay"]
+                    if decay != 1.0:
+                        local_flat(item.param, item.name).mul_(decay)
+            for gp in local:
+                self._orthogonalize_locally(gp, updates)
 
-        # Overlap: AdamW-path params and Muon's weight decay while the gathers fly.
-        for item in adamw_items:
-            self._adamw(item)
-        for item in muon_items:
-            decay = 1.0 - item.group["lr"] * item.group["weight_decay"]
-            if decay != 1.0:
-                local_flat(item.param, item.name).mul_(decay)
-
-        # Unsharded matrices: orthogonalize in place, no communication.
-        for i in by_pg.get(None, []):
-            item = muon_items[i]
-            shape = item.layout.global_shape
-            ortho = self._orthogonalize(item, updates[i].view(shape)).reshape(-1)
-            self._apply(item, ortho)
-
-        # 3. NS on the roots, 4. scatter back.
-        scatters = []
-        for pg, sel, plan, work, recv in pending:
-            if work is not None:
-                work.wait()
-            full = exchange.assemble(plan, recv)
-            results = {
-                j: self._orthogonalize(
-                    muon_items[sel[j]], full[j].view(muon_items[sel[j]].layout.global_shape)
-                ).reshape(-1)
-                for j in plan.mine
-            }
-            like = updates[sel[0]]
-            work2, recv2 = exchange.scatter_from_roots(plan, results, like, pg)
-            stats["collectives"] += 1
-            stats["bytes_sent"] += plan.moved_elements * like.element_size()
-            scatters.append((sel, plan, work2, recv2))
-        for sel, plan, work2, recv2 in scatters:
-            if work2 is not None:
-                work2.wait()
-            pieces = exchange.split_scattered(plan, recv2)
-            for j, i in enumerate(sel):
-                self._apply(muon_items[i], pieces[j])
+        if not sharded:
+            overlap()
+        for n, gp in enumerate(sharded):
+            assert gp.exchange is not None and gp.group is not None
+            run = exchange.run(
+                gp.exchange,
+                gp.group,
+                dtype=gp.dtype,
+                device=local_flat(gp.items[0].param, gp.items[0].name).device,
+                piece=functools.partial(self._piece, gp, updates=updates),
+                compute=functools.partial(self._compute_bucket, gp),
+                apply=functools.partial(self._apply_bucket, gp),
+                present=(
+                    [gp.items[u.item].param.grad is not None for u in gp.units]
+                    if self.check_consistency
+                    else None
+                ),
+                overlap=overlap if n == 0 else None,
+                in_flight=self.in_flight,
+                what="Muon",
+                names=functools.partial(_unit_name, gp),
+            )
+            stats["collectives"] += run.collectives
+            stats["bytes_sent"] += run.bytes_sent
         self.last_step_stats = stats
         return loss
 
-    def _orthogonalize(self, item: _Item, matrix: torch.Tensor) -> torch.Tensor:
-        g = item.group
-        dtype = _as_dtype(g["ns_dtype"])
-        return newton_schulz(matrix, g["ns_coefficients"], g["ns_steps"], g["eps"], dtype)
+    def _update(
+        self, gp: GroupPlan, index: int, updates: dict[int, torch.Tensor | None]
+    ) -> torch.Tensor | None:
+        """Item ``index``'s flat update in ``ns_dtype`` (``None`` without a gradient), made once
+        per step: momentum ``M <- b M + (1-b) G``, Nesterov ``(1-b) G + b M``."""
+        item = gp.items[index]
+        key = id(item)
+        if key in updates:
+            return updates[key]
+        grad = item.param.grad
+        if grad is None:
+            updates[key] = None
+            return None
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"parameter {item.name!r}: Muon does not support sparse gradients "
+                f"(as torch.optim.AdamW)"
+            )
+        if grad.shape != item.param.shape:
+            raise ValueError(
+                f"parameter {item.name!r}: gradient shape {tuple(grad.shape)} differs from the "
+                f"parameter's {tuple(item.param.shape)}"
+            )
+        state = self._state(item, ("momentum_buffer",))
+        state["step"] += 1
+        g = local_flat(grad, item.name).float()
+        buf = state["momentum_buffer"]
+        beta = item.group["momentum"]
+        buf.mul_(beta).add_(g * (1.0 - beta))
+        update = g.mul(1.0 - beta).add_(buf * beta) if item.group["nesterov"] else buf
+        out = update.to(gp.dtype)
+        updates[key] = out
+        return out
 
-    def _apply(self, item: _Item, ortho_local: torch.Tensor) -> None:
-        p_local = local_flat(item.param, item.name)
-        if p_local.numel() == 0:
-            return
-        scaled = adjust_lr(item.group["lr"], item.group["adjust_lr_fn"], item.layout.global_shape)
-        p_local.sub_(ortho_local.to(p_local.dtype).mul(scaled))
+    def _compute_bucket(
+        self, gp: GroupPlan, bucket: exchange.Bucket, fulls: dict[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        return self._compute(gp, fulls)
 
-    def _adamw(self, item: _Item) -> None:
+    def _apply_bucket(
+        self, gp: GroupPlan, bucket: exchange.Bucket, pieces: dict[int, torch.Tensor]
+    ) -> None:
+        self._apply_pieces(gp, pieces)
+
+    def _piece(
+        self, gp: GroupPlan, i: int, *, updates: dict[int, torch.Tensor | None]
+    ) -> torch.Tensor:
+        unit = gp.units[i]
+        update = self._update(gp, unit.item, updates)
+        lo, hi = unit.local
+        if update is None:
+            device = local_flat(gp.items[unit.item].param, "").device
+            return torch.zeros(hi - lo, dtype=gp.dtype, device=device)
+        return update[lo:hi]
+
+    def _compute(self, gp: GroupPlan, fulls: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Newton-Schulz on the owner: a matrix on its own, an expert group as one batch."""
+        out: dict[int, torch.Tensor] = {}
+        for i, full in fulls.items():
+            unit = gp.units[i]
+            g = gp.items[unit.item].group
+            ortho = newton_schulz(
+                full.view(unit.view_shape),
+                tuple(g["ns_coefficients"]),
+                g["ns_steps"],
+                g["eps"],
+                gp.dtype,
+            )
+            out[i] = ortho.reshape(-1)
+        return out
+
+    def _apply_pieces(self, gp: GroupPlan, pieces: dict[int, torch.Tensor]) -> None:
+        for i, piece in pieces.items():
+            unit = gp.units[i]
+            item = gp.items[unit.item]
+            if item.param.grad is None:
+                continue
+            lo, hi = unit.local
+            if hi > lo:
+                self._apply(item, unit, local_flat(item.param, item.name)[lo:hi], piece)
+
+    def _orthogonalize_locally(
+        self, gp: GroupPlan, updates: dict[int, torch.Tensor | None]
+    ) -> None:
+        """Unsharded matrices: every rank holds them whole; no communication."""
+        fulls: dict[int, torch.Tensor] = {}
+        for i, unit in enumerate(gp.units):
+            update = self._update(gp, unit.item, updates)
+            if update is not None:
+                lo, hi = unit.local
+                fulls[i] = update[lo:hi]
+        for i, ortho in self._compute(gp, fulls).items():
+            unit = gp.units[i]
+            item = gp.items[unit.item]
+            lo, hi = unit.local
+            self._apply(item, unit, local_flat(item.param, item.name)[lo:hi], ortho)
+
+    def _apply(self, item: MuonItem, unit: Unit, target: torch.Tensor, ortho: torch.Tensor) -> None:
+        scaled = adjust_lr(item.group["lr"], item.group["adjust_lr_fn"], unit.shape)
+        target.sub_(ortho.to(target.dtype).mul(scaled))
+
+    def _state(self, item: MuonItem, keys: tuple[str, ...]) -> dict[str, Any]:
+        state = cast(dict[str, Any], self.state[item.param])
+        if not state:
+            device = local_flat(item.param, item.name).device
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            self._counts[item.param] = 0.0
+            for key in keys:
+                state[key] = torch.zeros(
+                    item.layout.local_numel, dtype=torch.float32, device=device
+                )
+        return state
+
+    def _count(self, param: torch.Tensor, state: dict[str, Any]) -> float:
+        """The step number after this step, kept on the host: ``state["step"]`` (a CPU tensor,
+        as torch keeps it) is read once after a load, never in a steady-state step."""
+        count = self._counts.get(param)
+        if count is None:
+            count = float(state["step"].item())
+        count += 1.0
+        self._counts[param] = count
+        state["step"] += 1
+        return count
+
+    def _adamw(self, item: MuonItem) -> None:
         group = item.group
         state = self._state(item, ("exp_avg", "exp_avg_sq"))
-        state["step"] += 1
-        step = float(state["step"].item())
+        step = self._count(item.param, state)
         lr = group.get("adamw_lr")
         lr = group["lr"] if lr is None else lr
         wd = group.get("adamw_weight_decay")
         wd = group["weight_decay"] if wd is None else wd
         beta1, beta2 = group["adamw_betas"]
         eps = group["adamw_eps"]
-        assert item.param.grad is not None
-        g = local_flat(item.param.grad, item.name).float()
+        grad = item.param.grad
+        assert grad is not None
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"parameter {item.name!r}: Muon does not support sparse gradients "
+                f"(as torch.optim.AdamW)"
+            )
+        g = local_flat(grad, item.name).float()
         p_local = local_flat(item.param, item.name)
         if p_local.numel() == 0:
             return
@@ -366,3 +472,9 @@ class Muon(ShardedOptimizer):
         p32.sub_(m.div(denom).mul_(lr / (1.0 - beta1**step)))
         if p32 is not p_local:
             p_local.copy_(p32)
+
+
+def _unit_name(gp: GroupPlan, i: int) -> str:
+    unit = gp.units[i]
+    name = gp.items[unit.item].name
+    return f"{name}[{unit.expert}:{unit.expert + unit.count}]" if unit.batched else name

@@ -7,11 +7,14 @@ from collections.abc import Sequence
 
 import torch
 
+from optim_blockwise._private.owners import assign_owners
+
 __all__ = [
     "DEFAULT_NS_COEFFICIENTS",
     "newton_schulz",
     "adjust_lr",
     "ns_flops",
+    "ns_root_bytes",
     "assign_roots",
 ]
 
@@ -34,20 +37,33 @@ def newton_schulz(
     Computed in ``dtype`` (bf16 like the reference; fp32 for tight tests); the result is in
     ``dtype``. The op order matches ``torch.optim.Muon`` so results agree with it bit for bit
     on the same input.
+
+    A 3-D input is a batch of matrices (MoE experts, or same-shape matrices stacked by an
+    optimizer): each is orthogonalized on its own (its own norm), with batched matmuls.
     """
-    if matrix.dim() != 2:
-        raise ValueError(f"Newton-Schulz needs a 2-D matrix, got shape {tuple(matrix.shape)}")
+    if matrix.dim() not in (2, 3):
+        raise ValueError(
+            f"Newton-Schulz needs a 2-D matrix or a 3-D batch of matrices, got shape "
+            f"{tuple(matrix.shape)}"
+        )
     a, b, c = coefficients
     x = matrix.to(dtype)
-    tall = matrix.size(0) > matrix.size(1)
+    tall = matrix.size(-2) > matrix.size(-1)
     if tall:
-        x = x.T
-    x = x.div(x.norm().clamp(min=eps))
-    for _ in range(steps):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
-    return x.T if tall else x
+        x = x.mT
+    if x.dim() == 2:
+        x = x.div(x.norm().clamp(min=eps))
+        for _ in range(steps):
+            gram = x @ x.T
+            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.addmm(x, poly, x, beta=a)
+    else:
+        x = x.div(x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))
+        for _ in range(steps):
+            gram = x @ x.mT
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, poly, x, beta=a)
+    return x.mT if tall else x
 
 
 def adjust_lr(lr: float, convention: str, shape: Sequence[int]) -> float:
@@ -71,21 +87,22 @@ def ns_flops(shape: Sequence[int], steps: int = 5) -> int:
     return steps * (4 * m * m * n + 2 * m**3)
 
 
+def ns_root_bytes(shape: Sequence[int], element_size: int = 2) -> int:
+    """Bytes a root holds for Newton-Schulz on an ``m x n`` matrix (s = min(m, n)): the
+    gathered matrix, the iterate and its successor, the result (``m n`` each, counted 3x: the
+    input is dropped after the first cast) and the two ``s x s`` Gram matrices."""
+    m, n = int(shape[0]), int(shape[1])
+    s = min(m, n)
+    return element_size * (3 * m * n + 2 * s * s)
+
+
 def assign_roots(costs: Sequence[int], shares: Sequence[Sequence[int]]) -> tuple[int, ...]:
     """Pick a root rank for every matrix, balancing the summed cost over ranks.
 
     Greedy longest-processing-time: matrices by decreasing cost (ties: lower index first), each
     onto the rank with the least load so far; among equally loaded ranks the one already holding
     the most of the matrix (``shares[i][k]`` elements), which saves traffic, then the lowest rank.
-    Deterministic: every rank computes the same answer from the same global shapes.
+    Deterministic: every rank computes the same answer from the same global shapes. (One cost
+    dimension of ``owners.assign_owners``; ``Muon`` balances flops and root memory together.)
     """
-    if not costs:
-        return ()
-    world = len(shares[0])
-    load = [0] * world
-    roots = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda j: (-costs[j], j)):
-        best = min(range(world), key=lambda k: (load[k], -shares[i][k], k))
-        roots[i] = best
-        load[best] += costs[i]
-    return tuple(roots)
+    return assign_owners([(c,) for c in costs], shares)

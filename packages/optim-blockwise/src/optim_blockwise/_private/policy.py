@@ -8,11 +8,12 @@ The values here satisfy it structurally (this package never imports the engine).
 
 - 8-bit AdamW: its quantization block, so each rank quantizes its own shard with no exchange and
   bit-identical results. A tensor below the 8-bit threshold keeps fp32 state: no constraint (1).
-  A tensor whose numel is not a multiple of the block has a ragged last block; the only block
-  size dividing numel that keeps every boundary on a quantization block is numel itself
-  (the whole tensor on one rank), so that is what is returned. ``AdamW8bit`` also works on
-  unaligned shards (it then exchanges a few partial absmaxes per step), so a policy returning 1
-  is valid too, only less efficient.
+  A tensor whose numel is not a multiple of the block has a short last block (the quantization
+  handles it like any block). The protocol needs a divisor of numel, and no multiple of the
+  block divides such a numel, so the policy returns ``gcd(numel, block)``: shard boundaries fall
+  on multiples of it, the tensor is spread over the ranks like any other (never one block, never
+  forced onto one rank), and a boundary that cuts a quantization block costs the exchange of a
+  few partial absmaxes per step (``AdamW8bit`` handles unaligned shards exactly, bit for bit).
 - Muon: no constraint by default (1). Its root gathers a matrix from arbitrary flat ranges, so
   cutting rows costs nothing; ``row_aligned=True`` returns the row length (no row cut), for
   engines that want every shard to be a box of whole rows.
@@ -43,9 +44,7 @@ class AdamW8bitBlockPolicy:
         numel = math.prod(param.shape)
         if numel < self.min_8bit_size or numel == 0:
             return 1
-        if numel % self.block_size:
-            return numel
-        return self.block_size
+        return math.gcd(numel, self.block_size)
 
 
 @attrs.frozen

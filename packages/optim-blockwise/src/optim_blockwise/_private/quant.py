@@ -184,3 +184,131 @@ def dequantize_blockwise(
     values = code.index_select(0, codes.int())
     blocks = _blocks(values, block_size, head)
     return (blocks * absmax.unsqueeze(1)).view(-1)[head : head + n]
+
+
+# -- in-place chunk kernels (AdamW8bit's bounded-memory step) --------------------------------
+#
+# [Note: chunks with bounded scratch]
+# The step works through a run of parameters in chunks of whole quantization blocks, reusing
+# one set of scratch buffers for every chunk, so its transient memory is a constant number of
+# bytes per *chunk* element instead of ~40 bytes per parameter element. A chunk is laid out in
+# a "padded" fp32 view of ``nb * block`` elements: the real elements at ``[head, head + n)`` and
+# zeros around them (a shard that starts or ends inside a block), exactly the layout ``_blocks``
+# builds by copying, so absmaxes and codes are those of the one-shot functions above.
+
+
+class Scratch:
+    """Reusable buffers of ``capacity`` elements: four fp32, two int32, one bool."""
+
+    def __init__(self, capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.f = [torch.empty(capacity, dtype=torch.float32, device=device) for _ in range(4)]
+        self.i = [torch.empty(capacity, dtype=torch.int32, device=device) for _ in range(2)]
+        self.b = torch.empty(capacity, dtype=torch.bool, device=device)
+
+
+def dequantize_into(
+    out: torch.Tensor,
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    block_size: int,
+    head: int,
+    signed: bool,
+    index: torch.Tensor,
+) -> torch.Tensor:
+    """Fill the padded view ``out`` (``len(absmax) * block_size`` fp32) with ``map[codes] *
+    absmax`` at ``[head, head + n)`` and zeros elsewhere; returns the real part. ``index`` is
+    int32 scratch of at least ``n`` elements."""
+    n = codes.numel()
+    code, _ = _map_and_midpoints(signed, codes.device)
+    real = out[head : head + n]
+    idx = index[:n]
+    idx.copy_(codes)
+    torch.index_select(code, 0, idx, out=real)
+    out.view(-1, block_size).mul_(absmax.unsqueeze(1))
+    _zero_pads(out, head, n)
+    return real
+
+
+def _zero_pads(out: torch.Tensor, head: int, n: int) -> None:
+    if head:
+        out[:head].zero_()
+    if head + n < out.numel():
+        out[head + n :].zero_()
+
+
+def absmax_into(
+    out: torch.Tensor,
+    padded: torch.Tensor,
+    block_size: int,
+    head: int,
+    n: int,
+    nonnegative: bool,
+    tmp: torch.Tensor,
+) -> None:
+    """``out[b] = max |padded block b|`` (padding zeroed first); ``tmp`` is fp32 scratch of the
+    padded size, unused when the values are known to be ``>= 0`` (Adam's v)."""
+    _zero_pads(padded, head, n)
+    source = padded
+    if not nonnegative:
+        source = tmp[: padded.numel()]
+        torch.abs(padded, out=source)
+    torch.amax(source.view(-1, block_size), dim=1, out=out)
+
+
+def quantize_into(
+    codes: torch.Tensor,
+    padded: torch.Tensor,
+    absmax: torch.Tensor,
+    block_size: int,
+    head: int,
+    signed: bool,
+    scratch: Scratch,
+    a_buf: torch.Tensor,
+    nxt_buf: torch.Tensor,
+) -> None:
+    """``codes`` (uint8, in place) of the real part of ``padded`` given each block's absmax;
+    same result as ``quantize_blockwise``. ``padded`` is normalized in place (clobbered);
+    ``a_buf`` and ``nxt_buf`` are two more fp32 scratch buffers (not ``padded``); the int32 and
+    bool buffers of ``scratch`` are used too."""
+    n = codes.numel()
+    if n == 0:
+        return
+    scale = torch.where(absmax > 0, absmax, 1.0)
+    blocks = padded.view(-1, block_size)
+    blocks.div_(scale.unsqueeze(1))
+    normed = padded[head : head + n]
+    code, mid = _map_and_midpoints(signed, codes.device)
+    base_lut, padded_mid = _bucket_base(signed, codes.device)
+    a = a_buf[:n]
+    torch.abs(normed, out=a)
+    bucket, base = scratch.i[0][:n], scratch.i[1][:n]
+    torch.bitwise_right_shift(a.view(torch.int32), _MANTISSA_SHIFT, out=bucket)
+    bucket.clamp_(max=_LUT_SIZE - 1)
+    torch.index_select(base_lut, 0, bucket, out=base)
+    nxt = nxt_buf[:n]
+    torch.index_select(padded_mid, 0, base, out=nxt)
+    flag = scratch.b[:n]
+    # [Note: comparisons without temporaries] int32 + bool allocates a promoted copy of the
+    # bool operand, so every comparison goes bool -> copy into the free int32 buffer -> int op.
+    count = bucket  # the bucket index is consumed: its buffer holds 0/1 counts from here on
+    torch.lt(nxt, a, out=flag)
+    count.copy_(flag)
+    base.add_(count)  # = #{mid < |x|}
+    if not signed:
+        base.clamp_(max=code.numel() - 1)
+        # a positive v never becomes the 0 code (see quantize_blockwise's note): a code of 0
+        # with normed > 0 becomes 1, max(code, normed > 0), every other code is >= 1 already
+        torch.gt(normed, 0, out=flag)
+        count.copy_(flag)
+        torch.maximum(base, count, out=base)
+        codes.copy_(base)
+        return
+    # negative x: #{mid < -|x|} = len(mid) - #{mid <= |x|} = len(mid) - below - [mid == |x|]
+    torch.eq(nxt, a, out=flag)
+    count.copy_(flag)
+    count.add_(base).neg_().add_(mid.numel())
+    torch.lt(normed, 0, out=flag)
+    torch.where(flag, count, base, out=base)
+    base.clamp_(0, code.numel() - 1)
+    codes.copy_(base)

@@ -11,12 +11,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
+from ragged_dtensor._private.agreement import check_ranks_agree
 from ragged_dtensor._private.geometry import FlatRange
 from ragged_dtensor._private.placement import RaggedShard
 from ragged_dtensor._private.redistribute import ragged_axis, x_shape
@@ -152,21 +152,16 @@ def check_ragged_local(
 def _check_ranks_agree(
     mesh: DeviceMesh, axis: int, placements: Sequence[Placement], shape: tuple[int, ...]
 ) -> None:
-    """Every rank of the mesh must describe the same global tensor: compare and raise on all."""
-    mine = (tuple(repr(p) for p in placements), shape)
-    group = mesh.get_group(axis)
-    gathered: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    differing = [k for k, other in enumerate(gathered) if other != mine]
-    if differing:
-        listing = "; ".join(
-            f"axis coordinate {k}: placements {g[0]} shape {g[1]}"  # type: ignore[index]
-            for k, g in enumerate(gathered)
-        )
-        raise ValueError(
-            f"DTensor.from_local(run_check=True): ranks disagree on the ragged "
-            f"layout (local_units/dims/shape) on mesh axis {axis}: {listing}"
-        )
+    """Every rank of the ragged axis must describe the same global tensor: compare (the common
+    agreement check) and raise on all of them."""
+    check_ranks_agree(
+        mesh.get_group(axis),
+        {"placements": repr(tuple(placements)), "global shape": repr(shape)},
+        what=(
+            f"DTensor.from_local(run_check=True): ranks disagree on the ragged layout "
+            f"(local_units, dims, shape) on mesh axis {axis}"
+        ),
+    )
 
 
 def from_local(

@@ -5,11 +5,13 @@ DCP describes every local piece of a tensor as a box (offsets, sizes) of the glo
 share is a contiguous flat range of X's row-major storage; any such range is the union of at most
 ``2 * ndim - 1`` contiguous boxes (``geometry.flat_range_to_boxes``), and each box is a *view* of
 the local tensor. So a rank writes (and reads into) several chunks of one tensor, and DCP's own
-planner reshards them to any other layout or world size on load: nothing is gathered.
+planner reshards them to any other layout or world size on load: nothing is gathered. A
+zero-element tensor is one empty box (no flat range has a box), so its key is still saved.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -31,6 +33,12 @@ __all__ = ["install", "ragged_chunks"]
 
 def ragged_chunks(dt: Any) -> list[tuple[torch.Size, torch.Size, torch.Tensor]]:
     """``(global_offset, size, view)`` of every box of this rank's ragged share."""
+    if math.prod(dt.shape) == 0:
+        # A zero-element tensor: no rank's flat range has a box, yet DCP must still record the
+        # key (else the load reports it missing). One empty box covering the whole tensor, the
+        # same on every rank (DCP's deduplication keeps one).
+        shape = torch.Size(dt.shape)
+        return [(torch.Size([0] * len(shape)), shape, dt._local_tensor.reshape(shape))]
     axis = ragged_axis(dt.placements)
     assert axis is not None
     placement = dt.placements[axis]

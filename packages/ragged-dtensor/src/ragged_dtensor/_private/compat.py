@@ -10,9 +10,12 @@ each delegating to torch untouched unless a RaggedShard is involved:
    ``full_tensor``, autograd backward, and the input redistribution of op dispatch;
 2. the sharding propagator: ops with a ragged operand get the rules of ``ops.py`` or an error;
 3. ``distribute_tensor``: RaggedShard is cut from the (source-rank) full tensor;
-4. ``DTensor.from_local``: ragged locals are checked against their units, ``shape=`` required;
+4. ``DTensor.from_local``: ragged locals are checked against their units, ``shape=`` required
+   (a 0-d ``shape=()``, which torch takes for "not given", is honoured);
 5. the checkpoint protocol of DTensor (``__create_write_items__``, ``__create_chunk_list__``,
-   ``__get_tensor_shard__``): a ragged share is written as the few boxes its flat range covers.
+   ``__get_tensor_shard__``): a ragged share is written as the few boxes its flat range covers;
+6. the Python slow path of op dispatch (``_dispatch_get_local_results_slow_path``, where torch
+   runs random ops): a random op on a ragged operand draws what one device draws (random.py).
 
 Each hook is installed once, checks that what it wraps still has the expected shape, and
 ``hooks_installed()`` lets a test fail loudly if torch changes underneath.
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,10 +39,11 @@ from torch.distributed.tensor import _redistribute as dtensor_redistribute
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor._sharding_prop import LocalLRUCache
-from torch.distributed.tensor.placement_types import Placement, Replicate
+from torch.distributed.tensor.placement_types import Placement
 
 from ragged_dtensor._private import checkpoint, ops
-from ragged_dtensor._private.placement import RaggedBoxView, RaggedShard
+from ragged_dtensor._private import random as ragged_random
+from ragged_dtensor._private.placement import RaggedBoxView, RaggedPaddedView, RaggedShard
 from ragged_dtensor._private.redistribute import execute, plan_redistribute, ragged_axis, x_shape
 
 __all__ = ["hooks_installed", "install", "ragged_redistribute_local"]
@@ -126,6 +131,24 @@ def _box_view(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec) ->
     return local.view(shape)
 
 
+def _padded_view(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec) -> torch.Tensor:
+    """RaggedShard -> RaggedPaddedView: the flat share written into X's full shape, the rest
+    set to the view's fill value (a local copy)."""
+    axis = ragged_axis(target.placements)
+    assert axis is not None
+    placement = target.placements[axis]
+    assert isinstance(placement, RaggedPaddedView)
+    xs = x_shape(tuple(current.shape), current.mesh, current.placements)
+    flat = placement.flat_range(xs, current.mesh.get_local_rank(axis))
+    fill = placement.fill
+    if not local.dtype.is_floating_point and math.isinf(fill):  # integers: their extremes
+        info = torch.iinfo(local.dtype) if local.dtype != torch.bool else None
+        fill = (info.max if fill > 0 else info.min) if info is not None else float(fill > 0)
+    full = torch.full(xs, fill, dtype=local.dtype, device=local.device)
+    full.view(-1)[flat.start : flat.stop] = local.reshape(-1)
+    return full
+
+
 def _redistribute_hook(
     local_tensor: torch.Tensor,
     current_spec: DTensorSpec,
@@ -133,6 +156,8 @@ def _redistribute_hook(
     *args: Any,
     **kwargs: Any,
 ) -> torch.Tensor:
+    if any(isinstance(p, RaggedPaddedView) for p in target_spec.placements):
+        return _padded_view(local_tensor, current_spec, target_spec)
     if any(isinstance(p, RaggedBoxView) for p in target_spec.placements):
         return _box_view(local_tensor, current_spec, target_spec)
     if _spec_has_ragged(current_spec) or _spec_has_ragged(target_spec):
@@ -259,6 +284,13 @@ def _from_local_hook(
         from ragged_dtensor._private.api import check_ragged_local
 
         local_tensor, kwargs = check_ragged_local(local_tensor, device_mesh, placements, **kwargs)
+        if len(kwargs["shape"]) == 0:
+            # torch's from_local takes an empty ``shape=`` for "not given" and then cannot infer a
+            # ragged global shape: a 0-d ragged DTensor gets its spec built here
+            assert device_mesh is not None
+            meta = TensorMeta(torch.Size(()), (), local_tensor.dtype)
+            spec = DTensorSpec(device_mesh, tuple(placements), tensor_meta=meta)
+            return DTensor(local_tensor, spec, requires_grad=local_tensor.requires_grad)  # type: ignore[no-untyped-call]
     return _ORIGINAL_FROM_LOCAL(local_tensor, device_mesh, placements, **kwargs)
 
 
@@ -278,6 +310,40 @@ def _install_checkpoint() -> None:
     _INSTALLED["checkpoint"] = True
 
 
+def _cut_share(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    """This rank's share of a full-shape tensor laid out as ``spec`` (no communication)."""
+    from ragged_dtensor._private.api import distribute_ragged
+
+    placed = distribute_ragged(
+        full, spec.mesh, spec.placements, _TORCH_DISTRIBUTE, src_data_rank=None
+    )
+    return placed.to_local()
+
+
+def _install_random() -> None:
+    dispatcher = DTensor._op_dispatcher
+    original = getattr(dispatcher, "_dispatch_get_local_results_slow_path", None)
+    if original is None or list(inspect.signature(original).parameters) != [
+        "op_call",
+        "args",
+        "op_info",
+    ]:
+        raise RuntimeError(
+            "ragged_dtensor: DTensor's _dispatch_get_local_results_slow_path changed; "
+            "this torch version is not supported"
+        )
+    random_ops = dispatcher._random_ops
+
+    def slow_path(op_call: torch._ops.OpOverload, args: tuple[object, ...], op_info: Any) -> Any:
+        random = op_call in random_ops or op_call in ops.RANDOM_OPS
+        if random and ragged_random.is_ragged_random(op_call, args):
+            return ragged_random.ragged_random_op(op_call, args, op_info, _cut_share)
+        return original(op_call, args, op_info)
+
+    setattr(dispatcher, "_dispatch_get_local_results_slow_path", slow_path)  # noqa: B010
+    _INSTALLED["random"] = True
+
+
 def install() -> None:
     """Install every hook once (idempotent). Called when ``ragged_dtensor`` is imported."""
     if _INSTALLED:
@@ -291,12 +357,9 @@ def install() -> None:
     _install_distribute()
     _install_from_local()
     _install_checkpoint()
+    _install_random()
 
 
 def hooks_installed() -> dict[str, bool]:
     """Which hooks are in place (tests assert all of them)."""
     return dict(_INSTALLED)
-
-
-def replicate_like(placements: Sequence[Placement]) -> tuple[Placement, ...]:
-    return tuple(Replicate() for _ in placements)

@@ -8,7 +8,11 @@ element by element (or on whole-tensor reductions that combine across ranks). We
   one layout; a Replicate operand of the same shape is sliced to it (no communication), a Replicate
   scalar passes through;
 - ``sum`` over all elements -> Partial(sum); ``linalg_vector_norm`` / ``_foreach_norm`` over all
-  elements -> the p-norm partial torch uses for Shard, so ``clip_grad_norm_`` works unchanged.
+  elements -> the p-norm partial torch uses for Shard, so ``clip_grad_norm_`` works unchanged;
+  ``any``/``all``/``prod``/``max``/``min`` over all elements -> the matching Partial;
+- reductions over some dims (sum, mean, p-norms, amax, amin): a share of whole dim-0 slices
+  stays ragged over the kept rows (no communication); any other share is reduced padded to the
+  full shape into a Partial result (``_padded_partial``).
 Everything else (views, slicing, transposes, matmuls, reductions over some dims, means of uneven
 shares...) raises ``RaggedOpError`` naming the op and the placement, instead of returning wrong
 values.
@@ -25,7 +29,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
-from ragged_dtensor._private.placement import RaggedBoxView, RaggedShard
+from ragged_dtensor._private.placement import RaggedBoxView, RaggedPaddedView, RaggedShard
 
 __all__ = ["RaggedOpError", "has_ragged", "propagate_ragged"]
 
@@ -64,11 +68,19 @@ _ELEMENTWISE_EXTRA = {
     aten.ones_like.default,
     aten.empty_like.default,
     aten.full_like.default,
-    aten.uniform_.default,
-    aten.normal_.default,
-    aten.bernoulli_.float,
     aten.to.dtype,
 }
+# random ops: elementwise in layout; their values come from random.py, which dispatch reaches
+# only through its slow path (``_random_rule`` asks for it)
+_RANDOM_LIKE = {
+    op
+    for packet in (aten.rand_like, aten.randn_like, aten.randint_like)
+    for name in packet.overloads()  # type: ignore[no-untyped-call]
+    if not name.endswith("out") and "Tensor" not in name
+    for op in [getattr(packet, name)]
+}
+_RANDOM_FILLS = {aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float}
+RANDOM_OPS = _RANDOM_LIKE | _RANDOM_FILLS
 _FOREACH_REDUCTIONS = ("aten::_foreach_norm", "aten::_foreach_max")
 
 
@@ -157,6 +169,22 @@ def _align_operands(
     return ref, out, moved
 
 
+def _plain_entry(op: torch._ops.OpOverload, group: Sequence[object]) -> DTensorSpec | None:
+    """The spec of a foreach entry none of whose operands is ragged: its DTensor operands must
+    share one placement (the result keeps it); None when it has no DTensor operand."""
+    specs = [s for s in group if isinstance(s, DTensorSpec)]
+    if not specs:
+        return None
+    first = specs[0]
+    for spec in specs[1:]:
+        if spec.placements != first.placements and spec.shape.numel() != 1:
+            raise RaggedOpError(
+                f"{op}: a foreach entry without a ragged operand mixes placements "
+                f"{first.placements} and {spec.placements}"
+            )
+    return first
+
+
 def _elementwise(schema: OpSchema, meta: object) -> OutputSharding:
     op = schema.op
     args = list(schema.args_schema)
@@ -179,6 +207,10 @@ def _elementwise(schema: OpSchema, meta: object) -> OutputSharding:
         for j in range(length):
             group = [args[i][j] for i in lists]  # type: ignore[index]
             ref, aligned, moved = _align_operands(op, group)
+            if ref is None:
+                # an entry with no ragged operand (e.g. a replicated parameter in the same
+                # optimizer list): elementwise on operands that share one placement
+                ref = _plain_entry(op, group)
             moved_any |= moved
             refs.append(ref)
             for i, value in zip(lists, aligned, strict=True):
@@ -193,7 +225,7 @@ def _elementwise(schema: OpSchema, meta: object) -> OutputSharding:
             for ref, m in zip(refs, meta, strict=True):
                 if ref is None:
                     raise _error(op, _first_ragged(schema), "mixed ragged/non-ragged foreach lists")
-                specs.append(_with_meta(ref, ref.placements, m))
+                specs.append(_with_meta(ref, ref.placements, m) if m is not None else None)
             out_spec = specs
     else:
         positions = [i for i, a in enumerate(args) if isinstance(a, DTensorSpec)]
@@ -250,9 +282,17 @@ def _covers_all_dims(dim: object, ndim: int) -> bool:
 
 
 def _norm_partial(ord_: object) -> Placement:
+    """How per-rank p-norms combine (torch's rule): max for inf, min for -inf, a sum of counts
+    for 0, the p-norm partial otherwise."""
     from torch.distributed.tensor._ops._math_ops import _NormPartial
 
     value = 2.0 if ord_ is None else float(ord_)  # type: ignore[arg-type]
+    if value == math.inf:
+        return Partial("max")
+    if value == -math.inf:
+        return Partial("min")
+    if value == 0:
+        return Partial("sum")
     placement: Placement = _NormPartial(norm_type=value)
     return placement
 
@@ -303,14 +343,15 @@ def _rowwise(
     placement = spec.placements[axes[0]]
     assert isinstance(placement, RaggedShard)
     xs = x_shape_of(spec)
-    if not (0 not in dims and others_replicated and placement.is_box(xs) and not keepdim):
+    if not others_replicated:
         raise _error(
             op,
             spec,
-            f"reduction over dims {sorted(dims)} (keepdim={keepdim}) needs a "
-            "ragged share of whole dim-0 slices, the other mesh axes replicated, dim 0 "
-            "kept and keepdim=False; redistribute first",
+            f"reduction over dims {sorted(dims)} needs the other mesh axes replicated; "
+            "redistribute first",
         )
+    if not (0 not in dims and placement.is_box(xs) and not keepdim):
+        return _padded_partial(schema, spec, axes[0], placement, meta)
     row = math.prod(xs[1:])
     rows = tuple(placement.local_numel(xs, k) // row for k in range(len(placement.local_units)))
     out_placements = list(spec.placements)
@@ -329,6 +370,79 @@ def _rowwise(
         redistribute_schema=new_schema,
         needs_redistribute=True,
     )
+
+
+# partial result of each row-wise reduction over a padded share: (fill value, partial placement)
+def _partial_for(op: torch._ops.OpOverload, schema: OpSchema) -> tuple[float, Placement]:
+    if op is aten.linalg_vector_norm.default:
+        ord_ = _arg(schema, 1, "ord", 2)
+        value = float(ord_)  # type: ignore[arg-type]
+        if -math.inf < value < 0:
+            raise _error(op, _first_ragged(schema), f"a norm of order {ord_} over some dims")
+        # padding must not change the result: +inf for the min-abs "norm", 0 otherwise
+        return (math.inf if value == -math.inf else 0.0), _norm_partial(ord_)
+    if op in (aten.amax.default, aten.max.default):
+        return float("-inf"), Partial("max")
+    if op in (aten.amin.default, aten.min.default):
+        return float("inf"), Partial("min")
+    if op in (aten.all.default, aten.prod.default):
+        return 1.0, Partial("product")
+    return 0.0, Partial("sum")  # sum, mean (each rank's sum / the full count), any
+
+
+def _padded_partial(
+    schema: OpSchema,
+    spec: DTensorSpec,
+    axis: int,
+    placement: RaggedShard,
+    meta: object,
+) -> OutputSharding:
+    """A reduction over some dims of a flat share that is not a box (or that reduces dim 0).
+
+    Each rank writes its share into a tensor of X's full shape filled with the reduction's
+    identity (0 for sums, means and p-norms; -inf/+inf for max/min) and reduces it locally: its
+    result has the full output shape and is this rank's partial value, so the output is
+    ``Partial`` (or the norm partial) on the ragged axis. No communication; the padded copy has
+    the size of the whole tensor on every rank.
+    """
+    fill, partial = _partial_for(schema.op, schema)
+    out_placements = list(spec.placements)
+    out_placements[axis] = partial
+    view_placements = list(spec.placements)
+    view_placements[axis] = RaggedPaddedView(placement.dims, placement.local_units, fill=fill)
+    view_spec = DTensorSpec(spec.mesh, tuple(view_placements), tensor_meta=spec.tensor_meta)
+    new_schema = OpSchema(
+        schema.op,
+        (view_spec, *schema.args_schema[1:]),
+        schema.kwargs_schema,
+        schema_info=schema.schema_info,
+    )
+    return OutputSharding(
+        _with_meta(spec, out_placements, meta),
+        redistribute_schema=new_schema,
+        needs_redistribute=True,
+    )
+
+
+# whole-tensor reductions, combined across ranks like torch combines Shard partials
+_WHOLE_REDUCTIONS = {
+    aten.any.default: "sum",
+    aten.all.default: "product",
+    aten.prod.default: "product",
+    aten.max.default: "max",
+    aten.min.default: "min",
+}
+
+
+def _padded_whole(schema: OpSchema, spec: DTensorSpec, meta: object) -> OutputSharding:
+    axes = [a for a, p in enumerate(spec.placements) if isinstance(p, RaggedShard)]
+    if not all(p.is_replicate() for a, p in enumerate(spec.placements) if a not in axes):
+        raise _error(
+            schema.op, spec, "a whole-tensor reduction needs the other mesh axes replicated"
+        )
+    placement = spec.placements[axes[0]]
+    assert isinstance(placement, RaggedShard)
+    return _padded_partial(schema, spec, axes[0], placement, meta)
 
 
 def _reduction(schema: OpSchema, meta: object) -> OutputSharding | None:
@@ -352,9 +466,20 @@ def _reduction(schema: OpSchema, meta: object) -> OutputSharding | None:
         ord_ = args[1] if len(args) > 1 else schema.kwargs_schema.get("ord", 2)
         dim = args[2] if len(args) > 2 else schema.kwargs_schema.get("dim")
         if _covers_all_dims(dim, spec.ndim):
+            if abs(float(ord_)) == math.inf:  # type: ignore[arg-type]
+                return _padded_whole(schema, spec, meta)  # no identity: an empty share fails
             placements = _reduced_placements(spec, lambda: _norm_partial(ord_))
             return OutputSharding(_with_meta(spec, placements, meta))
         raise _error(op, spec, f"norm over dims {dim} of a flat ragged share is not supported")
+    first = args[0] if args else None
+    if isinstance(first, DTensorSpec) and (
+        op in _WHOLE_REDUCTIONS
+        or (
+            op in (aten.amax.default, aten.amin.default)
+            and _covers_all_dims(_arg(schema, 1, "dim", None) or None, first.ndim)
+        )
+    ):
+        return _padded_whole(schema, first, meta)
     if _op_name(op) == "aten::_foreach_norm":
         specs = args[0]
         assert isinstance(specs, list | tuple)
@@ -417,6 +542,19 @@ def _shape_arg_op(
     )
 
 
+def _random_rule(schema: OpSchema, meta: object) -> OutputSharding | None:
+    """A random op keeps its operand's layout; asking for a (no-op) redistribution sends
+    dispatch through its Python slow path, where random.py draws the values."""
+    if schema.op not in RANDOM_OPS:
+        return None
+    result = _elementwise(schema, meta)
+    return OutputSharding(
+        result.output_spec,
+        redistribute_schema=result.redistribute_schema or schema,
+        needs_redistribute=True,
+    )
+
+
 def propagate_ragged(
     schema: OpSchema,
     tensor_meta: Callable[[OpSchema], Any],
@@ -431,7 +569,8 @@ def propagate_ragged(
     op = schema.op
     meta = tensor_meta(schema)
     rules: tuple[Callable[[], OutputSharding | None], ...] = (
-        lambda: _rowwise(schema, meta, x_shape_of),  # first: it owns partial-dim reductions
+        lambda: _random_rule(schema, meta),
+        lambda: _rowwise(schema, meta, x_shape_of),  # it owns partial-dim reductions
         lambda: _reduction(schema, meta),
         lambda: _shape_arg_op(schema, meta, local_numel),
     )

@@ -162,3 +162,32 @@ class RaggedBoxView(RaggedShard):
 
     def __repr__(self) -> str:
         return f"RaggedBoxView(dims={self.dims}, local_units={self.local_units})"
+
+
+@attrs.frozen(weakref_slot=False, eq=False, repr=False)
+class RaggedPaddedView(RaggedShard):
+    """Internal: the same layout as ``RaggedShard`` with the local share written into a tensor of
+    X's full shape, every other element ``fill`` (the identity of the reduction that follows).
+
+    Only op dispatch uses it, for reductions over some dims of a share that is not a box: each
+    rank reduces its padded tensor to a full-size partial result (a local copy, no
+    communication).
+    """
+
+    fill: float = attrs.field(default=0.0, kw_only=True)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, RaggedPaddedView)
+            and self.dims == other.dims
+            and self.local_units == other.local_units
+            and self.fill == other.fill
+        )
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.dims, self.local_units, self.fill))
+
+    def __repr__(self) -> str:
+        return (
+            f"RaggedPaddedView(dims={self.dims}, local_units={self.local_units}, fill={self.fill})"
+        )

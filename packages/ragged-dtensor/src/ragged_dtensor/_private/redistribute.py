@@ -350,7 +350,3 @@ def _numel(shape: Sequence[int]) -> int:
     for s in shape:
         n *= s
     return n
-
-
-def _row_numel(shape: Sequence[int]) -> int:
-    return _numel(shape[1:])

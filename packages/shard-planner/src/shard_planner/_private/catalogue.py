@@ -11,46 +11,95 @@ output head. Layers of one model share a structure, so each distinct group is li
 are left out.
 
 [Note: blocks from row granularity]
-A weight is ``(R, C)`` with ``R = prod(shape[:-1])`` rows of ``C = shape[-1]`` elements (a fused
-3-D expert tensor ``[E, h, n]`` is ``E*h`` rows of ``n``). With a granularity of ``r`` rows its
-block is ``gcd(r, R)`` rows, i.e. ``gcd(r, R) * C`` elements (equal to ``r`` rows for every
-matrix of the catalogue but a few small ones, e.g. DeepSeek's 576-row ``kv_a_proj``). Vectors
-(1-D norms and biases, per-expert bias tables, attention sinks, the router's score bias) carry no
-block structure an optimizer relies on and get block 1. Tiles: a ``32 x 32`` (or ``128 x 128``)
-tile is not contiguous in a row-major matrix; keeping every tile whole on one rank means shard
-boundaries on 32-row (128-row) multiples, so a tile granularity ``t x t`` is the row granularity
-``t`` here, as the veScale paper does for 8-bit Adam.
+A weight is a stack of matrices: ``(R, C)`` is one matrix of ``R`` rows of ``C`` elements, a fused
+3-D expert tensor ``[E, h, n]`` is ``E`` matrices of ``h`` rows of ``n`` elements (one per expert,
+back to back). A block never straddles two matrices of a stack.
+- Rows granularity ``r``: the block is ``gcd(r, h)`` rows of one matrix (``h = R`` for a 2-D
+  weight), i.e. ``gcd(r, h) * C`` elements: ``r`` rows for every matrix of the catalogue but a few
+  (DeepSeek's 576-row ``kv_a_proj`` gets 64-row blocks at r = 128; GPT-OSS's 2880-row experts get
+  64-row blocks at r = 128, never a block across two experts).
+- Tile granularity ``t x t`` (FP8 or 8-bit tiles, one scale per tile of each matrix, the last tile
+  row of a matrix partial when ``t`` does not divide ``h``): a shard boundary keeps every tile
+  whole iff it falls on a tile-row boundary of one matrix. A uniform block does that iff it is
+  ``t`` rows when ``t`` divides ``h``, and otherwise only if it is a multiple of the whole matrix
+  (any smaller block lands, in some matrix of the stack, inside a tile), so the block is ``t``
+  rows if ``t | h``, else ``h`` rows: whole experts for GPT-OSS at 128 x 128 (2880 = 22.5 x 128).
+Vectors (1-D norms and biases, per-expert bias tables, attention sinks, the router's score bias)
+carry no block structure an optimizer relies on and get block 1.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import attrs
 
 from shard_planner._private.spec import TensorSpec
 
-__all__ = ["CONFIGS", "MODELS", "Group", "Model", "Weight", "catalogue_model"]
+__all__ = ["CONFIGS", "MODELS", "Group", "LayerShape", "Model", "Weight", "catalogue_model"]
 
 
 @attrs.frozen
 class Weight:
-    """One parameter: its name, shape, and whether it is a matrix (gets row blocks)."""
+    """One parameter: its name, shape, and whether it is a matrix (gets row blocks).
+
+    ``active`` is the fraction of tokens that use it (``top_k / experts`` for routed experts,
+    1 otherwise): the projection counts FLOPs with it. A 3-D matrix weight is a stack of
+    ``shape[0]`` matrices (fused experts).
+    """
 
     name: str
     shape: tuple[int, ...]
     matrix: bool = True
+    active: float = 1.0
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    def block(self, rows: int) -> int:
-        """Block in elements for a granularity of ``rows`` rows (module Note)."""
-        if not self.matrix or len(self.shape) < 2 or rows <= 1:
-            return self.shape[-1] if self.matrix and len(self.shape) >= 2 else 1
-        r = math.prod(self.shape[:-1])
-        return math.gcd(rows, r) * self.shape[-1]
+    @property
+    def matrix_rows(self) -> int:
+        """Rows of one matrix of the stack (``R`` of a 2-D weight, ``h`` of ``[E, h, n]``)."""
+        return self.shape[-2] if len(self.shape) >= 2 else 1
+
+    def block(self, rows: int, *, tile: bool = False) -> int:
+        """Block in elements for a granularity of ``rows`` rows or ``rows x rows`` tiles;
+        ``rows == 0``: no structure (block 1 element, the engine's default)."""
+        if not self.matrix or len(self.shape) < 2 or rows == 0:
+            return 1
+        h, c = self.matrix_rows, self.shape[-1]
+        if tile:
+            return (rows if h % rows == 0 else h) * c
+        return math.gcd(max(rows, 1), h) * c
+
+
+@attrs.frozen
+class LayerShape:
+    """What the projection needs of a group beyond its weights (FLOPs and activations).
+
+    ``kind`` is ``"embed"``, ``"head"`` (final norm + output head), ``"dense"`` (attention + MLP)
+    or ``"moe"`` (attention + routed experts). Widths are per token: ``q_dim`` query width of all
+    heads, ``kv_dim`` key (= value) width, ``v_dim`` the attention output width, ``ffn`` a dense
+    MLP's width, ``expert_ffn`` one expert's, ``shared_ffn`` the always-active shared experts'.
+    ``latent`` is MLA's compressed widths (q_lora + kv_lora + rope) when the attention is MLA;
+    ``qk_norm``: per-head RMSNorm of queries and keys (Qwen3).
+    """
+
+    kind: str
+    hidden: int
+    heads: int = 0
+    q_dim: int = 0
+    kv_dim: int = 0
+    v_dim: int = 0
+    ffn: int = 0
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    shared_ffn: int = 0
+    vocab: int = 0
+    latent: int = 0
+    qk_norm: bool = False
 
 
 @attrs.frozen
@@ -60,19 +109,21 @@ class Group:
     name: str
     weights: tuple[Weight, ...]
     count: int = 1
+    layer: LayerShape | None = None
 
     @property
     def numel(self) -> int:
         return sum(w.numel for w in self.weights)
 
-    def specs(self, rows: int) -> list[TensorSpec]:
-        return [TensorSpec(w.numel, w.block(rows), w.name) for w in self.weights]
+    def specs(self, rows: int, *, tile: bool = False) -> list[TensorSpec]:
+        return [TensorSpec(w.numel, w.block(rows, tile=tile), w.name) for w in self.weights]
 
 
 @attrs.frozen
 class Model:
     name: str
     groups: tuple[Group, ...]
+    config: tuple[tuple[str, int | bool], ...] = ()
 
     @property
     def numel(self) -> int:
@@ -82,8 +133,17 @@ class Model:
     def largest_group(self) -> Group:
         return max(self.groups, key=lambda g: (g.numel, len(g.weights)))
 
+    @property
+    def layers(self) -> int:
+        """Decoder layers (groups other than the embedding and the head)."""
+        return sum(g.count for g in self.groups if g.layer is None or g.layer.kind not in _ENDS)
 
-# Published hyper-parameters (copied; the shapes below are our derivation).
+
+_ENDS = ("embed", "head")
+
+
+# Published hyper-parameters (copied from the models' configs; the same values as the project's
+# shared ``model-configs.json``, which a test compares; the shapes below are our derivation).
 CONFIGS: dict[str, dict[str, int | bool]] = {
     "llama3-8b": {
         "hidden": 4096,
@@ -93,6 +153,7 @@ CONFIGS: dict[str, dict[str, int | bool]] = {
         "head_dim": 128,
         "ffn": 14336,
         "vocab": 128256,
+        "tied_embeddings": False,
     },
     "llama3-70b": {
         "hidden": 8192,
@@ -102,6 +163,7 @@ CONFIGS: dict[str, dict[str, int | bool]] = {
         "head_dim": 128,
         "ffn": 28672,
         "vocab": 128256,
+        "tied_embeddings": False,
     },
     "gpt-oss-120b": {
         "hidden": 2880,
@@ -110,8 +172,12 @@ CONFIGS: dict[str, dict[str, int | bool]] = {
         "kv_heads": 8,
         "head_dim": 64,
         "vocab": 201088,
+        "attention_bias": True,
+        "attention_sinks": True,
         "experts": 128,
+        "experts_per_token": 4,
         "expert_ffn": 2880,
+        "experts_fused": True,
     },
     "deepseek-v3-671b": {
         "hidden": 7168,
@@ -119,6 +185,7 @@ CONFIGS: dict[str, dict[str, int | bool]] = {
         "first_dense_layers": 3,
         "dense_ffn": 18432,
         "vocab": 129280,
+        "tied_embeddings": False,
         "heads": 128,
         "q_lora_rank": 1536,
         "kv_lora_rank": 512,
@@ -127,7 +194,9 @@ CONFIGS: dict[str, dict[str, int | bool]] = {
         "v_head_dim": 128,
         "routed_experts": 256,
         "shared_experts": 1,
+        "experts_per_token": 8,
         "expert_ffn": 2048,
+        "experts_fused": False,
     },
     "qwen3-30b-a3b": {
         "hidden": 2048,
@@ -136,29 +205,43 @@ CONFIGS: dict[str, dict[str, int | bool]] = {
         "kv_heads": 4,
         "head_dim": 128,
         "vocab": 151936,
+        "qk_norm": True,
         "experts": 128,
+        "experts_per_token": 8,
         "expert_ffn": 768,
+        "experts_fused": False,
+        "tied_embeddings": False,
     },
 }
+
+Config = Mapping[str, int | bool]
 
 
 def _vec(name: str, *shape: int) -> Weight:
     return Weight(name, tuple(shape), matrix=False)
 
 
-def _mat(name: str, *shape: int) -> Weight:
-    return Weight(name, tuple(shape))
+def _mat(name: str, *shape: int, active: float = 1.0) -> Weight:
+    return Weight(name, tuple(shape), active=active)
 
 
-def _ends(h: int, vocab: int, layers: int, body: list[Group]) -> tuple[Group, ...]:
-    embed = Group("embed", (_mat("embed_tokens.weight", vocab, h),))
-    head = Group("head", (_vec("norm.weight", h), _mat("lm_head.weight", vocab, h)))
-    assert sum(g.count for g in body) == layers
+def _ends(c: Config, body: list[Group]) -> tuple[Group, ...]:
+    h, vocab = int(c["hidden"]), int(c["vocab"])
+    embed = Group(
+        "embed",
+        (_mat("embed_tokens.weight", vocab, h),),
+        layer=LayerShape("embed", h, vocab=vocab),
+    )
+    head = Group(
+        "head",
+        (_vec("norm.weight", h), _mat("lm_head.weight", vocab, h)),
+        layer=LayerShape("head", h, vocab=vocab),
+    )
+    assert sum(g.count for g in body) == int(c["layers"])
     return (embed, *body, head)
 
 
-def _llama(name: str) -> Model:
-    c = CONFIGS[name]
+def _llama(c: Config) -> tuple[Group, ...]:
     h, hd, ffn = int(c["hidden"]), int(c["head_dim"]), int(c["ffn"])
     q, kv = int(c["heads"]) * hd, int(c["kv_heads"]) * hd
     layer = Group(
@@ -175,15 +258,16 @@ def _llama(name: str) -> Model:
             _mat("mlp.down_proj.weight", h, ffn),
         ),
         count=int(c["layers"]),
+        layer=LayerShape("dense", h, heads=int(c["heads"]), q_dim=q, kv_dim=kv, v_dim=q, ffn=ffn),
     )
-    return Model(name, _ends(h, int(c["vocab"]), int(c["layers"]), [layer]))
+    return _ends(c, [layer])
 
 
-def _gpt_oss() -> Model:
-    c = CONFIGS["gpt-oss-120b"]
+def _gpt_oss(c: Config) -> tuple[Group, ...]:
     h, hd = int(c["hidden"]), int(c["head_dim"])
-    n_exp, ffn = int(c["experts"]), int(c["expert_ffn"])
+    n_exp, ffn, k = int(c["experts"]), int(c["expert_ffn"]), int(c["experts_per_token"])
     q, kv = int(c["heads"]) * hd, int(c["kv_heads"]) * hd
+    routed = k / n_exp
     layer = Group(
         "layer",
         (
@@ -201,21 +285,32 @@ def _gpt_oss() -> Model:
             _mat("mlp.router.weight", n_exp, h),
             _vec("mlp.router.bias", n_exp),
             # Fused experts: [E, hidden, 2*ffn] (gate and up interleaved) and [E, ffn, hidden].
-            _mat("mlp.experts.gate_up_proj", n_exp, h, 2 * ffn),
+            _mat("mlp.experts.gate_up_proj", n_exp, h, 2 * ffn, active=routed),
             _vec("mlp.experts.gate_up_proj_bias", n_exp, 2 * ffn),
-            _mat("mlp.experts.down_proj", n_exp, ffn, h),
+            _mat("mlp.experts.down_proj", n_exp, ffn, h, active=routed),
             _vec("mlp.experts.down_proj_bias", n_exp, h),
         ),
         count=int(c["layers"]),
+        layer=LayerShape(
+            "moe",
+            h,
+            heads=int(c["heads"]),
+            q_dim=q,
+            kv_dim=kv,
+            v_dim=q,
+            experts=n_exp,
+            top_k=k,
+            expert_ffn=ffn,
+        ),
     )
-    return Model("gpt-oss-120b", _ends(h, int(c["vocab"]), int(c["layers"]), [layer]))
+    return _ends(c, [layer])
 
 
-def _deepseek() -> Model:
-    c = CONFIGS["deepseek-v3-671b"]
+def _deepseek(c: Config) -> tuple[Group, ...]:
     h, heads = int(c["hidden"]), int(c["heads"])
     nope, rope, v = int(c["qk_nope_head_dim"]), int(c["qk_rope_head_dim"]), int(c["v_head_dim"])
     q_rank, kv_rank = int(c["q_lora_rank"]), int(c["kv_lora_rank"])
+    n_exp, k = int(c["routed_experts"]), int(c["experts_per_token"])
     attn = (
         _vec("input_layernorm.weight", h),
         _mat("self_attn.q_a_proj.weight", q_rank, h),
@@ -227,6 +322,23 @@ def _deepseek() -> Model:
         _mat("self_attn.o_proj.weight", h, heads * v),
         _vec("post_attention_layernorm.weight", h),
     )
+
+    def shape(kind: str, **widths: int) -> LayerShape:
+        return LayerShape(
+            kind,
+            h,
+            heads=heads,
+            q_dim=heads * (nope + rope),
+            kv_dim=heads * (nope + rope),
+            v_dim=heads * v,
+            latent=q_rank + kv_rank + rope,
+            ffn=widths.get("ffn", 0),
+            experts=widths.get("experts", 0),
+            top_k=widths.get("top_k", 0),
+            expert_ffn=widths.get("expert_ffn", 0),
+            shared_ffn=widths.get("shared_ffn", 0),
+        )
+
     dense_ffn, ffn = int(c["dense_ffn"]), int(c["expert_ffn"])
     dense = Group(
         "dense_layer",
@@ -237,42 +349,45 @@ def _deepseek() -> Model:
             _mat("mlp.down_proj.weight", h, dense_ffn),
         ),
         count=int(c["first_dense_layers"]),
+        layer=shape("dense", ffn=dense_ffn),
     )
+    routed = k / n_exp
     experts: list[Weight] = []
-    for j in range(int(c["routed_experts"])):
+    for j in range(n_exp):
         experts += [
-            _mat(f"mlp.experts.{j}.gate_proj.weight", ffn, h),
-            _mat(f"mlp.experts.{j}.up_proj.weight", ffn, h),
-            _mat(f"mlp.experts.{j}.down_proj.weight", h, ffn),
+            _mat(f"mlp.experts.{j}.gate_proj.weight", ffn, h, active=routed),
+            _mat(f"mlp.experts.{j}.up_proj.weight", ffn, h, active=routed),
+            _mat(f"mlp.experts.{j}.down_proj.weight", h, ffn, active=routed),
         ]
     shared = int(c["shared_experts"]) * ffn
     moe = Group(
         "moe_layer",
         (
             *attn,
-            _mat("mlp.gate.weight", int(c["routed_experts"]), h),
-            _vec("mlp.gate.e_score_correction_bias", int(c["routed_experts"])),
+            _mat("mlp.gate.weight", n_exp, h),
+            _vec("mlp.gate.e_score_correction_bias", n_exp),
             *experts,
             _mat("mlp.shared_experts.gate_proj.weight", shared, h),
             _mat("mlp.shared_experts.up_proj.weight", shared, h),
             _mat("mlp.shared_experts.down_proj.weight", h, shared),
         ),
         count=int(c["layers"]) - int(c["first_dense_layers"]),
+        layer=shape("moe", experts=n_exp, top_k=k, expert_ffn=ffn, shared_ffn=shared),
     )
-    return Model("deepseek-v3-671b", _ends(h, int(c["vocab"]), int(c["layers"]), [dense, moe]))
+    return _ends(c, [dense, moe])
 
 
-def _qwen_moe() -> Model:
-    c = CONFIGS["qwen3-30b-a3b"]
+def _qwen_moe(c: Config) -> tuple[Group, ...]:
     h, hd = int(c["hidden"]), int(c["head_dim"])
-    ffn, n_exp = int(c["expert_ffn"]), int(c["experts"])
+    ffn, n_exp, k = int(c["expert_ffn"]), int(c["experts"]), int(c["experts_per_token"])
     q, kv = int(c["heads"]) * hd, int(c["kv_heads"]) * hd
+    routed = k / n_exp
     experts: list[Weight] = []
     for j in range(n_exp):
         experts += [
-            _mat(f"mlp.experts.{j}.gate_proj.weight", ffn, h),
-            _mat(f"mlp.experts.{j}.up_proj.weight", ffn, h),
-            _mat(f"mlp.experts.{j}.down_proj.weight", h, ffn),
+            _mat(f"mlp.experts.{j}.gate_proj.weight", ffn, h, active=routed),
+            _mat(f"mlp.experts.{j}.up_proj.weight", ffn, h, active=routed),
+            _mat(f"mlp.experts.{j}.down_proj.weight", h, ffn, active=routed),
         ]
     layer = Group(
         "layer",
@@ -289,21 +404,52 @@ def _qwen_moe() -> Model:
             *experts,
         ),
         count=int(c["layers"]),
+        layer=LayerShape(
+            "moe",
+            h,
+            heads=int(c["heads"]),
+            q_dim=q,
+            kv_dim=kv,
+            v_dim=q,
+            experts=n_exp,
+            top_k=k,
+            expert_ffn=ffn,
+            qk_norm=bool(c.get("qk_norm", False)),
+        ),
     )
-    return Model("qwen3-30b-a3b", _ends(h, int(c["vocab"]), int(c["layers"]), [layer]))
+    return _ends(c, [layer])
 
 
 MODELS = ("llama3-8b", "llama3-70b", "gpt-oss-120b", "deepseek-v3-671b", "qwen3-30b-a3b")
 
+_BUILDERS = {
+    "llama3-8b": _llama,
+    "llama3-70b": _llama,
+    "gpt-oss-120b": _gpt_oss,
+    "deepseek-v3-671b": _deepseek,
+    "qwen3-30b-a3b": _qwen_moe,
+}
 
-def catalogue_model(name: str) -> Model:
-    """The model ``name`` (one of ``MODELS``) with its groups and derived shapes."""
-    if name in ("llama3-8b", "llama3-70b"):
-        return _llama(name)
-    if name == "gpt-oss-120b":
-        return _gpt_oss()
-    if name == "deepseek-v3-671b":
-        return _deepseek()
-    if name == "qwen3-30b-a3b":
-        return _qwen_moe()
-    raise ValueError(f"model must be one of {MODELS}, got {name!r}")
+
+def catalogue_model(name: str, overrides: Config | None = None) -> Model:
+    """The model ``name`` (one of ``MODELS``) with its groups and derived shapes.
+
+    ``overrides`` replaces published hyper-parameters (e.g. ``{"hidden": 256, "layers": 2}``
+    for a scaled-down model of the same structure); unknown keys raise ``ValueError``.
+    """
+    if name not in _BUILDERS:
+        raise ValueError(f"model must be one of {MODELS}, got {name!r}")
+    config = dict(CONFIGS[name])
+    for key, value in (overrides or {}).items():
+        if key not in config:
+            raise ValueError(
+                f"model {name!r} has no hyper-parameter {key!r} to override "
+                f"(it has {sorted(config)})"
+            )
+        flag = isinstance(config[key], bool)
+        if not flag and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"override {key}={value!r} of {name!r} must be an int >= 1")
+        if flag and not isinstance(value, bool):
+            raise ValueError(f"override {key}={value!r} of {name!r} must be a bool")
+        config[key] = value
+    return Model(name, _BUILDERS[name](config), tuple(sorted(config.items())))

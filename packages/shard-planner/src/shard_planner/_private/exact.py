@@ -16,9 +16,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shard_planner._private.bounds import admissible_shard_sizes
+from shard_planner._private.bounds import ShardSizes, int_mode
 from shard_planner._private.greedy import greedy_ends
-from shard_planner._private.orders import distinct_orders, make_plan, place_in_order
+from shard_planner._private.multiset import Kinds
+from shard_planner._private.orders import make_plan, place_in_order
 from shard_planner._private.plan import Plan
 from shard_planner._private.spec import TensorSpec, check_inputs
 
@@ -42,21 +43,27 @@ def exact_plan(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> 
         )
     m = world_size
     if not nonempty:
-        return make_plan(specs, m, align, shard=align, offsets={}, method="exact")
-    orders = distinct_orders(numels, blocks, nonempty)
-    e_arr = np.array([[numels[i] for i in o] for o in orders], dtype=np.int64)
-    g_arr = np.array([[blocks[i] for i in o] for o in orders], dtype=np.int64)
-    candidates = admissible_shard_sizes(numels, blocks, m, align)
+        return make_plan(specs, m, align, shard=align, offsets={}, method="exact", optimal=True)
+    # Brute force on purpose (every distinct order a lane, ``multiset_orders``): an independent
+    # reference for the planner's dynamic programme over multisets.
+    orders = list(Kinds(numels, blocks, nonempty).orders())
+    mode = int_mode(numels, blocks, m, align)
+    e_arr = mode.array([[numels[i] for i in o] for o in orders])
+    g_arr = mode.array([[blocks[i] for i in o] for o in orders])
+    # Finite: the last candidate is the trivial size, where everything fits in shard 0.
+    candidates = ShardSizes(numels, blocks, m, align)
     batch = 8
-    while True:
-        chunk = [next(candidates) for _ in range(batch)]
-        sizes = np.array(chunk, dtype=np.int64)
-        ok = greedy_ends(e_arr, g_arr, sizes) <= sizes[None, :] * m
+    while (sizes := candidates.take(batch)).size:
+        chunk = [int(c) for c in sizes]
+        ok = greedy_ends(e_arr, g_arr, sizes, mode.infeasible) <= sizes[None, :] * m
         hits = np.flatnonzero(ok.any(axis=0))
         if hits.size:
             j = int(hits[0])
             order = orders[int(np.flatnonzero(ok[:, j])[0])]
             placed = place_in_order(numels, blocks, order, chunk[j], m)
             assert placed is not None
-            return make_plan(specs, m, align, shard=chunk[j], offsets=placed, method="exact")
+            return make_plan(
+                specs, m, align, shard=chunk[j], offsets=placed, method="exact", optimal=True
+            )
         batch = min(batch * 2, max(8, 65536 // len(orders)))
+    raise AssertionError("unreachable: the trivial shard size always fits")  # pragma: no cover

@@ -26,16 +26,20 @@ hundreds of candidate shard sizes for several orders cheap in Python.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["INFEASIBLE", "earliest_start", "greedy_ends", "greedy_offsets"]
+from shard_planner._private.bounds import INFEASIBLE_INT64
 
-# Larger than any real buffer, small enough that ``p // S + 1) * S + e`` stays inside int64.
-INFEASIBLE = 1 << 60
+__all__ = ["INFEASIBLE", "earliest_start", "greedy_ends", "greedy_offsets", "step_ends"]
 
-IntArray = npt.NDArray[np.int64]
+# Larger than any buffer the int64 kernels see, small enough that ``(p // S + 1) * S + e`` stays
+# inside int64 (``bounds`` [Note: exact integer arithmetic]); object arrays get a larger one.
+INFEASIBLE = INFEASIBLE_INT64
+
+IntArray = npt.NDArray[Any]
 
 
 def earliest_start(p: int, numel: int, block: int, shard_size: int) -> int | None:
@@ -74,35 +78,41 @@ def greedy_offsets(
     return offsets
 
 
-def greedy_ends(numels: IntArray, blocks: IntArray, shard_sizes: IntArray) -> IntArray:
+def greedy_ends(
+    numels: IntArray, blocks: IntArray, shard_sizes: IntArray, infeasible: int = INFEASIBLE
+) -> IntArray:
     """End of the greedy placement for every (order, shard size) lane.
 
     ``numels`` and ``blocks`` are ``(O, T)``: row ``o`` lists the tensors in order ``o`` (zero-size
     tensors may be included; they change nothing). ``shard_sizes`` is ``(K,)``. Returns ``(O, K)``
-    ends, ``>= INFEASIBLE`` where some tensor has no feasible start. The caller compares the ends
-    with ``m * S``.
+    ends, ``>= infeasible`` where some tensor has no feasible start. The caller compares the ends
+    with ``m * S``. All arrays share one dtype: int64, or object for exact Python ints
+    (``bounds.int_mode`` picks it and the matching ``infeasible``).
     """
     orders, count = numels.shape
-    s = shard_sizes.astype(np.int64)[None, :]
-    p = np.zeros((orders, s.shape[1]), dtype=np.int64)
+    s = shard_sizes[None, :]
+    p = np.zeros((orders, s.shape[1]), dtype=np.int64).astype(numels.dtype)
     for i in range(count):
-        e = numels[:, i : i + 1]
-        g = blocks[:, i : i + 1]
-        b = (p // s + 1) * s
-        end = p + e
-        fits = end <= b
-        if bool(fits.all()):
-            p = end
-            continue
-        # Aligned on the first crossed boundary (case 2); most lanes end here.
-        end1 = end + (b - p) % g
-        s_mod_g = s % g
-        ok1 = (s_mod_g == 0) | (end1 <= b + s)
-        if bool(ok1.all()):
-            p = np.where(fits, end, end1)
-            continue
-        end3 = b + s_mod_g + e
-        ok3 = end3 <= b + 2 * s
-        p = np.where(fits, end, np.where(ok1, end1, np.where(ok3, end3, INFEASIBLE)))
-        p = np.minimum(p, INFEASIBLE)
+        p = step_ends(p, numels[:, i : i + 1], blocks[:, i : i + 1], s, infeasible)
     return p
+
+
+def step_ends(p: IntArray, e: IntArray, g: IntArray, s: IntArray, infeasible: int) -> IntArray:
+    """The end after placing one more tensor (``e`` elements, block ``g``) at the earliest
+    feasible start at or after ``p``, elementwise over broadcast lanes (the Note's rule)."""
+    b = (p // s + 1) * s
+    end = p + e
+    fits = end <= b
+    if bool(fits.all()):
+        clamped: IntArray = np.minimum(end, infeasible)
+        return clamped
+    # Aligned on the first crossed boundary (case 2); most lanes end here.
+    end1 = end + (b - p) % g
+    s_mod_g = s % g
+    ok1 = (s_mod_g == 0) | (end1 <= b + s)
+    if bool(ok1.all()):
+        return np.where(fits, end, np.minimum(end1, infeasible))
+    end3 = b + s_mod_g + e
+    ok3 = end3 <= b + 2 * s
+    out = np.where(fits, end, np.where(ok1, end1, np.where(ok3, end3, infeasible)))
+    return np.minimum(out, infeasible)

@@ -1,4 +1,5 @@
-"""Tensor orders for the planner: static keys, all distinct orders, local search, gap filling.
+"""Tensor orders for the planner: static keys, local search, gap filling (every distinct order:
+``multiset``).
 
 [Note: the static orders]
 Model order; blocks descending (big-block tensors first, so a divisibility chain of blocks keeps
@@ -15,21 +16,18 @@ boundaries for free. It is run per shard size, so the search uses it on few size
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
+from shard_planner._private.bounds import IntMode
 from shard_planner._private.greedy import earliest_start, greedy_ends, greedy_offsets
 from shard_planner._private.plan import Plan, first_bad_boundary
 from shard_planner._private.spec import TensorSpec
 
 __all__ = [
-    "distinct_order_count",
-    "distinct_orders",
     "fill_offsets",
     "layout_fits",
     "local_search",
@@ -61,33 +59,6 @@ def static_orders(
     return found
 
 
-def distinct_order_count(
-    numels: Sequence[int], blocks: Sequence[int], indices: Sequence[int]
-) -> int:
-    """Multinomial count of distinct orders (tensors of equal numel and block are alike)."""
-    counts: dict[tuple[int, int], int] = {}
-    for i in indices:
-        counts[(numels[i], blocks[i])] = counts.get((numels[i], blocks[i]), 0) + 1
-    total = math.factorial(len(indices))
-    for c in counts.values():
-        total //= math.factorial(c)
-    return total
-
-
-def distinct_orders(
-    numels: Sequence[int], blocks: Sequence[int], indices: Sequence[int]
-) -> list[tuple[int, ...]]:
-    """All orders of ``indices`` up to swapping tensors of equal (numel, block)."""
-    seen: set[tuple[tuple[int, int], ...]] = set()
-    found: list[tuple[int, ...]] = []
-    for perm in itertools.permutations(indices):
-        key = tuple((numels[i], blocks[i]) for i in perm)
-        if key not in seen:
-            seen.add(key)
-            found.append(perm)
-    return found
-
-
 def _neighbourhood(n: int) -> npt.NDArray[np.int64]:
     """Position maps of every swap and every forward move of two positions ``a < b``.
 
@@ -108,6 +79,7 @@ def local_search(
     orders: Sequence[tuple[int, ...]],
     shard: int,
     world_size: int,
+    mode: IntMode,
 ) -> tuple[int, ...] | None:
     """Steepest descent on the greedy's end over swap and move neighbourhoods at one S.
 
@@ -116,11 +88,11 @@ def local_search(
     the best. Returns an order that fits in ``world_size * shard``, or ``None``.
     """
     capacity = world_size * shard
-    sizes = np.array([shard], dtype=np.int64)
-    e_all = np.asarray(numels, dtype=np.int64)
-    g_all = np.asarray(blocks, dtype=np.int64)
+    sizes = mode.array([shard])
+    e_all = mode.array(list(numels))
+    g_all = mode.array(list(blocks))
     start = np.array(orders, dtype=np.int64)
-    ends = greedy_ends(e_all[start], g_all[start], sizes)[:, 0]
+    ends = greedy_ends(e_all[start], g_all[start], sizes, mode.infeasible)[:, 0]
     current, end = start[int(np.argmin(ends))], int(ends.min())
     maps = _neighbourhood(len(current))
     for _ in range(LOCAL_ROUNDS):
@@ -131,7 +103,7 @@ def local_search(
         if not bool(useful.any()):
             return None
         candidates, e, g = candidates[useful], e[useful], g[useful]
-        ends = greedy_ends(e, g, sizes)[:, 0]
+        ends = greedy_ends(e, g, sizes, mode.infeasible)[:, 0]
         best = int(np.argmin(ends))
         if int(ends[best]) <= capacity:
             return tuple(int(x) for x in candidates[best])
@@ -149,6 +121,7 @@ def make_plan(
     shard: int,
     offsets: dict[int, int],
     method: str,
+    optimal: bool = False,
 ) -> Plan:
     capacity = world_size * shard
     full: list[int] = []
@@ -166,6 +139,7 @@ def make_plan(
         offsets=tuple(full),
         order=order,
         method=method,
+        optimal=optimal,
     )
 
 

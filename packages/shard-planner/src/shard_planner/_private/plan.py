@@ -87,6 +87,12 @@ class Plan:
     offsets: tuple[int, ...]
     order: tuple[int, ...]
     method: str = attrs.field(default="", eq=False)
+    # True when the planner proved ``shard_size`` minimal (``search`` [Note: when "auto" is
+    # exact]); False means "not proven", not "not optimal". Not part of equality or identity.
+    optimal: bool = attrs.field(default=False, eq=False)
+    # Every tensor's offset is a multiple of it (``align`` [Note: why offsets, not only shard
+    # sizes]); 1 puts no constraint on offsets.
+    offset_align: int = 1
     # Non-empty tensors along ``order`` and their offsets; derived, for O(log T) rank lookups.
     _nonempty: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
     _starts: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
@@ -141,15 +147,22 @@ class Plan:
         self._check_index(index)
         m, s = self.world_size, self.shard_size
         start, numel, block = self.offsets[index], self.numels[index], self.blocks[index]
-        units = [0] * m
         if numel == 0:
-            units[min(start // s, m - 1)] = 1
-            return tuple(units)
+            owner = min(start // s, m - 1)
+            return (0,) * owner + (1,) + (0,) * (m - owner - 1)
+        # Ranks first..last hold it: the ends partly, every rank between a whole shard (S is
+        # then a multiple of the block). Built from repeated tuples: no Python step per rank.
         stop = start + numel
-        for k in range(start // s, (stop - 1) // s + 1):
-            lo, hi = max(start, k * s), min(stop, (k + 1) * s)
-            units[k] = (hi - lo) // block
-        return tuple(units)
+        first, last = start // s, (stop - 1) // s
+        if first == last:
+            return (0,) * first + (numel // block,) + (0,) * (m - first - 1)
+        return (
+            (0,) * first
+            + (((first + 1) * s - start) // block,)
+            + (s // block,) * (last - first - 1)
+            + ((stop - last * s) // block,)
+            + (0,) * (m - last - 1)
+        )
 
     def rank_slices(self, rank: int) -> tuple[Slice, ...]:
         """The non-empty tensor parts in rank ``rank``'s shard, in shard order."""
@@ -185,6 +198,8 @@ class Plan:
                 "names": list(self.names),
                 "offsets": list(self.offsets),
                 "order": list(self.order),
+                # only when set, so plans without it keep their fingerprints
+                **({"offset_align": self.offset_align} if self.offset_align != 1 else {}),
             },
             sort_keys=True,
             separators=(",", ":"),
@@ -207,6 +222,7 @@ class Plan:
             shard_size=self.shard_size,
             align=self.align,
             names=self.names,
+            offset_align=self.offset_align,
         )
 
 
@@ -225,6 +241,7 @@ def validate_layout(
     shard_size: int,
     align: int,
     names: Sequence[str] = (),
+    offset_align: int = 1,
 ) -> None:
     """Check a layout: sizes, alignment, containment, disjointness, contiguity, no cut block."""
     n = len(numels)
@@ -239,6 +256,8 @@ def validate_layout(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if align < 1 or shard_size < 1 or shard_size % align != 0:
         raise ValueError(f"shard_size {shard_size} must be a positive multiple of align {align}")
+    if offset_align < 1 or align % offset_align != 0:
+        raise ValueError(f"offset_align {offset_align} must be >= 1 and divide align {align}")
     if sorted(order) != list(range(n)):
         raise ValueError(f"order {tuple(order)} is not a permutation of range({n})")
     capacity = world_size * shard_size
@@ -252,6 +271,8 @@ def validate_layout(
         if start < last_start:
             raise ValueError(f"{who}: offsets are not non-decreasing along order")
         last_start = start
+        if start % offset_align != 0:
+            raise ValueError(f"{who}: offset {start} is not a multiple of {offset_align}")
         if numel == 0:
             if not 0 <= start < capacity:
                 raise ValueError(f"{who}: offset {start} outside [0, {capacity})")

@@ -22,8 +22,9 @@ from collections.abc import Sequence
 import attrs
 
 from shard_planner._private.baselines import fsdp2_layout
-from shard_planner._private.catalogue import Model, catalogue_model
+from shard_planner._private.catalogue import Group, Model, catalogue_model
 from shard_planner._private.search import lower_bound, plan
+from shard_planner._private.spec import TensorSpec
 
 __all__ = [
     "Granularity",
@@ -39,27 +40,32 @@ _MIB = 1 << 20
 
 @attrs.frozen
 class Granularity:
-    """A block granularity: ``rows`` rows per block; ``label`` as the user wrote it."""
+    """A block granularity: ``rows`` rows per block, or ``rows x rows`` tiles (``tile``; the
+    catalogue's block rule); ``label`` as the user wrote it."""
 
     label: str
     rows: int
+    tile: bool = False
+
+    def specs(self, group: Group) -> list[TensorSpec]:
+        return group.specs(self.rows, tile=self.tile)
 
 
 def parse_granularity(text: str) -> Granularity:
-    """``"16"`` (rows) or ``"32x32"`` (a tile: boundaries on 32-row multiples, see catalogue)."""
+    """``"16"`` (rows) or ``"32x32"`` (square tiles of each matrix kept whole, see catalogue)."""
     raw = text.strip().lower()
     try:
         if "x" in raw:
             r, c = (int(v) for v in raw.split("x", 1))
-            if r < 1 or c < 1:
+            if r < 1 or c < 1 or r != c:
                 raise ValueError
-            return Granularity(f"{r}x{c}", r)
+            return Granularity(f"{r}x{c}", r, tile=True)
         rows = int(raw)
         if rows < 1:
             raise ValueError
     except ValueError:
         raise ValueError(
-            f"block granularity {text!r}: expected rows (e.g. 16) or a tile "
+            f"block granularity {text!r}: expected rows (e.g. 16) or a square tile "
             f"(e.g. 32x32) with positive sizes"
         ) from None
     return Granularity(raw, rows)
@@ -92,10 +98,10 @@ def _row(model: Model, world: int, gran: Granularity, align: int, itemsize: int)
     cut = 0
     slowest = 0.0
     for group in model.groups:
-        specs = group.specs(gran.rows)
-        start = time.perf_counter()
+        specs = gran.specs(group)
+        start = time.process_time()
         ours = plan(specs, world, align)
-        slowest = max(slowest, time.perf_counter() - start)
+        slowest = max(slowest, time.process_time() - start)
         others = {
             name: plan(specs, world, align, method=name) for name in ("paper", "naive", "megatron")
         }

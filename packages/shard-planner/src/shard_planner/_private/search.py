@@ -1,19 +1,32 @@
 """The planner: choose a shard size and an order so that the greedy placement fits.
 
 [Note: the search ("auto")]
-0. Upper bound: the naive baseline's plan (valid by construction). Nothing worse is returned.
+0. Upper bound: the better of the naive baseline and "everything in shard 0" (both valid by
+   construction). Nothing worse is returned, and no larger shard size is ever tried.
 1. Structured sizes (``_ladder``): the smallest admissible multiples of the LCMs of the blocks
-   (prefixes largest first, each block, their GCD), checked with the static orders and, failing
-   those, with local search and gap filling. Many crossings align at once at such sizes, so a
-   good plan is found early and bounds the scan.
-2. Scan: every admissible size below that (``bounds.admissible_shard_sizes``, from the lower
-   bound upwards) in growing batches, each batch checked for all static orders at once with the
-   vectorised greedy (``greedy.greedy_ends``); after each batch, gap filling and local search on
-   the smallest failures. The scan never skips an admissible S (feasibility is not monotone in
-   S), so for the orders tried it finds the smallest S.
+   (prefixes largest first, each block, their GCD), checked with the lanes and, failing those,
+   with local search and gap filling. Many crossings align at once at such sizes, so a good
+   plan is found early and bounds the scan.
+2. Scan: every admissible size below that (``bounds.ShardSizes``, from the lower
+   bound upwards) in growing batches, each batch checked on all lanes at once: the static
+   orders through the vectorised greedy (``greedy.greedy_ends``) and, for groups with few
+   kinds, the best order over *all* orders (``multiset.BestOrder``); after each batch, gap
+   filling and local search on the smallest failures. The scan never skips an admissible S
+   (feasibility is not monotone in S).
 3. If the scan's budget runs out first (tiny worlds, big blocks, many small steps), the search
-   jumps: the next S tried is the one that would have made the best failing order fit.
-Groups with at most ``_ALL_ORDERS`` distinct orders put every order in the scan: exact.
+   jumps: the next S tried is the one that would have made the best failing lane fit.
+
+[Note: when "auto" is exact]
+``auto`` proves its shard size optimal, and sets ``Plan.optimal``, in exactly two cases:
+(a) the shard size equals the lower bound (``lower_bound``: nothing can be smaller), or
+(b) the group is *exhaustive* -- ``prod(c_k + 1) * K <= 50,000`` for its K kinds of tensors with
+    multiplicities ``c_k`` (``multiset`` Note; e.g. any group of at most 12 tensors, or 40
+    tensors of 3 kinds) -- and the scan of step 2 checked every admissible size
+    below the returned one within its budget of 4,000,000 kernel steps (states x kinds per size
+    for the best-order lane, tensors x static orders for the others).
+In case (b) every order is checked at every smaller admissible size, and the greedy is optimal
+per order (``greedy`` Note), so no layout with a smaller shard size exists. Otherwise the plan
+is valid and never worse than the baselines, and may or may not be optimal.
 
 All budgets count candidates, lanes and placements, never time, so every rank computes the same
 plan.
@@ -21,22 +34,28 @@ plan.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
+from shard_planner._private.align import aligned_plan
 from shard_planner._private.baselines import naive_plan
 from shard_planner._private.bounds import (
+    IntMode,
+    ShardSizes,
     admissible,
-    admissible_shard_sizes,
+    int_mode,
     lower_bound_shard_size,
     round_up,
+    trivial_shard_size,
 )
 from shard_planner._private.greedy import greedy_ends
+from shard_planner._private.multiset import BestOrder, Kinds
 from shard_planner._private.orders import (
-    distinct_order_count,
-    distinct_orders,
     fill_offsets,
     layout_fits,
     local_search,
@@ -45,7 +64,7 @@ from shard_planner._private.orders import (
     static_orders,
 )
 from shard_planner._private.plan import Plan
-from shard_planner._private.spec import TensorSpec, check_inputs
+from shard_planner._private.spec import TensorSpec, as_count, check_inputs
 
 __all__ = ["METHODS", "lower_bound", "plan"]
 
@@ -58,74 +77,133 @@ _MAX_BATCH = 4096
 _FILL_WORK = 20_000  # tensors placed by gap filling, all tries together
 _FILL_PER_BATCH = 4
 _LADDER_STEPS = 64
-_LOCAL_COST = 50  # a local search round costs about this many gap-filling placements
+_LOCAL_COST = 100  # one local search costs about this many gap-filling placements per tensor
 _FILL_ORDERS = 2
 _FILL_POLICIES = ("keep", "exact", "min")
 _JUMP_TRIES = 200
-_ALL_ORDERS = 5040
-_MAX_LANES = 65536  # order x size lanes per vectorised batch
+# Groups whose best order over all orders costs at most this many kernel steps per shard size
+# (states x kinds, ``multiset`` Note) are scanned exhaustively: every tensor order at every size.
+_BEST_ORDER_WORK = 50_000
+_SIZE_COST = 32  # budget units charged per accepted size on top of its lanes
+_MAX_LANES = 65536  # (orders or states) x sizes per vectorised batch
 _LOCAL_MAX_TENSORS = 64
 
 
-def _take(iterator: Iterator[int], count: int, limit: int) -> list[int]:
-    out: list[int] = []
-    for c in iterator:
-        if c >= limit:
-            break
-        out.append(c)
-        if len(out) == count:
-            break
-    return out
-
-
-class _Scanner:
-    """Static orders checked on successive batches of admissible shard sizes (vectorised)."""
+class _Lanes:
+    """What the scan checks at each shard size: the static orders (one vectorised lane each)
+    and, for groups with few kinds, the best order over all of them (``multiset`` Note)."""
 
     def __init__(
         self,
         numels: Sequence[int],
         blocks: Sequence[int],
         orders: list[tuple[int, ...]],
+        best: BestOrder | None,
+        mode: IntMode,
+        world_size: int,
+    ) -> None:
+        self.numels, self.blocks, self.orders, self.best = numels, blocks, orders, best
+        self.mode, self.m = mode, world_size
+        self.e = mode.array([[numels[i] for i in o] for o in orders])
+        self.g = mode.array([[blocks[i] for i in o] for o in orders])
+        self.per_size = mode.cost * (
+            self.e.shape[0] * self.e.shape[1] + (best.work if best else 0) + _SIZE_COST
+        )
+        # the best-order lane holds every state per size, the static ones one row per order
+        self.width = max(len(orders), best.kinds.states // 8 if best else 0, 1)
+
+    def ends(self, sizes: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """The smallest greedy end over the lanes, per shard size."""
+        ends: npt.NDArray[Any] = greedy_ends(self.e, self.g, sizes, self.mode.infeasible).min(
+            axis=0
+        )
+        if self.best is not None:
+            ends = np.minimum(ends, self.best.ends(sizes))
+        return ends
+
+    def order_at(self, shard: int, *, every_order: bool = True) -> tuple[int, ...] | None:
+        """An order that fits at ``shard`` (a static one if any does; else, with
+        ``every_order``, the best over all orders), or ``None``."""
+        sizes = self.mode.array([shard])
+        ends = greedy_ends(self.e, self.g, sizes, self.mode.infeasible)[:, 0]
+        hit = np.flatnonzero(ends <= shard * self.m)
+        if hit.size:
+            return self.orders[int(hit[0])]
+        best = self.best if every_order else None
+        if best is not None and best.ends(sizes)[0] <= shard * self.m:
+            return best.order(shard)
+        return None
+
+    def static_ends(self, shard: int) -> int:
+        """The static lanes' best greedy end at ``shard`` (cheap: no programme over orders)."""
+        sizes = self.mode.array([shard])
+        return int(greedy_ends(self.e, self.g, sizes, self.mode.infeasible).min())
+
+    def place(self, shard: int, *, every_order: bool = True) -> dict[int, int] | None:
+        order = self.order_at(shard, every_order=every_order)
+        return (
+            None
+            if order is None
+            else place_in_order(self.numels, self.blocks, order, shard, self.m)
+        )
+
+
+class _Scanner:
+    """The lanes checked on successive batches of admissible shard sizes (vectorised)."""
+
+    def __init__(
+        self,
+        lanes: _Lanes,
+        numels: Sequence[int],
+        blocks: Sequence[int],
         *,
         world_size: int,
         align: int,
         limit: int,
     ) -> None:
-        self.orders = orders
+        self.lanes = lanes
         self.m = world_size
-        self.e = np.array([[numels[i] for i in o] for o in orders], dtype=np.int64)
-        self.g = np.array([[blocks[i] for i in o] for o in orders], dtype=np.int64)
-        self.candidates = admissible_shard_sizes(numels, blocks, world_size, align)
+        # sizes strictly below the limit (the limit itself is already a plan)
+        self.candidates = ShardSizes(numels, blocks, world_size, align, limit=limit - 1)
         self.limit = limit
-        self.max_batch = max(4, min(_MAX_BATCH, _MAX_LANES // len(orders)))
+        self.max_batch = max(4, min(_MAX_BATCH, _MAX_LANES // lanes.width))
         self.batch = min(_FIRST_BATCH, self.max_batch)
         self.work = 0
-        self.tried: list[int] = []  # sizes where every static order failed, increasing
-        self.best_end: list[int] = []  # the best order's greedy end at each of them
-        self.exhausted = False
+        # generating and filtering one candidate (accepted or not): the joint conditions
+        self.per_candidate = lanes.mode.cost * (8 + 2 * len(numels))
+        self.tried: list[int] = []  # sizes where every lane failed, increasing
+        self.best_end: list[int] = []  # the best lane's greedy end at each of them
+        self.exhausted = False  # every admissible size below the limit was checked
 
     def step(self) -> tuple[int, tuple[int, ...]] | None:
         """Check the next batch; the smallest fitting (S, order) in it, if any."""
         # Never overshoot the work budget by more than one candidate's worth of lanes.
-        per_size = self.e.shape[0] * self.e.shape[1]
+        per_size = self.lanes.per_size
         room = max(1, (_SCAN_WORK - self.work) // max(per_size, 1))
-        chunk = _take(self.candidates, min(self.batch, room), self.limit)
-        if not chunk:
-            self.exhausted = True
+        generated = self.candidates.generated
+        sizes = self.candidates.take(
+            min(self.batch, room), budget=max(1, (_SCAN_WORK - self.work) // self.per_candidate)
+        )
+        self.work += (self.candidates.generated - generated) * self.per_candidate
+        if not sizes.size:
+            self.exhausted = self.candidates.done
             return None
-        sizes = np.array(chunk, dtype=np.int64)
-        ends = greedy_ends(self.e, self.g, sizes)
-        ok = ends <= sizes[None, :] * self.m
-        self.work += ends.size * self.e.shape[1]
+        chunk = [int(c) for c in sizes]
+        ends = self.lanes.ends(sizes)
+        ok = ends <= sizes * self.m
+        self.work += len(chunk) * per_size
+        if self.candidates.empty:
+            self.exhausted = True
         self.batch = min(self.batch * 4, self.max_batch)
-        hits = np.flatnonzero(ok.any(axis=0))
+        hits = np.flatnonzero(ok)
         j = int(hits[0]) if hits.size else len(chunk)
         self.tried.extend(chunk[:j])
-        self.best_end.extend(int(x) for x in ends[:, :j].min(axis=0))
+        self.best_end.extend(int(x) for x in ends[:j])
         if j == len(chunk):
             return None
-        self.exhausted = True
-        return chunk[j], self.orders[int(np.flatnonzero(ok[:, j])[0])]
+        order = self.lanes.order_at(chunk[j])
+        assert order is not None
+        return chunk[j], order
 
 
 def _ladder(
@@ -160,38 +238,50 @@ def _ladder(
     return sorted(found)
 
 
+def _trivial(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
+    """Everything in shard 0 in model order: always valid; caps the search (``bounds`` Note on
+    exact integers: no larger shard size is ever tried)."""
+    numels = [s.numel for s in specs]
+    offsets = dict(zip(range(len(specs)), itertools.accumulate([0, *numels[:-1]]), strict=True))
+    shard = trivial_shard_size(numels, align)
+    return make_plan(specs, world_size, align, shard=shard, offsets=offsets, method="auto")
+
+
 def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
     numels = [s.numel for s in specs]
     blocks = [s.block for s in specs]
     nonempty = [i for i, e in enumerate(numels) if e > 0]
     m = world_size
-    upper = naive_plan(specs, world_size, align)
-    if not nonempty or m == 1:
+    lower = lower_bound_shard_size(numels, blocks, m, align)
+
+    def done(shard: int, offsets: dict[int, int], proven: bool) -> Plan:
+        optimal = proven or shard == lower
         return make_plan(
-            specs,
-            m,
-            align,
-            shard=upper.shard_size,
-            offsets=dict(enumerate(upper.offsets)),
-            method="auto",
+            specs, m, align, shard=shard, offsets=offsets, method="auto", optimal=optimal
         )
+
+    naive = naive_plan(specs, world_size, align)
+    trivial = _trivial(specs, world_size, align)
+    upper = naive if naive.shard_size <= trivial.shard_size else trivial
+    upper_offsets = dict(enumerate(upper.offsets))
+    if not nonempty or m == 1:
+        return done(upper.shard_size, upper_offsets, proven=False)
+    mode = int_mode(numels, blocks, m, align)
+    kinds = Kinds(numels, blocks, nonempty)
+    exhaustive = kinds.states * len(kinds.counts) <= _BEST_ORDER_WORK
+    best_order = BestOrder(kinds, mode.dtype, mode.infeasible) if exhaustive else None
     orders = static_orders(numels, blocks, nonempty)
-    exhaustive = distinct_order_count(numels, blocks, nonempty) <= _ALL_ORDERS
-    if exhaustive:
-        # Small groups: every distinct order is a lane, so the scan is exact.
-        orders += [o for o in distinct_orders(numels, blocks, nonempty) if o not in orders]
-    e_arr = np.array([[numels[i] for i in o] for o in orders], dtype=np.int64)
-    g_arr = np.array([[blocks[i] for i in o] for o in orders], dtype=np.int64)
+    lanes = _Lanes(numels, blocks, orders, best_order, mode, m)
     fill_work = 0
 
     def fill(shard: int) -> dict[int, int] | None:
         """Local search, then gap filling (both policies), at one size, within the budget."""
         nonlocal fill_work
         if exhaustive or fill_work >= _FILL_WORK:
-            return None
+            return None  # exhaustive: every order was already checked at this size
         if len(nonempty) <= _LOCAL_MAX_TENSORS:
-            fill_work += len(nonempty) * _LOCAL_COST
-            order = local_search(numels, blocks, orders, shard, m)
+            fill_work += len(nonempty) * _LOCAL_COST * mode.cost
+            order = local_search(numels, blocks, orders, shard, m, mode)
             if order is not None:
                 return place_in_order(numels, blocks, order, shard, m)
         for order in orders[:_FILL_ORDERS]:
@@ -204,24 +294,18 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
                     return offsets
         return None
 
-    def static(shard: int) -> dict[int, int] | None:
-        ends = greedy_ends(e_arr, g_arr, np.array([shard], dtype=np.int64))[:, 0]
-        hit = np.flatnonzero(ends <= shard * m)
-        return place_in_order(numels, blocks, orders[int(hit[0])], shard, m) if hit.size else None
-
     # 1. Structured sizes first: a good plan early bounds the scan.
-    lower = lower_bound_shard_size(numels, blocks, m, align)
     best: tuple[int, dict[int, int]] | None = None
     for shard in _ladder(numels, blocks, nonempty, m, align, lower, upper.shard_size):
-        offsets = static(shard) or fill(shard)
+        offsets = lanes.place(shard) or fill(shard)
         if offsets is not None:
             best = (shard, offsets)
             break
     limit = best[0] if best is not None else upper.shard_size
 
-    # 2. Every admissible size below that, upwards, static orders vectorised; gap filling on
-    #    the smallest failures between batches.
-    scan = _Scanner(numels, blocks, orders, world_size=m, align=align, limit=limit)
+    # 2. Every admissible size below that, upwards, all lanes vectorised; gap filling on the
+    #    smallest failures between batches.
+    scan = _Scanner(lanes, numels, blocks, world_size=m, align=align, limit=limit)
     filled = 0
     found = None
     while found is None and not scan.exhausted and scan.work < _SCAN_WORK:
@@ -232,37 +316,35 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
             filled += 1
             offsets = fill(shard)
             if offsets is not None:
-                return make_plan(specs, m, align, shard=shard, offsets=offsets, method="auto")
+                return done(shard, offsets, proven=False)
+    # Exhaustive lanes and a complete scan: no smaller size fits any order.
+    proven = exhaustive and (found is not None or scan.exhausted)
     if found is not None:
         shard, order = found
         placed = place_in_order(numels, blocks, order, shard, m)
         assert placed is not None
-        return make_plan(specs, m, align, shard=shard, offsets=placed, method="auto")
+        return done(shard, placed, proven)
 
     # 3. Budgets spent with nothing below the limit: jump from the best failing end.
     if scan.tried and not scan.exhausted:
         shard, need = scan.tried[-1], scan.best_end[-1]
         for _ in range(_JUMP_TRIES):
             shard = max(shard + align, round_up(-(-need // m), align))
-            while not admissible(numels, blocks, m, align, shard):
+            while shard < limit and not admissible(numels, blocks, m, align, shard):
                 shard += align
             if shard >= limit:
                 break
-            offsets = static(shard) or fill_offsets(numels, blocks, orders[0], shard, m)
+            # heuristic jumps use the static lanes only: the programme over all orders is for
+            # the exhaustive scan (up to 200 single-size runs of it would cost more than it)
+            offsets = lanes.place(shard, every_order=False) or fill_offsets(
+                numels, blocks, orders[0], shard, m
+            )
             if offsets is not None and layout_fits(numels, blocks, offsets, shard, m):
-                return make_plan(specs, m, align, shard=shard, offsets=offsets, method="auto")
-            ends = greedy_ends(e_arr, g_arr, np.array([shard], dtype=np.int64))[:, 0]
-            need = int(ends.min())
+                return done(shard, offsets, proven=False)
+            need = lanes.static_ends(shard)
     if best is not None:
-        return make_plan(specs, m, align, shard=best[0], offsets=best[1], method="auto")
-    return make_plan(
-        specs,
-        m,
-        align,
-        shard=upper.shard_size,
-        offsets=dict(enumerate(upper.offsets)),
-        method="auto",
-    )
+        return done(best[0], best[1], proven)
+    return done(upper.shard_size, upper_offsets, proven)
 
 
 def _paper(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
@@ -309,13 +391,22 @@ def _model_order(specs: Sequence[TensorSpec], world_size: int, align: int) -> Pl
     numels = [s.numel for s in specs]
     blocks = [s.block for s in specs]
     order = [i for i, e in enumerate(numels) if e > 0]
-    for shard in admissible_shard_sizes(numels, blocks, world_size, align):
-        placed = place_in_order(numels, blocks, order, shard, world_size)
-        if placed is not None:
+    sizes = ShardSizes(numels, blocks, world_size, align)
+    mode = sizes.mode
+    e = mode.array([[numels[i] for i in order]])
+    g = mode.array([[blocks[i] for i in order]])
+    batch = 16
+    while (chunk := sizes.take(batch)).size:
+        fits = np.flatnonzero(greedy_ends(e, g, chunk, mode.infeasible)[0] <= chunk * world_size)
+        if fits.size:
+            shard = int(chunk[int(fits[0])])
+            placed = place_in_order(numels, blocks, order, shard, world_size)
+            assert placed is not None
             return make_plan(
                 specs, world_size, align, shard=shard, offsets=placed, method="model-order"
             )
-    raise AssertionError("unreachable: S >= total always fits")  # pragma: no cover
+        batch = min(batch * 4, _MAX_BATCH)
+    raise AssertionError("unreachable: the trivial shard size always fits")  # pragma: no cover
 
 
 def lower_bound(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> int:
@@ -326,17 +417,36 @@ def lower_bound(specs: Sequence[TensorSpec], world_size: int, align: int = 1) ->
 
 
 def plan(
-    specs: Sequence[TensorSpec], world_size: int, align: int = 1, *, method: str = "auto"
+    specs: Sequence[TensorSpec],
+    world_size: int,
+    align: int = 1,
+    *,
+    method: str = "auto",
+    offset_align: int = 1,
 ) -> Plan:
     """Pack ``specs`` into one buffer of ``world_size`` equal shards without cutting a block.
 
     ``align``: every shard size is a multiple of it (e.g. 16 bytes / itemsize for NCCL).
+    ``offset_align`` (dividing ``align``): every tensor's offset is a multiple of it too, so
+    its views are as aligned as the shards (``align`` [Note: the pass]: the method's order and
+    shard size, tensors moved to aligned starts, the shard size grown only if they no longer fit).
     ``method``: ``"auto"`` (ours), ``"exact"`` (optimal; small groups only), ``"paper"`` (the
     veScale heuristic as we read it), ``"model-order"``, or the baselines ``"naive"`` and
     ``"megatron"``. The result is deterministic: equal inputs give equal plans on every rank.
     """
     specs = list(specs)
     world_size, align = check_inputs(specs, world_size, align)
+    offset_align = as_count(offset_align, "offset_align")
+    if align % offset_align:
+        raise ValueError(
+            f"offset_align {offset_align} must divide align {align} (tensor starts can only be "
+            f"aligned where shard boundaries are)"
+        )
+    result = _plan(specs, world_size, align, method)
+    return result if offset_align == 1 else aligned_plan(result, offset_align)
+
+
+def _plan(specs: list[TensorSpec], world_size: int, align: int, method: str) -> Plan:
     if method == "auto":
         return _auto(specs, world_size, align)
     if method == "paper":

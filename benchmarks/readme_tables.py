@@ -1,0 +1,185 @@
+"""Write the README's benchmark tables from the benchmarks' JSON output (never by hand).
+
+Reads ``results/bench_engine.json`` and ``results/bench_optim_engine.json`` (written by
+``bench_engine.py`` and ``bench_optim_engine.py``; ``nox -s bench`` runs all three) and replaces
+the text between each pair of markers in ``README.md``::
+
+    <!-- generated: bench_engine (benchmarks/readme_tables.py) -->
+    ...
+    <!-- end generated: bench_engine -->
+
+    python benchmarks/readme_tables.py [--results results] [--readme README.md] [--check]
+
+``--check`` exits 1 if the README differs from what the JSON gives (for CI or review).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cell(value: float | None, fmt: str = ".2f", suffix: str = "x") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:{fmt}}{suffix}"
+
+
+def engine_section(data: dict[str, Any]) -> str:
+    """The side-by-side engine table (ours vs FSDP2 / FSDP1 / DeepSpeed) and its reading."""
+    info, rows = data["machine"], data["rows"]
+    by_key: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    for r in rows:
+        by_key.setdefault((r["case"], r["world"]), {})[r["engine"]] = r
+    steps = data["args"]["steps"]
+    out = [
+        f"{info['date']}; {info['cpu']}, {info['nproc']} cores; torch {info['torch']}, gloo, "
+        f"fp32; load average at the end {info['load']}; commit {info['commit']}. "
+        f"`python benchmarks/bench_engine.py` (`nox -s bench`). One run per world size, engines "
+        f"alternating step by step on the same model, data and optimizer; {steps} timed steps "
+        "after warm-up. Ratios are ours / peer (< 1: ours faster or smaller); step ratio = median "
+        "of the paired per-step ratios (min / min in brackets). Memory: peak live storage per "
+        "rank. AdamW cases: ours `fsdp_engine.FlatAdamW`, the peers `torch.optim.AdamW`, the same "
+        "two param groups (decay on matrices, none on norms); the last two columns are ours with "
+        "per-parameter `torch.optim.AdamW` instead.",
+        "",
+        "| case | world | ours / FSDP2 | ours / FSDP1 | ours / DeepSpeed | optimizer step ours / "
+        "FSDP2 | memory ours / FSDP2 | / FSDP1 | / DeepSpeed | collectives ours vs FSDP2 "
+        "(count, MiB) | copied MiB ours vs FSDP2 | ours + torch AdamW: step / FSDP2 | "
+        "ours + torch AdamW: memory / FSDP2 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (case, world), engines in by_key.items():
+        ours, fsdp2 = engines.get("ours"), engines.get("fsdp2")
+        if ours is None or fsdp2 is None:
+            continue
+        alt = engines.get("ours-torch-adamw")
+        step = f"{_cell(ours['paired_vs']['fsdp2'])} ({_cell(ours['min_vs_fsdp2'])})"
+        alt_step = (
+            f"{_cell(alt['paired_vs']['fsdp2'])} ({_cell(alt['min_vs_fsdp2'])})" if alt else "-"
+        )
+        out.append(
+            f"| {case} | {world} | {step} | {_cell(ours['paired_vs'].get('fsdp1'))} | "
+            f"{_cell(ours['paired_vs'].get('deepspeed'))} | {_cell(ours['opt_vs_fsdp2'])} | "
+            f"{_cell(ours['mem_vs']['fsdp2'])} | {_cell(ours['mem_vs'].get('fsdp1'))} | "
+            f"{_cell(ours['mem_vs'].get('deepspeed'))} | "
+            f"{ours['collectives']} vs {fsdp2['collectives']}, "
+            f"{ours['collective_mib']:.1f} vs {fsdp2['collective_mib']:.1f} | "
+            f"{ours['copied_mib']:.1f} vs {fsdp2['copied_mib']:.1f} | {alt_step} | "
+            f"{_cell(alt['mem_vs']['fsdp2']) if alt else '-'} |"
+        )
+    dense = [
+        e["ours"]
+        for (case, _), e in by_key.items()
+        if "ours" in e and "fsdp2" in e and case.startswith(("dense", "MoE"))
+    ]
+    if dense:
+        steps_vs = [r["paired_vs"]["fsdp2"] for r in dense]
+        copies = [
+            by_key[(r["case"], r["world"])]["fsdp2"]["copied_mib"] / max(r["copied_mib"], 1e-9)
+            for r in dense
+        ]
+        out += [
+            "",
+            f"Reading (AdamW cases): ours takes {min(steps_vs):.2f}-{max(steps_vs):.2f}x FSDP2's "
+            f"step time and copies {min(copies):.1f}-{max(copies):.1f}x fewer bytes with the same "
+            "collectives; full table, notes and chart in `results/bench_engine*`.",
+        ]
+    return "\n".join(out)
+
+
+def optim_section(data: dict[str, Any]) -> str:
+    """Our optimizers on our engine vs what users run on FSDP2 (one row per case and world)."""
+    info, rows = data["machine"], data["rows"]
+    model = data["model"]
+    out = [
+        f"{info['date']}; {info['cpu']}, {info['nproc']} cores (load average at the end "
+        f"{info['load']}); torch {info['torch']}, torchao {info['torchao']}; commit "
+        f"{info['commit']}. `python benchmarks/bench_optim_engine.py`: the demo's medium model "
+        f"(dim {model['dim']}, {model['layers']} layers, FFN {model['ffn']}, {model['seq']} "
+        "tokens), sides alternating step by step in one run per world size. opt / fwd+bwd: the "
+        "optimizer step's median time as a share of forward+backward's. Ratios ours / peer (< 1: "
+        "ours faster or smaller). Transient: peak live memory of `step()` beyond parameters, "
+        "gradients and state, per parameter element (`dbuffer.LiveBytes`).",
+        "",
+        "| optimizer | world | ours: opt / fwd+bwd | peer | peer: opt / fwd+bwd | step ours / "
+        "peer | opt step ours / peer | transient B/elem ours vs peer | ops per parameter ours "
+        "vs peer | state ours / peer | ours vs one device (same batches) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    ours_rows = {(r["case"], r["world"]): r for r in rows if r["side"] == "ours"}
+    for r in rows:
+        if r["side"] == "ours":
+            continue
+        o = ours_rows[(r["case"], r["world"])]
+        same = o["max_abs_diff_vs_1dev_same_data"]
+        exact = "bit-identical" if same == 0.0 else _cell(same, ".1e", "")
+        out.append(
+            f"| {r['case']} | {r['world']} | {100 * o['opt_share']:.1f}% | {r['label']} | "
+            f"{100 * r['opt_share']:.1f}% | {_cell(r['ours_step_over_this'])} | "
+            f"{_cell(r['ours_opt_over_this'], '.3f')} | "
+            f"{o['transient_per_element']:.2f} vs {r['transient_per_element']:.2f} | "
+            f"{o['ops_per_param']:.0f} vs {r['ops_per_param']:.0f} | "
+            f"{_cell(r['ours_state_over_this'])} | {exact} |"
+        )
+    muon4 = ours_rows.get(("Muon", 4))
+    if muon4 is not None:
+        verdict = "meets" if muon4["opt_share"] <= 0.05 else "misses"
+        out += [
+            "",
+            f"Muon's optimizer step at world size 4 is {100 * muon4['opt_share']:.1f}% of "
+            f"forward+backward ({verdict} the 5% target).",
+        ]
+    return "\n".join(out)
+
+
+SECTIONS = {"bench_engine": engine_section, "bench_optim_engine": optim_section}
+
+
+def render(readme: str, results: Path) -> str:
+    for name, make in SECTIONS.items():
+        begin = f"<!-- generated: {name} (benchmarks/readme_tables.py) -->"
+        end = f"<!-- end generated: {name} -->"
+        pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), flags=re.S)
+        if not pattern.search(readme):
+            raise SystemExit(f"README has no markers {begin!r} ... {end!r}")
+        source = results / f"{name}.json"
+        if not source.exists():
+            raise SystemExit(f"{source} is missing: run benchmarks/{name}.py first")
+        data = json.loads(source.read_text())
+        try:
+            block = f"{begin}\n{make(data)}\n{end}"
+        except KeyError as exc:
+            raise SystemExit(
+                f"{source} lacks {exc}: it was written by an older benchmark; rerun "
+                f"benchmarks/{name}.py"
+            ) from exc
+        readme = pattern.sub(lambda _m, block=block: block, readme)
+    return readme
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--results", default=str(ROOT / "results"))
+    p.add_argument("--readme", default=str(ROOT / "README.md"))
+    p.add_argument("--check", action="store_true", help="fail if the README is not up to date")
+    p.add_argument("--out", help="ignored (nox passes it to every benchmark script)")
+    args = p.parse_args(argv)
+    path = Path(args.readme)
+    old = path.read_text()
+    new = render(old, Path(args.results))
+    if args.check:
+        sys.exit(0 if new == old else 1)
+    path.write_text(new)
+    print(f"{path}: benchmark tables written from {args.results}")
+
+
+if __name__ == "__main__":
+    main()

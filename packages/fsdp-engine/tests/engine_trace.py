@@ -1,0 +1,143 @@
+"""The issue order of collectives relative to compute, for ours and torch's FSDP2 (test helper).
+
+A 4-layer model whose layers have different sizes, so each collective is named after the group
+it moves by its per-rank size: ``AG:L2`` (an all-gather of layer 2), ``RS:root``, and ``F:L1`` /
+``B:L1`` when layer 1's forward / backward compute starts (hooks on its first Linear; they run
+after the engine's own pre-forward / pre-backward of the layer). Collectives are logged per
+thread (threaded process group: the ranks are threads) through ``torch.distributed.<name>``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+DIMS = (8, 12, 16, 20, 24)  # layer k: Linear(DIMS[k], DIMS[k+1]) + ReLU
+_LOCAL = threading.local()
+_NAMES = {
+    "all_gather_single": "AG",
+    "all_gather_into_tensor": "AG",
+    "reduce_scatter_single": "RS",
+    "reduce_scatter_tensor": "RS",
+    "all_reduce": "AR",
+}
+_INSTALLED = False
+_LOCK = threading.Lock()
+
+
+def _log() -> list[tuple[str, int, bool]] | None:
+    return getattr(_LOCAL, "log", None)
+
+
+def _wrap(short: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        log = _log()
+        if log is not None:
+            tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+            log.append((short, min(t.numel() for t in tensors), bool(kwargs.get("async_op"))))
+        return fn(*args, **kwargs)
+
+    return traced
+
+
+def install() -> None:
+    """Wrap the collectives once for the whole process (each thread logs to its own list)."""
+    global _INSTALLED
+    with _LOCK:
+        if _INSTALLED:
+            return
+        for name, short in _NAMES.items():
+            setattr(dist, name, _wrap(short, getattr(dist, name)))
+        _INSTALLED = True
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(a, b), nn.ReLU()) for a, b in itertools.pairwise(DIMS)
+        )
+        self.head = nn.Linear(DIMS[-1], 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _per_rank_sizes(engine: str, model: Net, world: int) -> dict[int, str]:
+    """The per-rank numel each group's collectives move -> the group's name."""
+    sizes: dict[int, str] = {}
+    modules: list[tuple[str, nn.Module]] = [(f"L{k}", m) for k, m in enumerate(model.layers)]
+    modules.append(("root", model))
+    for name, module in modules:
+        if engine == "ours":
+            plan = module.shard_plan()  # type: ignore[operator]
+            size = plan.shard_size
+        else:
+            group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+            size = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
+        assert size not in sizes, f"two groups move {size} elements per rank"
+        sizes[size] = name
+    return sizes
+
+
+def trace(
+    engine: str,
+    rank: int,
+    world: int,
+    iterations: int = 2,
+    reshard_after_forward: bool | int = True,
+    mark_async: bool = False,
+) -> list[list[str]]:
+    """Each iteration's events (forward + backward), for ``engine`` in this rank's thread;
+    ``mark_async`` appends ``~`` to collectives issued with ``async_op=True``."""
+    import torch.distributed.fsdp as torch_fsdp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp_engine
+
+    install()
+    api: Any = fsdp_engine if engine == "ours" else torch_fsdp
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (world,))
+    model = Net()
+    for layer in model.layers:
+        api.fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    api.fully_shard(model, mesh=mesh)
+    sizes = _per_rank_sizes(engine, model, world)
+    if not isinstance(reshard_after_forward, bool):  # the sub-group regathers move m*S/k
+        k = reshard_after_forward
+        for size, name in list(sizes.items()):
+            if name != "root":
+                sizes[size * world // k] = f"{name}/{k}"
+    events: list[tuple[str, int, bool] | str] = []
+    for k, layer in enumerate(model.layers):
+        first = layer[0]
+        first.register_forward_pre_hook(lambda m, a, k=k: events.append(f"F:L{k}"))
+        first.register_full_backward_pre_hook(lambda m, g, k=k: events.append(f"B:L{k}"))
+    x = torch.randn(3, DIMS[0], generator=torch.Generator().manual_seed(rank))
+    out: list[list[str]] = []
+    _LOCAL.log = events
+    try:
+        for _ in range(iterations):
+            events.clear()
+            model(x).sum().backward()
+            named = []
+            for event in events:
+                if isinstance(event, tuple):
+                    kind, numel, is_async = event
+                    mark = "~" if mark_async and is_async else ""
+                    named.append(f"{kind}:{sizes.get(numel, numel)}{mark}")
+                else:
+                    named.append(event)
+            out.append(named)
+    finally:
+        _LOCAL.log = None
+    return out

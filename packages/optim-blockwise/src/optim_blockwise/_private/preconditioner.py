@@ -1,0 +1,607 @@
+"""What Shampoo and SOAP share: tiles on owners, the owner exchange, sharded block state.
+
+[Note: distributed block preconditioning]
+A preconditioned parameter is a matrix cut into tiles (``tiles.py``). Every tile has one owner
+rank that keeps all of the tile's state (statistics, roots or eigenbases, moments) and computes
+its update direction ``U`` from the tile's whole gradient. Per step:
+
+1. tiles whole on this rank (all of them under the optimizers' block policy) are computed here
+   from the local gradient, with no communication, while the first buckets of step 2 fly;
+2. tiles cut by a rank boundary go through the owner exchange (``exchange.run``: tiles are its
+   units; per process group, all cut tiles of all parameters in buckets of ``bucket_cap_mb``,
+   two buckets in flight against the owners' math): each rank's pieces to the owner, the
+   owner's ``U`` back;
+3. every rank applies its local piece of ``U`` (learning rate, weight decay) elementwise.
+
+No tile is ever gathered on more than its owner: traffic is at most 2x the cut tiles' fp32 bytes.
+The exchange plan covers every trainable preconditioned parameter whether or not it has a
+gradient this step, so it is made (and agreed between ranks, one small all-gather) only when the
+parameter set changes; a gradient present on some ranks only travels as a presence flag and
+raises on every rank (``exchange``'s presence note): no per-step host synchronization.
+A tile's math sees a fresh contiguous fp32 copy of its gradient wherever it runs, and the
+elementwise steps use only correctly rounded ops, so results are bit-identical to one device.
+
+[Note: block state in checkpoints]
+The state of tile ``t`` is kept under keys ``block{t}_{name}`` only on its owner. ``state_dict()``
+gives every rank every key: a DTensor of the block's global shape placed ``RaggedShard((), one-hot
+owner)`` on the sharding axis (the owner holds it all, the others an empty piece), so DCP saves
+each block once and, loading into another layout or world size, delivers it to the new owner.
+Elementwise state (parameters below 2 dims) has the parameter's own placements.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any, cast
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import Placement
+
+from optim_blockwise._private import exchange
+from optim_blockwise._private.agree import check_agreement, fingerprint
+from optim_blockwise._private.base import ShardedOptimizer
+from optim_blockwise._private.layout import ParamLayout, local_flat
+from optim_blockwise._private.state import restore_state_dtypes, sharded_state_dict
+from optim_blockwise._private.tiles import (
+    Piece,
+    PreconditionerBlockPolicy,
+    Tile,
+    assign_owners,
+    matrix_shape,
+    piece_of,
+    read_piece,
+    root_cost,
+    tile_ranges,
+    tiles_of,
+    write_piece,
+)
+from ragged_dtensor import RaggedShard
+
+__all__ = ["BlockPreconditioner", "BlockItem", "dtype_name", "as_dtype", "block_key"]
+
+StateSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def dtype_name(dtype: torch.dtype | str, what: str) -> str:
+    """A floating dtype kept by name in param groups (full state dicts refuse ``torch.dtype``)."""
+    name = str(dtype).removeprefix("torch.")
+    found = getattr(torch, name, None)
+    if not isinstance(found, torch.dtype) or found not in (torch.float32, torch.float64):
+        raise ValueError(f"{what} must be torch.float32 or torch.float64, got {dtype!r}")
+    return name
+
+
+def as_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+def block_key(tile: int, name: str) -> str:
+    return f"block{tile}_{name}"
+
+
+@attrs.frozen(eq=False)
+class _Blocks:
+    """A preconditioned parameter's tiles, their per-rank ranges, owners and this rank's pieces."""
+
+    max_dim: int
+    cols: int
+    tiles: tuple[Tile, ...]
+    ranges: tuple[tuple[tuple[int, int], ...], ...]
+    owners: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    def whole_on(self, t: int, rank: int) -> bool:
+        return self.ranges[t][rank] == (0, self.tiles[t].numel)
+
+    def is_cut(self, t: int) -> bool:
+        return not any(b - a == self.tiles[t].numel for a, b in self.ranges[t])
+
+
+@attrs.frozen(eq=False)
+class BlockItem:
+    param: torch.Tensor
+    name: str
+    group: dict[str, Any]
+    layout: ParamLayout
+    blocks: _Blocks | None
+    """None: updated elementwise (below 2 dims, or ``use_preconditioner=False``)."""
+
+
+class BlockPreconditioner(ShardedOptimizer):
+    """Base of ``Shampoo`` and ``SOAP``: see the module notes. Subclasses give the math."""
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        super().__init__(params, defaults)
+        self.check_consistency = True
+        self._layouts: dict[torch.Tensor, ParamLayout] = {}
+        self._blocks: dict[torch.Tensor, _Blocks] = {}
+        self._load: dict[object, list[int]] = {}
+        self._plan_key: tuple[object, ...] | None = None
+        self._exchanges: list[
+            tuple[dist.ProcessGroup, tuple[tuple[BlockItem, int], ...], exchange.ExchangePlan]
+        ] = []
+        self.bucket_cap_mb = 1.0
+        """Payload of one bucket of the owner exchange (buckets pipeline against the math)."""
+        self.in_flight = 2
+        """Gathers kept ahead of the owners' compute."""
+        self.root_fallbacks = 0
+        """Root / eigenbasis computations that failed in float32 and float64 (previous kept)."""
+        self.last_step_stats: dict[str, int] = {}
+        """Collectives, bytes sent and tiles computed by this rank in the last step."""
+        for gi, group in enumerate(self.param_groups):
+            if group["use_preconditioner"] is True:
+                for index, p in enumerate(group["params"]):
+                    if p.dim() < 2:
+                        raise ValueError(
+                            f"param_groups[{gi}] has use_preconditioner=True but parameter "
+                            f"{self._name(group, index, p)!r} has shape {tuple(p.shape)}; "
+                            f"preconditioning needs 2 or more dims (put it in a group with "
+                            f"use_preconditioner=False)"
+                        )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if "preconditioner_dtype" in param_group:
+            name = dtype_name(param_group["preconditioner_dtype"], "preconditioner_dtype")
+            param_group = {**param_group, "preconditioner_dtype": name}
+        if int(param_group.get("max_preconditioner_dim", 1)) < 1:
+            raise ValueError(
+                f"max_preconditioner_dim must be >= 1, got {param_group['max_preconditioner_dim']}"
+            )
+        super().add_param_group(param_group)
+
+    @staticmethod
+    def block_policy(max_preconditioner_dim: int = 1024) -> PreconditionerBlockPolicy:
+        """The engine's block policy keeping every tile whole on one rank (see tiles.py)."""
+        return PreconditionerBlockPolicy(max_preconditioner_dim)
+
+    # -- subclass hooks ----------------------------------------------------------------------
+    def _block_spec(self, group: dict[str, Any], tile: Tile) -> StateSpec:
+        raise NotImplementedError
+
+    def _init_block(
+        self, group: dict[str, Any], tile: Tile, device: torch.device
+    ) -> dict[str, Any]:
+        spec = self._block_spec(group, tile)
+        return {k: torch.zeros(s, dtype=d, device=device) for k, (s, d) in spec.items()}
+
+    def _direction(
+        self, group: dict[str, Any], state: dict[str, torch.Tensor], grad: torch.Tensor, step: int
+    ) -> torch.Tensor:
+        """The tile's update direction (``rows x cols`` fp32) from its whole fp32 gradient."""
+        raise NotImplementedError
+
+    def _apply(self, item: BlockItem, update: torch.Tensor, step: int) -> None:
+        """Apply this rank's flat fp32 ``update`` of a preconditioned parameter."""
+        raise NotImplementedError
+
+    def _restore_layout(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """A loaded block tensor in the memory layout the step keeps it in (default: rows).
+
+        Strides select the matmul kernel, hence the rounding: a state tensor must come back
+        from a checkpoint with the strides it had, or the continued run differs in the last
+        bits from an uninterrupted one.
+        """
+        return value
+
+    def _elementwise(self, item: BlockItem, step: int) -> None:
+        raise NotImplementedError
+
+    # -- layouts, tiles, owners ----------------------------------------------------------------
+    def _preconditioned(self, group: dict[str, Any], param: torch.Tensor) -> bool:
+        use = group["use_preconditioner"]
+        return (param.dim() >= 2) if use is None else bool(use)
+
+    def _ensure_blocks(self) -> None:
+        """Tiles and owners of every preconditioned parameter (with or without a gradient).
+
+        Owners must not depend on which parameters have gradients this step: the owner keeps
+        the tile's state. New parameters are assigned on top of the load already owned.
+        """
+        new: dict[
+            dist.ProcessGroup | None, list[tuple[torch.Tensor, ParamLayout, tuple[int, int], int]]
+        ] = {}
+        for group in self.param_groups:
+            for index, param in enumerate(group["params"]):
+                if not self._preconditioned(group, param):
+                    continue
+                name = self._name(group, index, param)
+                known = self._blocks.get(param)
+                if known is not None:
+                    if known.max_dim != int(group["max_preconditioner_dim"]):
+                        raise ValueError(
+                            f"parameter {name!r}: max_preconditioner_dim changed from "
+                            f"{known.max_dim} to {group['max_preconditioner_dim']} after its "
+                            f"tiles were made; the tiles hold its state (make a new optimizer)"
+                        )
+                    continue
+                layout = self._layout(param, name)
+                shape2 = matrix_shape(layout.global_shape)
+                assert shape2 is not None
+                key = layout.group if layout.is_sharded else None
+                new.setdefault(key, []).append(
+                    (param, layout, shape2, int(group["max_preconditioner_dim"]))
+                )
+        for key, entries in new.items():
+            world = entries[0][1].world if key is not None else 1
+            flat: list[tuple[int, int, Tile]] = []  # (entry, tile index, tile)
+            ranges: list[tuple[tuple[int, int], ...]] = []
+            per_entry = []
+            for e, (_param, layout, shape2, max_dim) in enumerate(entries):
+                if layout.world != world:
+                    raise ValueError(
+                        f"parameters sharded over one process group disagree on its size "
+                        f"({layout.world} vs {world} ranks, {layout.placement})"
+                    )
+                tiles = tiles_of(shape2, max_dim)
+                per_entry.append(tiles)
+                rank_ranges = layout.ranges if key is not None else ((0, layout.numel),)
+                for t, tile in enumerate(tiles):
+                    flat.append((e, t, tile))
+                    ranges.append(tile_ranges(tile, shape2[1], rank_ranges))
+            load = self._load.setdefault(key, [0] * world)
+            owners = assign_owners(
+                [root_cost(tile) for _, _, tile in flat],
+                [[b - a for a, b in r] for r in ranges],
+                world,
+                load,
+            )
+            pos = 0
+            for e, (param, layout, shape2, max_dim) in enumerate(entries):
+                tiles = per_entry[e]
+                n = len(tiles)
+                coord = layout.coord if key is not None else 0
+                start = layout.start if key is not None else 0
+                rr = tuple(ranges[pos : pos + n])
+                pieces = tuple(
+                    piece_of(tile, shape2[1], start, *rr[t][coord]) for t, tile in enumerate(tiles)
+                )
+                self._blocks[param] = _Blocks(
+                    max_dim, shape2[1], tiles, rr, owners[pos : pos + n], pieces
+                )
+                pos += n
+
+    def _items(self) -> list[BlockItem]:
+        """Every parameter with a gradient, in group order (tiles attached when preconditioned)."""
+        self._ensure_blocks()
+        out = []
+        for group, name, param in self._params_with_grads():
+            layout = self._layout(param, name)
+            assert param.grad is not None
+            grad = local_flat(param.grad, name)
+            if grad.numel() != layout.local_numel:
+                raise ValueError(
+                    f"parameter {name!r}: its local gradient has {grad.numel()} elements but "
+                    f"the parameter's local shard ({layout.placement}) has "
+                    f"{layout.local_numel}; the gradient must be sharded like the parameter"
+                )
+            out.append(BlockItem(param, name, group, layout, self._blocks.get(param)))
+        return out
+
+    def _step_count(self, item: BlockItem) -> int:
+        state = cast(dict[str, Any], self.state[item.param])
+        if "step" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["step"] += 1
+        return int(state["step"].item())  # a CPU scalar: no device synchronization
+
+    def _tile_state(self, item: BlockItem, t: int, device: torch.device) -> dict[str, Any]:
+        state = cast(dict[str, Any], self.state[item.param])
+        assert item.blocks is not None
+        tile = item.blocks.tiles[t]
+        spec = self._block_spec(item.group, tile)
+        first = block_key(t, next(iter(spec)))
+        if first not in state:
+            for k, v in self._init_block(item.group, tile, device).items():
+                state[block_key(t, k)] = v
+        return {k: state[block_key(t, k)] for k in spec}
+
+    def _compute(self, item: BlockItem, t: int, grad: torch.Tensor, step: int) -> torch.Tensor:
+        """``U`` of tile ``t`` (flat fp32) on its owner; the tile's state is updated."""
+        assert item.blocks is not None
+        tile = item.blocks.tiles[t]
+        tstate = self._tile_state(item, t, grad.device)
+        out = self._direction(item.group, tstate, grad.view(tile.shape), step)
+        state = cast(dict[str, Any], self.state[item.param])
+        for k, v in tstate.items():
+            state[block_key(t, k)] = v
+        return out.reshape(-1)
+
+    # -- the exchange plan ---------------------------------------------------------------------
+    def _key(self) -> tuple[object, ...]:
+        """Everything the exchange plans depend on; cheap, reads nothing from the device."""
+        key: list[object] = [self.bucket_cap_mb, self.check_consistency]
+        for group in self.param_groups:
+            key.append((group["use_preconditioner"], group["max_preconditioner_dim"]))
+            key.extend((id(p), p.requires_grad) for p in group["params"])
+        return tuple(key)
+
+    def _make_plans(self) -> None:
+        """One exchange per process group over the cut tiles of every trainable preconditioned
+        parameter (present or not in a given step, see exchange's presence note); the ranks
+        check once, here, that they planned the same exchange."""
+        self._ensure_blocks()
+        by_pg: dict[dist.ProcessGroup, list[tuple[BlockItem, int]]] = {}
+        for group in self.param_groups:
+            for index, param in enumerate(group["params"]):
+                blocks = self._blocks.get(param)
+                if blocks is None or not param.requires_grad:
+                    continue
+                name = self._name(group, index, param)
+                layout = self._layout(param, name)
+                if not layout.is_sharded:
+                    continue
+                item = BlockItem(param, name, group, layout, blocks)
+                assert layout.group is not None
+                for t in range(len(blocks.tiles)):
+                    if blocks.is_cut(t):
+                        by_pg.setdefault(layout.group, []).append((item, t))
+        plans = []
+        for pg, units in by_pg.items():
+            coord = units[0][0].layout.coord
+            ranges, owners, costs = [], [], []
+            for item, t in units:
+                assert item.blocks is not None
+                ranges.append(item.blocks.ranges[t])
+                owners.append(item.blocks.owners[t])
+                costs.append(root_cost(item.blocks.tiles[t]))
+            total = 4 * sum(item.blocks.tiles[t].numel for item, t in units if item.blocks)
+            most = max(owners.count(k) for k in set(owners))
+            count = max(1, min(most, math.ceil(total / (self.bucket_cap_mb * 2**20))))
+            plan = exchange.plan_exchange(coord, ranges, owners, buckets=count, weights=costs)
+            if self.check_consistency:
+                digest = fingerprint(
+                    [
+                        (i.layout.global_shape, t, i.blocks.ranges[t] if i.blocks else ())
+                        for i, t in units
+                    ]
+                )
+                device = local_flat(units[0][0].param, units[0][0].name).device
+                names = sorted({i.name for i, _ in units})
+                check_agreement(pg, digest, len(units), device, type(self).__name__, names)
+            plans.append((pg, tuple(units), plan))
+        self._exchanges = plans
+
+    # -- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        key = self._key()
+        if key != self._plan_key:
+            self._make_plans()
+            self._plan_key = key
+        items = self._items()
+        steps = {item.param: self._step_count(item) for item in items}
+        stats = {"collectives": 0, "bytes_sent": 0, "local_tiles": 0, "exchanged_tiles": 0}
+        fallbacks_before = self.root_fallbacks
+        updates: dict[torch.Tensor, torch.Tensor] = {}
+        grads: dict[torch.Tensor, torch.Tensor] = {}
+        for item in items:
+            if item.blocks is not None:
+                assert item.param.grad is not None
+                grads[item.param] = local_flat(item.param.grad, item.name)
+                updates[item.param] = torch.empty(
+                    item.layout.local_numel, dtype=torch.float32, device=grads[item.param].device
+                )
+
+        def overlap() -> None:
+            # Whole local tiles and elementwise parameters: no owner elsewhere needed.
+            for item in items:
+                if item.blocks is None:
+                    self._elementwise(item, steps[item.param])
+                    continue
+                coord = item.layout.coord if item.layout.is_sharded else 0
+                for t in range(len(item.blocks.tiles)):
+                    if item.blocks.whole_on(t, coord):
+                        piece = item.blocks.pieces[t]
+                        g = read_piece(grads[item.param], piece, torch.float32)
+                        u = self._compute(item, t, g, steps[item.param])
+                        write_piece(updates[item.param], piece, u)
+                        stats["local_tiles"] += 1
+
+        if not self._exchanges:
+            overlap()
+        for n, (pg, units, plan) in enumerate(self._exchanges):
+            first = overlap if n == 0 else None  # runs once the first gathers are in flight
+            run = self._run_exchange(pg, units, plan, grads, steps, updates, first)
+            stats["collectives"] += run.collectives
+            stats["bytes_sent"] += run.bytes_sent
+            stats["exchanged_tiles"] += len(plan.mine)
+        for item in items:
+            if item.param in updates:
+                self._apply(item, updates[item.param], steps[item.param])
+        stats["root_fallbacks"] = self.root_fallbacks - fallbacks_before
+        self.last_step_stats = stats
+        return loss
+
+    def _run_exchange(
+        self,
+        pg: dist.ProcessGroup,
+        units: tuple[tuple[BlockItem, int], ...],
+        plan: exchange.ExchangePlan,
+        grads: dict[torch.Tensor, torch.Tensor],
+        steps: dict[torch.Tensor, int],
+        updates: dict[torch.Tensor, torch.Tensor],
+        overlap: Callable[[], None] | None = None,
+    ) -> exchange.ExchangeStats:
+        def piece(i: int) -> torch.Tensor:
+            return self._piece(units[i], grads)
+
+        def compute(
+            bucket: exchange.Bucket, fulls: dict[int, torch.Tensor]
+        ) -> dict[int, torch.Tensor]:
+            return {i: self._owner_compute(units[i], full, steps) for i, full in fulls.items()}
+
+        def apply(bucket: exchange.Bucket, pieces: dict[int, torch.Tensor]) -> None:
+            self._receive(units, pieces, updates)
+
+        def name(i: int) -> str:
+            return f"{units[i][0].name} tile {units[i][1]}"
+
+        present = [item.param.grad is not None for item, _ in units]
+        return exchange.run(
+            plan,
+            pg,
+            dtype=torch.float32,
+            device=local_flat(units[0][0].param, units[0][0].name).device,
+            piece=piece,
+            compute=compute,
+            apply=apply,
+            present=present if self.check_consistency else None,
+            overlap=overlap,
+            in_flight=self.in_flight,
+            what=type(self).__name__,
+            names=name,
+        )
+
+    def _piece(
+        self, unit: tuple[BlockItem, int], grads: dict[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """This rank's fp32 piece of a cut tile's gradient (zeros without a gradient)."""
+        item, t = unit
+        assert item.blocks is not None
+        piece = item.blocks.pieces[t]
+        grad = grads.get(item.param)
+        if grad is None:
+            device = local_flat(item.param, item.name).device
+            return torch.zeros(piece.numel, dtype=torch.float32, device=device)
+        return read_piece(grad, piece, torch.float32)
+
+    def _owner_compute(
+        self, unit: tuple[BlockItem, int], full: torch.Tensor, steps: dict[torch.Tensor, int]
+    ) -> torch.Tensor:
+        item, t = unit
+        if item.param not in steps:  # no gradient (on every rank, or the exchange raises)
+            return torch.zeros_like(full)
+        return self._compute(item, t, full, steps[item.param])
+
+    def _receive(
+        self,
+        units: tuple[tuple[BlockItem, int], ...],
+        pieces: dict[int, torch.Tensor],
+        updates: dict[torch.Tensor, torch.Tensor],
+    ) -> None:
+        for i, back in pieces.items():
+            item, t = units[i]
+            if item.param in updates:
+                assert item.blocks is not None
+                write_piece(updates[item.param], item.blocks.pieces[t], back)
+
+    # -- state dict ----------------------------------------------------------------------------
+    def _pairs(self, saved_groups: list[dict[str, Any]]) -> list[tuple[Any, dict[str, Any], Any]]:
+        out = []
+        params = [(g, p) for g in self.param_groups for p in g["params"]]
+        ids = [pid for g in saved_groups for pid in g["params"]]
+        for pid, (group, param) in zip(ids, params, strict=True):
+            out.append((pid, group, param))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format; DTensor params' state as DTensors (see the module notes)."""
+        self._ensure_blocks()
+        raw = super().state_dict()
+        blocks_of: dict[Any, dict[str, torch.Tensor]] = {}
+        plain: dict[Any, dict[str, Any]] = {}
+        for pid, entry in raw["state"].items():
+            plain[pid] = {k: v for k, v in entry.items() if not k.startswith("block")}
+            blocks_of[pid] = {k: v for k, v in entry.items() if k.startswith("block")}
+        out = sharded_state_dict(self, {**raw, "state": plain})
+        for pid, group, param in self._pairs(raw["param_groups"]):
+            if pid not in out["state"]:
+                continue
+            blocks = self._blocks.get(param)
+            if blocks is None:
+                continue
+            entry = dict(out["state"][pid])
+            entry.update(self._block_entries(group, param, blocks, blocks_of[pid]))
+            out["state"][pid] = entry
+        return out
+
+    def _block_entries(
+        self,
+        group: dict[str, Any],
+        param: torch.Tensor,
+        blocks: _Blocks,
+        have: dict[str, torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        sharded = isinstance(param, DTensor) and any(
+            not isinstance(p, Replicate) for p in param.placements
+        )
+        out: dict[str, torch.Tensor] = {}
+        device = (param.to_local() if isinstance(param, DTensor) else param).device
+        for t, tile in enumerate(blocks.tiles):
+            for name, (shape, dtype) in self._block_spec(group, tile).items():
+                key = block_key(t, name)
+                value = have.get(key)
+                if not sharded:
+                    if value is not None:
+                        out[key] = value
+                    continue
+                assert isinstance(param, DTensor)
+                local = (
+                    value.reshape(-1)
+                    if value is not None
+                    else torch.empty(0, dtype=dtype, device=device)
+                )
+                axis = next(
+                    a for a, p in enumerate(param.placements) if not isinstance(p, Replicate)
+                )
+                onehot = tuple(
+                    int(k == blocks.owners[t]) for k in range(param.device_mesh.size(axis))
+                )
+                placements: list[Placement] = [Replicate()] * len(param.placements)
+                placements[axis] = RaggedShard((), onehot)
+                out[key] = DTensor.from_local(
+                    local,
+                    param.device_mesh,
+                    placements,
+                    shape=torch.Size(shape),
+                    stride=_contiguous_stride(shape),
+                    run_check=False,
+                )
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        restore_state_dtypes(self, state_dict, super().load_state_dict)
+        self._ensure_blocks()
+        for group in self.param_groups:
+            for param in group["params"]:
+                blocks = self._blocks.get(param)
+                state = cast(dict[str, Any], self.state.get(param, {}))
+                if blocks is None or not state:
+                    continue
+                layout = self._layouts[param]
+                coord = layout.coord if layout.is_sharded else 0
+                for t, tile in enumerate(blocks.tiles):
+                    for name, (shape, _dtype) in self._block_spec(group, tile).items():
+                        key = block_key(t, name)
+                        if key not in state:
+                            continue
+                        value = state[key]
+                        if value.numel() == 0 or blocks.owners[t] != coord:
+                            del state[key]  # another rank's block
+                            continue
+                        if value.numel() != math.prod(shape):
+                            raise ValueError(
+                                f"optimizer state {key!r}: {value.numel()} elements, expected "
+                                f"shape {shape} (was the checkpoint saved with another "
+                                f"max_preconditioner_dim?)"
+                            )
+                        state[key] = self._restore_layout(name, value.view(shape))
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride = []
+    acc = 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= s
+    return tuple(reversed(stride))

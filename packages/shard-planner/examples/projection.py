@@ -1,0 +1,16 @@
+import shard_planner as sp
+
+model = sp.catalogue_model("gpt-oss-120b")
+setup = sp.Setup(seq=4096, micro_batch=1, reduce_bytes=2)  # bf16 reduction
+for m in (128, 256):
+    p = sp.project(model, m, sp.GPUS["H800"], setup)
+    print(m, f"ours {p.ours.peak_bytes / 1e9:.1f} GB", f"FSDP2 {p.fsdp2.peak_bytes / 1e9:.1f} GB")
+    print("  ours at the peak:", dict(p.ours.breakdown), p.ours.peak_at)
+
+advice = sp.advise(
+    sp.catalogue_model("llama3-70b"),
+    16384,
+    sp.GPUS["H100"],
+    sp.Setup(block_rows=16, activation_checkpointing=True),
+)
+print(advice.mesh_shape, advice.chosen.layers_per_group)  # (replicate, shard), layers/group
