@@ -101,7 +101,8 @@ def _packed_roundtrip(rank: int, world: int) -> dict[str, int]:
     reset_collective_counts()
     handle = gather.unshard(encode, decode, dtype=torch.bfloat16, async_op=True)
     handle.wait()
-    assert collective_counts() == Counter({"all_gather_single": 1})
+    # one collective; none on one rank (the section is decoded where it was encoded)
+    assert collective_counts() == Counter({"all_gather_single": 1} if world > 1 else {})
     for view, tensor in zip(buf.full_views(torch.bfloat16), full, strict=True):
         assert torch.equal(view, tensor.to(torch.bfloat16))
     assert [v._version for v in views] == versions  # saved-for-backward views stay valid
