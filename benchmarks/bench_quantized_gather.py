@@ -80,7 +80,7 @@ CONVERGENCE_ENGINES = ("ours-bf16", "ours-fp8", "ours-int8")
 def torchao_available() -> bool:
     try:
         import torchao.float8  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "not here"
+    except Exception:
         return False
     return True
 
@@ -110,10 +110,17 @@ class BytesAllGather:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(
-        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op: bool = False
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: Any,
+        async_op: bool = False,
     ) -> Any:
         if input_tensor.element_size() == 1 and input_tensor.dtype != torch.uint8:
-            output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
+            output_tensor, input_tensor = (
+                output_tensor.view(torch.uint8),
+                input_tensor.view(torch.uint8),
+            )
         return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
@@ -205,9 +212,7 @@ def speed_worker(rank: int, world: int, engines: list[str], steps: int, warmup: 
             r.losses.append(loss)
             if i >= warmup:
                 r.times.append(elapsed)
-    out = {
-        r.name: {"times": r.times, "losses": r.losses, **measured[r.name]} for r in runners
-    }
+    out = {r.name: {"times": r.times, "losses": r.losses, **measured[r.name]} for r in runners}
     del runners
     gc.collect()
     return {"model": cfg.as_dict(), "batch": batch, "engines": out}
@@ -238,9 +243,7 @@ def speed_rows(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
                     "paired_vs_ours_bf16": _paired(e["times"], base["times"]),
                     "gather_bytes": _gather_bytes(e),
                     "gather_ratio": _gather_bytes(e) / _gather_bytes(base),
-                    "gathers": sum(
-                        v for k, v in e["collectives"].items() if "allgather" in k
-                    ),
+                    "gathers": sum(v for k, v in e["collectives"].items() if "allgather" in k),
                     "other_bytes": other,
                     "peak_live_bytes": max(e["peak_live_bytes_per_rank"]),
                     "final_loss": e["losses"][-1],
@@ -249,7 +252,9 @@ def speed_rows(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def speed_markdown(rows: list[dict[str, Any]], info: dict[str, str], steps: int, torchao: bool) -> str:
+def speed_markdown(
+    rows: list[dict[str, Any]], info: dict[str, str], steps: int, torchao: bool
+) -> str:
     lines = [
         f"{info['date']}; {info['cpu']}, {info['nproc']} cores; torch {info['torch']}, gloo; "
         f"load average at the end {info['load']}; commit {info['commit']}. "
@@ -304,7 +309,8 @@ def convergence_worker(
                 curves[r.name].append((step + 1, _validate(r.model, val, world)))
             if rank == 0:
                 done = ", ".join(f"{n} {c[-1][1]:.4f}" for n, c in curves.items())
-                print(f"seed {seed} step {step + 1}: val {done} ({time.perf_counter() - start:.0f} s)", flush=True)
+                wall = time.perf_counter() - start
+                print(f"seed {seed} step {step + 1}: val {done} ({wall:.0f} s)", flush=True)
     return {
         "model": cfg.as_dict(),
         "batch": batch,
@@ -336,8 +342,11 @@ def convergence_markdown(runs: list[dict[str, Any]], info: dict[str, str]) -> st
         "on the same batches from the same initial weights; validation loss over 32 fixed "
         "batches.",
         "",
-        "| seed | " + " | ".join(LABELS[e] for e in engines) + " | "
-        + " | ".join(f"{LABELS[e]} / bf16" for e in engines[1:]) + " |",
+        "| seed | "
+        + " | ".join(LABELS[e] for e in engines)
+        + " | "
+        + " | ".join(f"{LABELS[e]} / bf16" for e in engines[1:])
+        + " |",
         "|---" * (2 * len(engines)) + "|",
     ]
     finals: dict[str, list[float]] = {e: [] for e in engines}
@@ -418,7 +427,9 @@ def main(argv: list[str] | None = None) -> None:
             )
             results[world] = per_rank[0]
             for name, e in per_rank[0]["engines"].items():
-                e["peak_live_bytes_per_rank"] = [r["engines"][name]["peak_live_bytes"] for r in per_rank]
+                e["peak_live_bytes_per_rank"] = [
+                    r["engines"][name]["peak_live_bytes"] for r in per_rank
+                ]
             print(f"world {world}: {time.perf_counter() - start:.0f} s", flush=True)
         rows = speed_rows(results)
         info = machine()

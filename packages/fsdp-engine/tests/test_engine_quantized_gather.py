@@ -608,3 +608,13 @@ def wire_bound(world: int, block: tuple[int, int]) -> float:
         rows = 26
         granularity = (-(-rows // world)) / (rows / world)
     return 0.5 * granularity + 4 / (2 * br * bc) + 0.003
+
+
+@pytest.mark.multiprocess
+def test_readme_quantized_example_is_the_file_and_runs() -> None:
+    from ragged_dtensor.testing import run_readme_example
+
+    package = Path(__file__).resolve().parents[1]
+    example = package / "examples" / "quantized_all_gather.py"
+    out = run_readme_example(package / "README.md", example, index=4)
+    assert out.strip().endswith("ok")
