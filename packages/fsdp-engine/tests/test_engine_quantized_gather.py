@@ -445,7 +445,7 @@ def test_tensor_parallel_weights_are_refused_by_name() -> None:
 
 
 def test_layout_that_cuts_a_block_is_refused() -> None:
-    """The unshard strategy re-checks the layout it is given (a layout without the engine's
+    """The quantized gather re-checks the layout it is given (a layout without the engine's
     block policy cuts the tiles) and names the parameter and the rank."""
     from dbuffer import DBuffer, contiguous_layout
     from fsdp_engine._private.quantized_gather import QuantizedGather

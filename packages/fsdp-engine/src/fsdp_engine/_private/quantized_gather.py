@@ -1,4 +1,4 @@
-"""Quantized weight communication: the policy, the tile-aligned block policy, the unshard strategy.
+"""Quantized weight communication: the policy, the tile-aligned block policy, the packed unshard.
 
 [Note: quantized all-gather of a group]
 With ``MixedPrecisionPolicy(quantized_all_gather=QuantizedAllGather(...))`` a group's unshard is
