@@ -119,6 +119,7 @@ def test_packed_all_gather_threaded(world: int) -> None:
     assert len({r["section"] for r in results}) == 1
 
 
+@pytest.mark.slow  # CI: fsdp-engine's quantized gloo tests run this path at ws 2, 3 and 4
 @pytest.mark.multiprocess
 def test_packed_all_gather_gloo() -> None:
     """Async on real gloo processes: bytes of several dtypes, one collective."""

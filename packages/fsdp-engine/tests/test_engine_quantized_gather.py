@@ -610,6 +610,7 @@ def wire_bound(world: int, block: tuple[int, int]) -> float:
     return 0.5 * granularity + 4 / (2 * br * bc) + 0.003
 
 
+@pytest.mark.slow  # a fresh interpreter and two processes; the gloo tests above prove the same
 @pytest.mark.multiprocess
 def test_readme_quantized_example_is_the_file_and_runs() -> None:
     from ragged_dtensor.testing import run_readme_example
