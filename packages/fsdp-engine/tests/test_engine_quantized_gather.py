@@ -89,7 +89,9 @@ def _check_exact(
     compute = dtype or torch.float32
     quantized = {n for n, w in full.items() if policy.selects(n, w)}
     units = {n: p.placements[0].local_units for n, p in model.named_parameters()}
-    model.unshard()
+    handle = model.unshard(async_op=True)  # on gloo: decoded when the work completes
+    assert handle is not None
+    handle.wait()
     for name, param in model.named_parameters():
         assert not isinstance(param, DTensor) and param.dtype == compute, name
         if name in quantized:
