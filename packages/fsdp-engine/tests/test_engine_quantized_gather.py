@@ -225,8 +225,29 @@ class _Collectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _gloo_body(rank: int, world: int, cases: list[Any]) -> dict[str, Any]:
+def _hypothesis_cases(count: int) -> list[tuple[list[tuple[int, ...]], dict[str, Any], Any]]:
+    """``count`` groups drawn by hypothesis (``groups()``, derandomized) in the parent, for the
+    gloo processes (a process launch per example would cost seconds each)."""
+    drawn: list[tuple[list[tuple[int, ...]], dict[str, Any], Any]] = []
+
+    @settings(
+        max_examples=count,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(groups())
+    def collect(case: Any) -> None:
+        drawn.append(case[1:])
+
+    collect()
+    return drawn[-count:]
+
+
+def _gloo_body(rank: int, world: int, cases: list[Any], drawn: list[Any]) -> dict[str, Any]:
     out = [_check_exact(rank, world, shapes, args, torch.bfloat16) for shapes, args in cases]
+    out += [_check_exact(rank, world, shapes, args, dtype) for shapes, args, dtype in drawn]
     # one training step: one all-gather of bytes per unshard, the reduce-scatter in reduce_dtype
     mesh = init_device_mesh("cpu", (world,))
     model = Bag(cases[-1][0])
@@ -250,13 +271,15 @@ def _gloo_body(rank: int, world: int, cases: list[Any]) -> dict[str, Any]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_unsharded_equals_quantized_full_tensors_gloo(world: int) -> None:
-    """Same arithmetic, real gloo processes at world sizes 2, 3 and 4: seeded random groups and
+    """Same arithmetic, real gloo processes at world sizes 2, 3 and 4: seeded random groups,
+    groups drawn by hypothesis (``groups()``: uneven layouts, both formats, bf16 and fp32) and
     a layer-like group with 128x128 tiles; then one step: the forward and backward all-gathers
     move bytes (codes and scales), the reduce-scatter moves fp32 (``reduce_dtype``); the bytes
     a medium layer's all-gather puts on the wire, counted at the dispatcher on every rank, are
     at most ``wire_bound`` of the bf16 all-gather's (0.53 but for 128x128 tiles at world 4,
     where a layer this small has too few tiles per rank: 0.538)."""
-    for result in run_processes(_gloo_body, world, _gloo_cases(), timeout=240):
+    drawn = _hypothesis_cases(max(2, EXAMPLES // 3))
+    for result in run_processes(_gloo_body, world, _gloo_cases(), drawn, timeout=240):
         for block, ratio in result["wire"].items():
             assert ratio <= wire_bound(world, block), (block, ratio)
             assert ratio <= 0.53 or (block, world) == ((128, 128), 4), (block, ratio)
