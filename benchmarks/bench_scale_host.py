@@ -17,10 +17,16 @@ run in. So every ``torch.distributed`` collective entry point is wrapped (both e
 through ``torch.distributed.<name>``; the calls are counted per step, so a missed path would
 show). By default (``--collectives skip``) the wrapper returns at once (a completed work to async
 callers) and the step's wall time is the engines' own host work; with ``--collectives fake`` the
-fake backend runs them and
+fake backend runs them and their time is subtracted:
 
-    host time = step wall time - time inside the process group's collectives.
- The model: ``--layers`` residual blocks (LayerNorm(64), Linear 64->256,
+    host time = step time - time inside the process group's collectives,
+
+on the main thread's CPU clock (``--clock cpu``, the default on CPU: torch runs one intra-op
+thread here, so it is all of the engines' work, and a loaded machine's waits for a core do not
+count) or the wall clock (``--clock wall``, the default on CUDA, where the step ends with a
+synchronize). Every step's wall and CPU times are in the JSON.
+
+The model: ``--layers`` residual blocks (LayerNorm(64), Linear 64->256,
 GELU, Linear 256->64), each block ``fully_shard``-ed, then the root; SGD; a step is forward,
 backward, ``optimizer.step()`` and ``zero_grad(set_to_none=True)``. On ``--device cuda`` the
 tensors live on the GPU (real kernels and streams, no communication) and each step ends with
@@ -95,11 +101,12 @@ class CommTimer:
 
     def __init__(self, *, skip: bool = False) -> None:
         self.skip = skip
-        self.seconds = 0.0
+        self.seconds = 0.0  # wall clock
+        self.cpu_seconds = 0.0  # this thread's CPU time
         self.calls: dict[str, int] = {}
 
     def reset(self) -> None:
-        self.seconds = 0.0
+        self.seconds = self.cpu_seconds = 0.0
         self.calls = {}
 
     @contextlib.contextmanager
@@ -110,13 +117,14 @@ class CommTimer:
 
         def wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             def timed(*args: Any, **kwargs: Any) -> Any:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 try:
                     if self.skip:
                         return _completed_work() if kwargs.get("async_op") else None
                     return fn(*args, **kwargs)
                 finally:
                     self.seconds += time.perf_counter() - t0
+                    self.cpu_seconds += time.thread_time() - c0
                     self.calls[name] = self.calls.get(name, 0) + 1
 
             return timed
@@ -201,17 +209,23 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     gc.freeze()
     timer = CommTimer(skip=cfg["collectives"] == "skip")
 
-    def step(engine: str) -> tuple[float, float, dict[str, int]]:
+    def step(engine: str) -> dict[str, Any]:
         model, opt = models[engine], opts[engine]
         gc.collect()
         sync()
         timer.reset()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         model(x).sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()
-        return time.perf_counter() - t0, timer.seconds, dict(timer.calls)
+        return {
+            "wall": time.perf_counter() - t0,
+            "cpu": time.thread_time() - c0,
+            "comm": timer.seconds,
+            "comm_cpu": timer.cpu_seconds,
+            "calls": dict(timer.calls),
+        }
 
     out: dict[str, Any] = {
         "world": m,
@@ -225,8 +239,7 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
         for i in range(cfg["steps"]):
             order = cfg["engines"] if i % 2 == 0 else cfg["engines"][::-1]
             for engine in order:
-                wall, comm, calls = step(engine)
-                out["steps"][engine].append({"wall": wall, "comm": comm, "calls": calls})
+                out["steps"][engine].append(step(engine))
         if cfg["profile"] and "ours" in models:
             prof = cProfile.Profile()
             prof.enable()
@@ -291,13 +304,22 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else math.nan
 
 
-def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _host(step: dict[str, Any], clock: str) -> float:
+    """A step's host time: its time outside the collectives, on this thread's CPU clock
+    (``cpu``: what the engine's own work costs, whatever else the machine runs) or the wall
+    clock (``wall``: also the waits, e.g. for a GPU)."""
+    if clock == "cpu":
+        return float(step["cpu"] - step["comm_cpu"])
+    return float(step["wall"] - step["comm"])
+
+
+def summarize(runs: list[dict[str, Any]], clock: str = "cpu") -> list[dict[str, Any]]:
     rows = []
     base_host: dict[str, float] = {}
     for run in sorted(runs, key=lambda r: r["world"]):
         m = run["world"]
         steps = run["steps"]
-        host = {e: [s["wall"] - s["comm"] for s in st] for e, st in steps.items()}
+        host = {e: [_host(s, clock) for s in st] for e, st in steps.items()}
         for engine, st in steps.items():
             row: dict[str, Any] = {
                 "world": m,
@@ -340,11 +362,18 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, str], cfg: dict[str, An
         "engines alternating step by step in one process per m. "
         + (
             "Collectives skipped (`--collectives skip`: each returns at once, a completed work "
-            "to async callers), so host time = step wall time = the engines' own host work. "
+            "to async callers), so the step is the engines' own host work. "
             if cfg["collectives"] == "skip"
-            else "Collectives run by the fake backend (`--collectives fake`); host time = step "
-            "wall time - time inside `torch.distributed` collectives (the backend's own work, "
-            "which grows with m for both engines and also evicts caches). "
+            else "Collectives run by the fake backend (`--collectives fake`), their time "
+            "subtracted (the backend's own work, which grows with m for both engines and also "
+            "evicts caches). "
+        )
+        + (
+            "Host time = the main thread's CPU time (`time.thread_time`) of the step outside "
+            "the collectives: what the engine's work costs whatever else the machine runs "
+            "(the wall clock of a loaded machine also counts the waits for a core). "
+            if cfg["clock"] == "cpu"
+            else "Host time = the step's wall time outside the collectives. "
         )
         + "Ratios: median of the paired per-step ratios (ratio of the minimums in brackets).",
         "",
@@ -444,6 +473,13 @@ def main(argv: list[str] | None = None) -> None:
         choices=["skip", "fake"],
         help="skip: collectives return at once (host work only); fake: the fake backend runs them",
     )
+    p.add_argument(
+        "--clock",
+        default=None,
+        choices=["cpu", "wall"],
+        help="host time on the main thread's CPU clock (default on CPU) or the wall clock "
+        "(default on CUDA: the step ends with a synchronize)",
+    )
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     p.add_argument("--profile", action="store_true", help="cProfile ours at the largest m")
     p.add_argument("--name", default="bench_scale_host", help="output file stem")
@@ -468,13 +504,14 @@ def main(argv: list[str] | None = None) -> None:
         )
     }
     base["engines"] = list(args.engines)
+    base["clock"] = args.clock or ("wall" if args.device == "cuda" else "cpu")
     runs = []
     for m in args.worlds:
         cfg = dict(base, world=m, profile=args.profile and m == max(args.worlds))
         start = time.perf_counter()
         runs.append(run_child(cfg, args.timeout))
         print(f"m={m}: {time.perf_counter() - start:.0f} s", flush=True)
-    rows = summarize(runs)
+    rows = summarize(runs, base["clock"])
     info = machine()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
