@@ -29,7 +29,10 @@ def test_gpu_check_dry_run_passes(tmp_path: Path) -> None:
         ours = json.loads((tmp_path / f"parity_ours_{case}.json").read_text())
         theirs = json.loads((tmp_path / f"parity_fsdp2_{case}.json").read_text())
         assert ours["losses"] == theirs["losses"] and len(ours["losses"]) == 3
-    assert len(list(tmp_path.glob("race_*.json"))) == 3
+    races = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("race_*.json"))]
+    assert len(races) == 3
+    # the race runs take every collective path: rank 0 of 4 on the fake process group
+    assert all(r["world"] == 4 and r["losses"] == races[0]["losses"] for r in races)
     host = json.loads((tmp_path / "scale_host.json").read_text())
     assert {r["world"] for r in host["rows"]} == {8, 64}
     assert {r["engine"] for r in host["rows"]} == {"ours", "fsdp2"}
