@@ -71,7 +71,7 @@ class SimEvent:
         self.clock: dict[str, int] = {}
 
     def record(self, stream: SimStream | None = None) -> None:
-        stream = stream or SIM.current()
+        stream = stream or sim().current()
         self.clock = dict(stream.clock)
 
 
@@ -94,6 +94,7 @@ class Sim:
         self.freed: dict[str, list[Access]] = {}
         self.races: list[str] = []
         self.accessed: set[str] = set()  # streams that touched memory
+        self.last_free: dict[Any, dict[int, Any]] = {}  # collectives._LAST_FREE of this rank
 
     def current(self) -> SimStream:
         return self.stack[-1]
@@ -133,15 +134,28 @@ class Sim:
             mem.reads.append(tick)
 
 
-SIM = Sim()
+_TLS = threading.local()  # one simulation per rank (the ranks of a threaded group are threads)
+
+
+def sim() -> Sim:
+    current: Sim = _TLS.sim
+    return current
+
+
+class _LastFreePerRank:
+    """Stands in for ``collectives._LAST_FREE``: each rank's own events."""
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return sim().last_free.get(key, default)
+
+    def setdefault(self, key: Any, default: Any) -> Any:
+        return sim().last_free.setdefault(key, default)
 
 
 class Tracker(TorchDispatchMode):
     """Records every aten op's reads and writes on the current simulated stream."""
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-    ) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         schema = func._schema
@@ -152,54 +166,69 @@ class Tracker(TorchDispatchMode):
             written = arg.alias_info is not None and arg.alias_info.is_write
             for t in tree_leaves(value):
                 if isinstance(t, torch.Tensor):
-                    SIM.access(t, write=written, what=f"{func} {arg.name}")
+                    sim().access(t, write=written, what=f"{func} {arg.name}")
         for ret, t in zip(schema.returns, tree_leaves(out), strict=False):
             if isinstance(t, torch.Tensor) and ret.alias_info is None:
-                SIM.access(t, write=True, what=f"{func} output")
+                sim().access(t, write=True, what=f"{func} output")
         return out
 
 
 def _collective(fn: Callable[..., Any]) -> Callable[..., Any]:
     def recorded(out: torch.Tensor, inp: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        SIM.access(inp, write=False, what=f"{fn.__name__} input")
-        SIM.access(out, write=True, what=f"{fn.__name__} output")
+        sim().access(inp, write=False, what=f"{fn.__name__} input")
+        sim().access(out, write=True, what=f"{fn.__name__} output")
         with _disable_current_modes():
             return fn(out, inp, *args, **kwargs)
 
     return recorded
 
 
-@contextlib.contextmanager
-def simulated(monkeypatch: pytest.MonkeyPatch) -> Iterator[Sim]:
-    global SIM
-    SIM = Sim()
+def install(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Route dbuffer's streams, events, allocations and collectives to the calling rank's
+    simulation (in the test's thread, before the ranks start)."""
     real_allocate, real_free = buffer_module._allocate, buffer_module._free
 
     def allocate(t: torch.Tensor) -> bool:
         grown = real_allocate(t)
         if grown:
-            SIM.allocated(t)
+            sim().allocated(t)
         return grown
 
     def free(t: torch.Tensor) -> None:
         if t.untyped_storage().nbytes() != 0:
-            SIM.released(t)
+            sim().released(t)
         real_free(t)
 
-    monkeypatch.setattr(collectives, "comm_stream_for", SIM.comm_stream)
-    monkeypatch.setattr(collectives, "_current", lambda device: SIM.current())
-    monkeypatch.setattr(collectives, "_LAST_FREE", {})
+    def comm_stream_for(device: torch.device, kind: str = "all_gather") -> SimStream:
+        return sim().comm_stream(device, kind)
+
+    monkeypatch.setattr(collectives, "comm_stream_for", comm_stream_for)
+    monkeypatch.setattr(collectives, "_current", lambda device: sim().current())
+    monkeypatch.setattr(collectives, "_LAST_FREE", _LastFreePerRank())
     monkeypatch.setattr(torch, "Event", SimEvent)
-    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: SIM.current())
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: sim().current())
     monkeypatch.setattr(buffer_module, "_allocate", allocate)
     monkeypatch.setattr(buffer_module, "_free", free)
     for name in ("all_gather_single", "reduce_scatter_single"):
         monkeypatch.setattr(dist, name, _collective(getattr(dist, name)))
-    with Tracker():
-        yield SIM
 
 
-_LOCK = threading.Lock()
+def event_now(*_: Any) -> SimEvent:
+    """An event on the rank's current simulated stream (the engine's ``_event_now``)."""
+    event = SimEvent()
+    event.record(sim().current())
+    return event
+
+
+@contextlib.contextmanager
+def simulated() -> Iterator[Sim]:
+    """This rank's simulation, with every aten op recorded, for the body."""
+    _TLS.sim = Sim()
+    try:
+        with Tracker():
+            yield _TLS.sim
+    finally:
+        del _TLS.sim
 
 
 def _buffer() -> DBuffer:
@@ -219,7 +248,7 @@ def _iteration(buf: DBuffer, *, mixed: bool, ready: bool, wait: bool = True) -> 
     event = None
     if ready:
         event = SimEvent()
-        event.record(SIM.compute)
+        event.record(sim().compute)
     for _ in range(2):
         handle = buf.unshard(dtype=dtype, async_op=True, ready=event)  # type: ignore[arg-type]
         if wait:
@@ -228,18 +257,20 @@ def _iteration(buf: DBuffer, *, mixed: bool, ready: bool, wait: bool = True) -> 
         buf.reshard()
 
 
-def _scenario(
-    rank: int, world: int, case: str, monkeypatch: pytest.MonkeyPatch
-) -> tuple[list[str], set[str]]:
+def _scenario(rank: int, world: int, case: str) -> tuple[list[str], set[str]]:
     buf = _buffer()
-    with simulated(monkeypatch) as sim:
+    with simulated() as state:
         if case in ("gather", "gather-no-wait", "gather-no-free-event"):
             for mixed in (False, True, True):
                 for ready in (True, False):
                     _iteration(buf, mixed=mixed, ready=ready, wait=case != "gather-no-wait")
         elif case in ("reduce", "reduce-no-wait"):
             grads = buf.new_like()
-            for accumulate, rdtype in ((False, None), (True, torch.float64), (False, torch.float64)):
+            for accumulate, rdtype in (
+                (False, None),
+                (True, torch.float64),
+                (False, torch.float64),
+            ):
                 grads.alloc_unsharded()
                 grads.unsharded.fill_(1.0)  # autograd writes the gradients (compute)
                 handle = grads.reduce_scatter(
@@ -249,7 +280,7 @@ def _scenario(
                     handle.wait()
                 buf.shard.add_(grads.shard)  # the optimizer reads the reduced shard
                 grads.wait()
-        return list(sim.races), set(sim.accessed)
+        return list(state.races), set(state.accessed)
 
 
 CASES = {
@@ -266,8 +297,8 @@ def test_stream_protocol_has_no_race(case: str, monkeypatch: pytest.MonkeyPatch)
     if case == "gather-no-free-event":
         monkeypatch.setattr(collectives, "note_free", lambda device: None)
         monkeypatch.setattr(buffer_module, "note_free", lambda device: None)
-    with _LOCK:
-        races, accessed = run_threaded(_scenario, 1, case, monkeypatch, timeout=60)[0]
+    install(monkeypatch)
+    races, accessed = run_threaded(_scenario, 1, case, timeout=60)[0]
     comm = "all_gather" if case.startswith("gather") else "reduce_scatter"
     assert accessed == {"compute", comm}, accessed  # the work ran on the streams it should
     if CASES[case]:
