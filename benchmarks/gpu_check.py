@@ -17,6 +17,7 @@ compares the runs ``gpu_check.sh`` made:
   ``=1`` (kernels serialised: the reference) gives bitwise identical, finite losses and shards
   (a missing stream wait reads or frees memory early and changes them). World size 1 would not
   do: there the engine issues no collective and uses no communication stream;
+- the CUDA sanitizer's verdict on 5 steps of the race run (``sanitizer.txt``, its log);
 - memory: peaks ours vs FSDP2;
 - the host benchmark's table (``bench_scale_host.py --device cuda``).
 
@@ -195,6 +196,15 @@ def report(args: argparse.Namespace) -> int:
             failures.append(f"race {path.stem} not finite")
     if len(runs) < 3:
         failures.append(f"race: {len(runs)} runs found, expected 3")
+    sanitizer = out / "sanitizer.txt"
+    verdict = sanitizer.read_text().strip() if sanitizer.exists() else "(missing)"
+    lines += ["", "## CUDA sanitizer (TORCH_CUDA_SANITIZER=1, 5 steps of the race run)", ""]
+    lines.append(f"- {verdict}")
+    if not verdict.startswith(("passed", "not run")):
+        failures.append("sanitizer")
+        log = out / "sanitizer.log"
+        if log.exists():
+            lines += ["", "```", *log.read_text().splitlines()[-40:], "```"]
     lines += ["", "## memory (torch.cuda.memory_stats, one training run each)", ""]
     mem = {e: _load(out / f"parity_{e}_bf16.json").get("memory") for e in ("ours", "fsdp2")}
     if mem["ours"] and mem["fsdp2"]:
