@@ -16,7 +16,8 @@
 #    unsynchronized access between streams raises); not run in --dry (CUDA only);
 # 4. the fake-process-group host benchmark with CUDA tensors at m in {8, 1024} (real kernels and
 #    streams, no communication; the fake backend runs the collectives).
-# Exits non-zero if parity or the race check fails. Options: --dry, --out DIR, --python PY.
+# Exits non-zero if parity, the race check or the sanitizer fails. Options: --dry, --out DIR,
+# --python PY.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
