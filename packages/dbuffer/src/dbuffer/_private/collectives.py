@@ -29,7 +29,10 @@ makes the caller's stream wait on it. Memory the caller's stream owns is freed i
 that ordering; memory a communication stream owns is only ever reused by that stream after it
 has waited for the caller's last use. So no ``record_stream``, and frees happen exactly when
 ``wait`` (or the synchronous call, or ``reshard``) returns. On CPU (gloo) there are no streams;
-``async_op`` uses the process group's own asynchronous work objects.
+``async_op`` uses the process group's own asynchronous work objects. The protocol is checked on
+CPU against a model of streams, events and the caching allocator's reuse rule
+(``tests/test_dbuffer_streams.py``, and the engine's use of it in the repository's
+``tests/test_integration_streams.py``).
 """
 
 from __future__ import annotations
