@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
-from dbuffer._private.agreement import check_agreement
 from dbuffer._private import buffer as _buffer
+from dbuffer._private.agreement import check_agreement
 from dbuffer._private.buffer import DBuffer
 from dbuffer._private.collectives import Handle, _on_comm_stream, note_free, order_all_gather
 
