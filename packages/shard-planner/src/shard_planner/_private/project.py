@@ -6,8 +6,8 @@ shard`` mesh (HSDP; ``replicate = 1`` is plain FSDP). The model's groups are the
 (embedding, decoder layers, final norm + head), decoder layers optionally stacked ``k`` per
 group. For each group the layout decides the per-rank shard and the gathered buffer:
 - ours: the planner's plan at the shard-group size (``plan(specs, shard, align,
-  offset_align=align)`` with the engine's alignment: 16 bytes in each of the parameter,
-  compute and reduce dtypes, for shard sizes and tensor offsets): every rank stores ``S``
+  offset_align=align)`` with the engine's alignment: every shard size and tensor offset a
+  multiple of 16 bytes in the parameter, compute and reduce dtypes): every rank stores ``S``
   elements, the gathered buffer is ``shard * S``, no copies (the buffer is the parameters'
   storage);
 - FSDP2: every parameter split evenly on dim 0 (``ceil(d0 / shard)`` rows per rank, padding
@@ -126,11 +126,10 @@ class Setup:
 
     @property
     def align(self) -> int:
-        """Elements per ``align_bytes`` in every dtype the engine keeps the buffer in
-        (parameter, compute, reduce): ``lcm(align_bytes / itemsize)``, the unit of our shard
-        sizes and tensor offsets (``fsdp_engine`` aligns both to 16 bytes in each dtype)."""
+        """Elements per ``align_bytes`` in every dtype the engine views a group in (parameter,
+        compute, reduce): fsdp_engine aligns shard sizes and tensor offsets to this."""
         sizes = (self.param_bytes, self.compute_bytes, self.reduce_bytes)
-        return math.lcm(1, *(max(1, self.align_bytes // b) for b in sizes))
+        return math.lcm(1, *(max(1, self.align_bytes // size) for size in sizes))
 
 
 @attrs.frozen
