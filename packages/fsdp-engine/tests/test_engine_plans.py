@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -23,6 +24,8 @@ from fsdp_engine._private.state import get_state
 from ragged_dtensor.testing import run_threaded
 from shard_planner import MODELS, TensorSpec, catalogue_model
 
+_BUILD = threading.Lock()
+
 
 class Odd(nn.Module):
     """Parameters whose sizes are not multiples of 4 or 8 elements."""
@@ -32,7 +35,7 @@ class Odd(nn.Module):
         self.norm = nn.LayerNorm(13)
         self.a = nn.Linear(13, 7)
         self.b = nn.Linear(7, 13)
-        self.scale = nn.Parameter(torch.ones(()))
+        self.scale = nn.Parameter(torch.ones(1))  # FSDP2 refuses 0-d parameters; so do we
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.relu(self.a(self.norm(x)))) * self.scale
@@ -46,8 +49,9 @@ def _aligned(t: torch.Tensor) -> bool:
 def _check_alignment(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    model = nn.Sequential(Odd(), Odd())
+    with _BUILD:  # the ranks are threads sharing torch's generator: the same weights on each
+        torch.manual_seed(0)
+        model = nn.Sequential(Odd(), Odd())
     policy = fsdp_engine.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     for layer in model:
         fsdp_engine.fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
