@@ -165,6 +165,38 @@ def test_conditional_compute_never_mismatches_collectives(keep: bool) -> None:
     assert presence[0] == presence[1] and all(presence[0].values()), presence
 
 
+def _frozen_differs(rank: int, world: int, impl: str) -> str:
+    """A frozen parameter whose values differ across ranks at ``fully_shard`` (e.g. made with
+    ``torch.empty``, or loaded from different files), next to a trainable one."""
+
+    class Frozen(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.full((4, 4), float(rank)), requires_grad=False)
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + self.table[:1]
+
+    model = make(Frozen)
+    try:
+        engine(impl).fully_shard(model)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
+def test_frozen_values_that_differ_across_ranks_raise() -> None:
+    """FSDP2 shards each rank's own copy, so the frozen parameter silently mixes the ranks'
+    values for good (it is never reduced nor updated); fsdp_engine compares the frozen values'
+    digests and raises on every rank naming the parameter and the ranks."""
+    assert run_threaded(_frozen_differs, 2, "fsdp2") == ["accepted", "accepted"]
+    for outcome in run_threaded(_frozen_differs, 2, "ours"):
+        assert outcome.startswith("LayoutMismatchError"), outcome
+        assert "value of frozen parameter 'table'" in outcome, outcome
+        assert "ranks [0]" in outcome and "ranks [1]" in outcome, outcome
+
+
 class _TwoOutputs(nn.Module):
     """Two heads; the caller decides whether the loss uses the second one."""
 
