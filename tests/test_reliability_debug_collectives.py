@@ -56,8 +56,10 @@ def test_muon_stepping_twice_on_one_rank_is_named(monkeypatch: pytest.MonkeyPatc
     assert message.startswith("CollectiveMismatchError: collective mismatch on process group")
     assert "ranks [0] are at" in message and "ranks [1] are at" in message, message
     assert "at step 1" in message and "at step 0" not in message.split("ranks [0]")[0]
-    # rank 0 is in its second step, at Muon's exchange check; rank 1 in the next forward
-    assert "(4,) int64) at step 1, from ragged_dtensor/_private/agreement.py" in message
+    # rank 0 is in its second step, at Muon's owner exchange (a steady-state step runs no
+    # agreement check: issue 18); rank 1 in the next forward's all-gather
+    assert "all_to_all_single(dtypes uint8; sizes may differ) at step 1" in message, message
     assert "optim_blockwise/_private/muon.py" in message, message
+    assert "fsdp_engine/_private/state.py" in message and "_pre_forward" in message, message
     for _, seconds in outcomes:
         assert seconds < DEADLINE_S

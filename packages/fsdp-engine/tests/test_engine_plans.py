@@ -32,7 +32,7 @@ class Odd(nn.Module):
         self.norm = nn.LayerNorm(13)
         self.a = nn.Linear(13, 7)
         self.b = nn.Linear(7, 13)
-        self.scale = nn.Parameter(torch.ones(()))
+        self.scale = nn.Parameter(torch.ones(1))  # FSDP2 refuses 0-d parameters; so do we
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.relu(self.a(self.norm(x)))) * self.scale

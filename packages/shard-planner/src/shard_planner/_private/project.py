@@ -5,9 +5,11 @@ One training step (forward, backward, optimizer step) of one micro-batch on a ``
 shard`` mesh (HSDP; ``replicate = 1`` is plain FSDP). The model's groups are the catalogue's
 (embedding, decoder layers, final norm + head), decoder layers optionally stacked ``k`` per
 group. For each group the layout decides the per-rank shard and the gathered buffer:
-- ours: the planner's plan at the shard-group size (``plan(specs, shard, align)`` with the
-  engine's alignment of 16 bytes of the parameter dtype): every rank stores ``S`` elements, the
-  gathered buffer is ``shard * S``, no copies (the buffer is the parameters' storage);
+- ours: the planner's plan at the shard-group size (``plan(specs, shard, align,
+  offset_align=align)`` with the engine's alignment: every shard size and tensor offset a
+  multiple of 16 bytes in the parameter, compute and reduce dtypes): every rank stores ``S``
+  elements, the gathered buffer is ``shard * S``, no copies (the buffer is the parameters'
+  storage);
 - FSDP2: every parameter split evenly on dim 0 (``ceil(d0 / shard)`` rows per rank, padding
   included), the all-gather output and the unsharded parameters both ``shard`` times that
   (padded), and a copy-in, a copy-out and a reduce-scatter copy-in per group.
@@ -124,7 +126,10 @@ class Setup:
 
     @property
     def align(self) -> int:
-        return max(1, self.align_bytes // self.param_bytes)
+        """Elements per ``align_bytes`` in every dtype the engine views a group in (parameter,
+        compute, reduce): fsdp_engine aligns shard sizes and tensor offsets to this."""
+        sizes = (self.param_bytes, self.compute_bytes, self.reduce_bytes)
+        return math.lcm(1, *(max(1, self.align_bytes // size) for size in sizes))
 
 
 @attrs.frozen
@@ -182,7 +187,7 @@ def ours_shard(specs: Sequence[TensorSpec], shard_ranks: int, align: int) -> int
     if key not in _PLAN_CACHE:
         if len(_PLAN_CACHE) > 4096:
             _PLAN_CACHE.clear()
-        _PLAN_CACHE[key] = plan(specs, shard_ranks, align).shard_size
+        _PLAN_CACHE[key] = plan(specs, shard_ranks, align, offset_align=align).shard_size
     return _PLAN_CACHE[key]
 
 
