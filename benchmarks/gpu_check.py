@@ -4,14 +4,20 @@
     python benchmarks/gpu_check.py report --out results/gpu_check
 
 ``train`` trains a small residual MLP (fp32, or bf16 mixed precision with ``--mixed``) with AdamW
-on one rank (NCCL on CUDA, gloo on CPU: real collectives at world size 1) and writes every loss
-(as exact float hex), the final parameters' digest and, on CUDA, ``torch.cuda.memory_stats``
-peaks and ``max_memory_reserved``. ``report`` compares the runs ``gpu_check.sh`` made:
+on one rank (NCCL on CUDA, gloo on CPU: a real world of one; or rank 0 of ``--fake-world`` on
+the fake process group) and writes every loss (as exact float hex), the final shards' digest
+and, on CUDA, ``torch.cuda.memory_stats`` peaks and ``max_memory_reserved``. ``report``
+compares the runs ``gpu_check.sh`` made:
 
 - parity: ours and FSDP2 give bitwise equal losses and parameters (same arithmetic: world size 1,
   the same kernels in the same order, deterministic algorithms on);
-- stream race: the same run repeated with ``CUDA_LAUNCH_BLOCKING=0`` (twice) and ``=1`` gives
-  bitwise identical losses (a missing stream wait reads or frees memory early and changes them);
+- stream race: the same run of ours, as rank 0 of 4 on the fake process group (``--fake-world
+  4``: every all-gather, reduce-scatter, prefetch and cast runs on its stream; the fake backend's
+  copies keep the data deterministic), repeated with ``CUDA_LAUNCH_BLOCKING=0`` (twice) and
+  ``=1`` (kernels serialised: the reference) gives bitwise identical, finite losses and shards
+  (a missing stream wait reads or frees memory early and changes them). World size 1 would not
+  do: there the engine issues no collective and uses no communication stream;
+- the CUDA sanitizer's verdict on 5 steps of the race run (``sanitizer.txt``, its log);
 - memory: peaks ours vs FSDP2;
 - the host benchmark's table (``bench_scale_host.py --device cuda``).
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import socket
 import sys
@@ -50,12 +57,22 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     if device == "cuda":
         torch.cuda.set_device(0)
-    backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-    )
+    world = args.fake_world
+    if world > 1:
+        # rank 0 of ``world`` on the fake backend: no communication, but every collective path
+        # of the engine runs (all-gather / reduce-scatter streams, prefetch, the low-precision
+        # cast), and the data stays deterministic: the fake all-gather copies this rank's shard
+        # into every chunk, its reduce-scatter keeps this rank's chunk
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    else:
+        backend = "nccl" if device == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
     try:
-        mesh = init_device_mesh(device, (1,))
+        mesh = init_device_mesh(device, (world,))
         torch.manual_seed(0)
         model = build_model(args.layers, args.dim, args.hidden).to(device)
         if args.engine == "ours":
@@ -94,14 +111,16 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         values = [float(v) for v in torch.stack(losses).cpu()]  # one sync, at the end
         digest = hashlib.sha256()
         for name, param in sorted(model.named_parameters()):
-            full = param.full_tensor() if isinstance(param, DTensor) else param
+            # this rank's shard (the whole parameter at world size 1)
+            local = param.to_local() if isinstance(param, DTensor) else param
             digest.update(name.encode())
-            digest.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digest.update(local.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
         out: dict[str, Any] = {
             "engine": args.engine,
             "device": device,
             "mixed": args.mixed,
             "steps": args.steps,
+            "world": world,
             "launch_blocking": os.environ.get("CUDA_LAUNCH_BLOCKING", ""),
             "losses": [v.hex() for v in values],
             "params_sha256": digest.hexdigest(),
@@ -164,14 +183,28 @@ def report(args: argparse.Namespace) -> int:
         run = _load(path)
         same = reference is not None and run["losses"] == reference["losses"]
         same = same and reference is not None and run["params_sha256"] == reference["params_sha256"]
+        finite = all(math.isfinite(float.fromhex(v)) for v in run["losses"])
         lines.append(
             f"- {path.stem}: CUDA_LAUNCH_BLOCKING={run['launch_blocking'] or 'unset'}, "
-            f"{run['steps']} steps: {'identical' if same else 'DIFFERENT'}"
+            f"world {run.get('world', 1)} (fake process group), {run['steps']} steps: "
+            f"{'identical' if same else 'DIFFERENT'}"
+            + ("" if finite else " (non-finite losses: the comparison proves nothing)")
         )
         if not same:
             failures.append(f"race {path.stem}")
+        if not finite:
+            failures.append(f"race {path.stem} not finite")
     if len(runs) < 3:
         failures.append(f"race: {len(runs)} runs found, expected 3")
+    sanitizer = out / "sanitizer.txt"
+    verdict = sanitizer.read_text().strip() if sanitizer.exists() else "(missing)"
+    lines += ["", "## CUDA sanitizer (TORCH_CUDA_SANITIZER=1, 5 steps of the race run)", ""]
+    lines.append(f"- {verdict}")
+    if not verdict.startswith(("passed", "not run")):
+        failures.append("sanitizer")
+        log = out / "sanitizer.log"
+        if log.exists():
+            lines += ["", "```", *log.read_text().splitlines()[-40:], "```"]
     lines += ["", "## memory (torch.cuda.memory_stats, one training run each)", ""]
     mem = {e: _load(out / f"parity_{e}_bf16.json").get("memory") for e in ("ours", "fsdp2")}
     if mem["ours"] and mem["fsdp2"]:
@@ -206,6 +239,13 @@ def main() -> None:
     t.add_argument("--hidden", type=int, default=1024)
     t.add_argument("--batch", type=int, default=32)
     t.add_argument("--mixed", action="store_true", help="bf16 parameters for compute")
+    t.add_argument(
+        "--fake-world",
+        type=int,
+        default=1,
+        help="> 1: rank 0 of this many on the fake process group (every stream path, no data "
+        "moved); 1: a real world of one (NCCL / gloo)",
+    )
     t.add_argument("--foreach", type=lambda s: None if s == "default" else s == "1", default=None)
     t.add_argument("--out", required=True)
     many = sub.add_parser("train-many", help="runs from stdin, one process (the dry run)")
@@ -221,9 +261,10 @@ def main() -> None:
         return
     if args.cmd == "train-many":
         for line in sys.stdin.read().splitlines():
-            engine, case, steps, blocking, out = line.split()
+            engine, case, steps, world, blocking, out = line.split()
             run = argparse.Namespace(**vars(args))
             run.engine, run.mixed, run.steps, run.out = engine, case == "bf16", int(steps), out
+            run.fake_world = int(world)
             run.foreach = None
             if blocking != "-":
                 os.environ["CUDA_LAUNCH_BLOCKING"] = blocking

@@ -25,11 +25,15 @@ def test_gpu_check_dry_run_passes(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = (tmp_path / "summary.md").read_text()
     assert "result: passed" in summary
+    assert "- not run (no CUDA in --dry)" in summary  # the sanitizer step is CUDA only
     for case in ("fp32", "bf16"):
         ours = json.loads((tmp_path / f"parity_ours_{case}.json").read_text())
         theirs = json.loads((tmp_path / f"parity_fsdp2_{case}.json").read_text())
         assert ours["losses"] == theirs["losses"] and len(ours["losses"]) == 3
-    assert len(list(tmp_path.glob("race_*.json"))) == 3
+    races = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("race_*.json"))]
+    assert len(races) == 3
+    # the race runs take every collective path: rank 0 of 4 on the fake process group
+    assert all(r["world"] == 4 and r["losses"] == races[0]["losses"] for r in races)
     host = json.loads((tmp_path / "scale_host.json").read_text())
     assert {r["world"] for r in host["rows"]} == {8, 64}
     assert {r["engine"] for r in host["rows"]} == {"ours", "fsdp2"}
@@ -43,6 +47,8 @@ def test_gpu_check_report_fails_on_a_difference(tmp_path: Path) -> None:
             (tmp_path / f"parity_{engine}_{case}.json").write_text(json.dumps(run))
     for name in ("a", "b", "c"):
         (tmp_path / f"race_{name}.json").write_text(json.dumps(run))
+    (tmp_path / "sanitizer.txt").write_text("FAILED (see sanitizer.log)\n")
+    (tmp_path / "sanitizer.log").write_text("CUDASanitizerErrors: a data race\n")
     other = dict(run, losses=[(1.0 + 2**-52).hex()])
     (tmp_path / "race_b.json").write_text(json.dumps(other))
     proc = subprocess.run(
@@ -59,4 +65,5 @@ def test_gpu_check_report_fails_on_a_difference(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "FAILED: race race_b" in proc.stdout
+    assert "result: FAILED: race race_b, sanitizer" in proc.stdout
+    assert "CUDASanitizerErrors: a data race" in proc.stdout

@@ -105,9 +105,10 @@ def trace(
 
     install()
     api: Any = fsdp_engine if engine == "ours" else torch_fsdp
-    torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world,))
-    model = Net()
+    with _LOCK:  # the ranks are threads sharing torch's generator: the same weights on each
+        torch.manual_seed(0)
+        model = Net()
     for layer in model.layers:
         api.fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
     api.fully_shard(model, mesh=mesh)

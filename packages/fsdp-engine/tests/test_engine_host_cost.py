@@ -17,11 +17,16 @@ from dbuffer import DBuffer
 from fsdp_engine._private.state import get_state
 from ragged_dtensor.testing import run_threaded
 
+# The ranks are threads sharing torch's global generator: seeding and building under one lock
+# gives every rank the same initial values (fully_shard compares frozen parameters' values).
+_BUILD = threading.Lock()
+
 
 def _model(world: int, frozen: bool) -> nn.Module:
-    torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world,))
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(6, 6), nn.ReLU()) for _ in range(3)))
+    with _BUILD:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Sequential(nn.Linear(6, 6), nn.ReLU()) for _ in range(3)))
     if frozen:  # a group with a frozen member reduces compactly
         model[1][0].bias.requires_grad_(False)
     for layer in model:

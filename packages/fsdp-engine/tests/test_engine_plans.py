@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -22,6 +23,8 @@ from fsdp_engine._private.plans import alignment, cached_plan, clear_plan_cache,
 from fsdp_engine._private.state import get_state
 from ragged_dtensor.testing import run_threaded
 from shard_planner import MODELS, TensorSpec, catalogue_model
+
+_BUILD = threading.Lock()
 
 
 class Odd(nn.Module):
@@ -46,8 +49,9 @@ def _aligned(t: torch.Tensor) -> bool:
 def _check_alignment(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    model = nn.Sequential(Odd(), Odd())
+    with _BUILD:  # the ranks are threads sharing torch's generator: the same weights on each
+        torch.manual_seed(0)
+        model = nn.Sequential(Odd(), Odd())
     policy = fsdp_engine.MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     for layer in model:
         fsdp_engine.fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=False)

@@ -15,10 +15,11 @@ collective waits only on the events its data depends on:
 
 - an all-gather on ``ready``, the event marking the last write of its input (the caller's: the
   engine records one when an iteration starts, after the optimizer step), or, without one, on
-  the caller's stream at issue time; and on the last event ``note_free`` recorded, since its
-  output storage is allocated *on the all-gather stream* and may reuse a block the caller's
-  stream was still reading when it was freed (``DBuffer.reshard`` records that event before each
-  free). The low-precision cast of the shard runs there too, off the compute stream;
+  the caller's stream at issue time; and on the last event ``note_free`` recorded on each
+  stream that freed, since its output storage is allocated *on the all-gather stream* and may
+  reuse a block the caller's stream was still reading when it was freed (``DBuffer.reshard``
+  records that event before each free). The low-precision cast of the shard runs there too, off
+  the compute stream;
 - a reduce-scatter on the caller's stream at issue time (the gradients it reduces were just
   computed there); its temporaries (the reduce-dtype cast, the receive buffer) are allocated and
   written on the reduce-scatter stream.
@@ -28,7 +29,10 @@ makes the caller's stream wait on it. Memory the caller's stream owns is freed i
 that ordering; memory a communication stream owns is only ever reused by that stream after it
 has waited for the caller's last use. So no ``record_stream``, and frees happen exactly when
 ``wait`` (or the synchronous call, or ``reshard``) returns. On CPU (gloo) there are no streams;
-``async_op`` uses the process group's own asynchronous work objects.
+``async_op`` uses the process group's own asynchronous work objects. The protocol is checked on
+CPU against a model of streams, events and the caching allocator's reuse rule
+(``tests/test_dbuffer_streams.py``, and the engine's use of it in the repository's
+``tests/test_integration_streams.py``).
 """
 
 from __future__ import annotations
@@ -54,7 +58,8 @@ ReduceOp = Literal["sum", "avg"]
 StreamKind = Literal["all_gather", "reduce_scatter"]
 
 _COMM_STREAMS: dict[tuple[torch.device, str], torch.Stream] = {}
-_LAST_FREE: dict[torch.device, torch.Event] = {}
+# device -> (stream id -> the last ``note_free`` event recorded on that stream)
+_LAST_FREE: dict[torch.device, dict[int, torch.Event]] = {}
 _HIGH_PRIORITY = -1  # accelerators' streams: 0 is normal, negative is higher
 
 
@@ -76,12 +81,17 @@ def _current(device: torch.device) -> torch.Stream:
 
 def note_free(device: torch.device) -> None:
     """Before freeing memory an all-gather stream allocated: mark how far the caller's stream
-    has got (every read of that memory issued so far). The next all-gather waits on it."""
+    has got (every read of that memory issued so far). The next all-gather waits on it.
+
+    One event per caller stream: a later event on the same stream covers the earlier ones
+    (stream order), but not another stream's (e.g. a forward run under a side stream), so the
+    last event of every stream that freed is kept."""
     if comm_stream_for(device) is None:
         return
+    stream = _current(device)
     event = torch.Event(device=device)
-    event.record(_current(device))
-    _LAST_FREE[device] = event
+    event.record(stream)
+    _LAST_FREE.setdefault(device, {})[stream.stream_id] = event
 
 
 def order_all_gather(device: torch.device, ready: torch.Event | None) -> torch.Stream | None:
@@ -95,8 +105,7 @@ def order_all_gather(device: torch.device, ready: torch.Event | None) -> torch.S
         ready = torch.Event(device=device)
         ready.record(_current(device))
     stream.wait_event(ready)
-    freed = _LAST_FREE.get(device)
-    if freed is not None:
+    for freed in _LAST_FREE.get(device, {}).values():
         stream.wait_event(freed)
     return stream
 

@@ -1,0 +1,79 @@
+"""fsdp_engine's use of dbuffer's streams, checked on CPU with the simulated streams of
+``packages/dbuffer/tests/test_dbuffer_streams.py`` (see its docstring for the model).
+
+Two ranks (threaded process group, one simulation each) train a 4-layer model for three steps
+with everything that issues all-gathers early: the implicit forward prefetch (issued before the
+current layer's compute, waiting only on the iteration's inputs-ready event), backward prefetch,
+``reshard_after_forward=2`` regathers from the kept parts, bf16 mixed precision (the cast on the
+all-gather stream) with an fp32 reduce dtype, and an SGD step on the compute stream between
+iterations. The model must see no race, the work must run on all three streams, and removing
+the all-gather stream's wait on the free events must be reported.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "dbuffer" / "tests"))
+
+import test_dbuffer_streams as streams
+
+import fsdp_engine
+from dbuffer._private import buffer as buffer_module
+from fsdp_engine._private import group as group_module
+from fsdp_engine._private import state as state_module
+from ragged_dtensor.testing import run_threaded
+
+_BUILD = threading.Lock()  # ranks are threads sharing torch's generator
+
+
+def _train(rank: int, world: int, reshard: bool | int) -> tuple[list[str], set[str]]:
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+    with _BUILD:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)))
+    policy = fsdp_engine.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+    )
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    with streams.simulated() as sim:
+        for layer in model:
+            fsdp_engine.fully_shard(
+                layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard
+            )
+        fsdp_engine.fully_shard(model, mesh=mesh, mp_policy=policy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+        for _ in range(3):
+            model(x).float().sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return list(sim.races), set(sim.accessed)
+
+
+@pytest.mark.parametrize("reshard", [True, 2])
+@pytest.mark.parametrize("planted", [False, True])
+def test_engine_streams_have_no_race(
+    reshard: bool | int, planted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    streams.install(monkeypatch)
+    monkeypatch.setattr(group_module, "_event_now", streams.event_now)
+    monkeypatch.setattr(state_module, "_event_now", streams.event_now)
+    if planted:
+        monkeypatch.setattr(buffer_module, "note_free", lambda device: None)
+    world = 4 if reshard == 2 else 2
+    results: list[Any] = run_threaded(_train, world, reshard, timeout=120)
+    for races, accessed in results:
+        assert accessed == {"compute", "all_gather", "reduce_scatter"}, accessed
+        if planted:
+            assert races, "the model saw no race where one was planted"
+        else:
+            assert races == [], races[:5]
