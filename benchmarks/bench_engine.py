@@ -54,10 +54,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 import torch
 import torch.distributed as dist
-from demo import CollectiveTally
 from llama import PRESETS, ModelConfig, get_batch, load_corpus, loss_fn, muon_param_groups
 from llama import Block as LlamaBlock
 from llama import Llama as LlamaModel
+from run_tools import CollectiveTally
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor

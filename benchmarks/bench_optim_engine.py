@@ -30,6 +30,7 @@ where every rank trains on rank 0's batches (then the gradients are the one-devi
 to the rounding of their average: exact at world size 2).
 
     python benchmarks/bench_optim_engine.py [--out results] [--worlds 2 4] [--steps 10]
+    python benchmarks/bench_optim_engine.py --from-json  # the table again from the JSON
 """
 
 from __future__ import annotations
@@ -449,8 +450,8 @@ def _kinds(calls: dict[str, int]) -> str:
     return " ".join(f"{v} {k}" for k, v in sorted(calls.items()))
 
 
-def _num(x: float | None, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
+def _num(x: float | None, fmt: str, suffix: str = "") -> str:
+    return "-" if x is None else format(x, fmt) + suffix
 
 
 def markdown(rows: list[dict[str, Any]], info: dict[str, str], args: argparse.Namespace) -> str:
@@ -475,12 +476,12 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, str], args: argparse.Na
         out.append(
             f"| {r['case']} | {r['world']} | {r['label']} | {r['fwd_bwd_ms']:.0f} | "
             f"{r['opt_ms']:.1f} | {100 * r['opt_share']:.1f}% | "
-            f"{_num(r.get('ours_step_over_this'), '.2f')}x | "
-            f"{_num(r.get('ours_opt_over_this'), '.3f')}x | "
+            f"{_num(r.get('ours_step_over_this'), '.2f', 'x')} | "
+            f"{_num(r.get('ours_opt_over_this'), '.3f', 'x')} | "
             f"{r['transient_per_element']:.2f} | {r['ops_per_param']:.0f} | "
             f"{r['collectives']} ({_kinds(r['collective_kinds'])}) | "
             f"{r['state_bytes_per_element']:.2f} | "
-            f"{_num(r.get('ours_state_over_this'), '.2f')}x | "
+            f"{_num(r.get('ours_state_over_this'), '.2f', 'x')} | "
             f"{_num(r['max_abs_diff_vs_1dev'], '.2e')} | "
             f"{_num(r['max_abs_diff_vs_1dev_same_data'], '.2e')} |"
         )
@@ -515,7 +516,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps (the last is measured)")
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument(
+        "--from-json",
+        action="store_true",
+        help="rewrite bench_optim_engine.md in --out from its bench_optim_engine.json (no run)",
+    )
     args = p.parse_args(argv)
+    if args.from_json:
+        payload = json.loads((Path(args.out) / "bench_optim_engine.json").read_text())
+        saved = argparse.Namespace(**payload["args"])
+        table = markdown(payload["rows"], payload["machine"], saved)
+        (Path(args.out) / "bench_optim_engine.md").write_text(table)
+        print(table)
+        return
     torch.set_num_threads(1)
     corpus = load_corpus()
     n = args.warmup + args.steps

@@ -50,10 +50,17 @@ from llama import (
     loss_fn,
     muon_param_groups,
 )
+from run_tools import (
+    CollectiveTally,
+    OneLineErrorParser,
+    mib,
+    non_negative_int,
+    persistent_tensors,
+    positive_float,
+    positive_int,
+)
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 OPTIMIZERS = ("adamw", "muon", "adamw8bit", "shampoo", "soap")
 # what --engine names, and how the summary and the plot name it
@@ -61,57 +68,6 @@ ENGINES = {"fsdp-engine": "fsdp_engine.fully_shard", "fsdp2": "torch FSDP2 (full
 
 
 # -- measurement -----------------------------------------------------------------------------
-
-
-class CollectiveTally(TorchDispatchMode):
-    """Counts collectives at the dispatcher (``c10d`` / ``_c10d_functional`` ops), whoever issues
-    them, and the bytes of their input tensors. Barriers and waits are not counted."""
-
-    def __init__(self) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.calls: dict[str, int] = {}
-        self.bytes: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented  # let DTensor lower to plain-tensor collectives first
-        if isinstance(func, torch._ops.OpOverload) and func.namespace in (
-            "c10d",
-            "_c10d_functional",
-        ):
-            name = func.__name__.split(".")[0]
-            if "barrier" not in name and "wait" not in name and "monitored" not in name:
-                self.calls[name] = self.calls.get(name, 0) + 1
-                self.bytes[name] = self.bytes.get(name, 0) + _input_bytes(name, args)
-        return func(*args, **kwargs)
-
-    @property
-    def total_calls(self) -> int:
-        return sum(self.calls.values())
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
-
-
-def _input_bytes(name: str, args: Any) -> int:
-    """Bytes this rank contributes: the input tensor(s) of the collective."""
-
-    # c10d ops take (outputs, inputs, ...) for gathers/scatters, (tensors, ...) for the rest
-    def size(value: Any) -> int:
-        if isinstance(value, torch.Tensor):
-            return value.numel() * value.element_size()
-        if isinstance(value, list | tuple):
-            return sum(size(v) for v in value)
-        return 0
-
-    if not args:
-        return 0
-    gather_like = ("allgather", "all_gather", "reduce_scatter", "alltoall")
-    if len(args) > 1 and any(k in name for k in gather_like):
-        return size(args[1])  # (outputs, inputs, ...): what this rank puts in
-    return size(args[0])
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -175,27 +131,6 @@ def build(
     return model, opt
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _persistent_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    out = []
-    for p in model.parameters():
-        out.append(_local(p))
-        if p.grad is not None:
-            out.append(_local(p.grad))
-    for state in opt.state.values():
-        out.extend(_local(v) for v in state.values() if isinstance(v, torch.Tensor))
-    for m in model.modules():  # ours: the flat buffers (a released gradient buffer is None)
-        group = getattr(m.__dict__.get("_fsdp_engine_state"), "group", None)
-        if group is not None:
-            out += [group.params.shard, group.unsharded_grads.shard]
-            if group.grads is not None:
-                out.append(group.grads.shard)
-    return out
-
-
 def _padding(model: nn.Module, engine: str, world: int) -> tuple[int, int]:
     """(padding elements, buffer elements) over all groups, per the engine's layout."""
     pad = total = 0
@@ -255,7 +190,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         if step == measure_step:  # one measured step: live memory, collectives, copies
             with (
-                LiveBytes(seed=_persistent_tensors(model, opt)) as live,
+                LiveBytes(seed=persistent_tensors(model, opt)) as live,
                 CopiedBytes() as copies,
                 tally,
             ):
@@ -345,10 +280,6 @@ def _progress_bar(args: argparse.Namespace) -> Any:
     return tqdm(total=args.steps, desc=ENGINES[args.engine], unit="step", file=sys.stderr)
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
 def report(
     args: argparse.Namespace, records: list[dict[str, Any]], corpus: Corpus, cfg: dict[str, Any]
 ) -> None:
@@ -370,10 +301,10 @@ def report(
         f"throughput        {tps:,.0f} tokens/s ({step_s * 1e3:.0f} ms/step median, "
         f"{r0['wall_s']:.1f} s for {len(r0['losses'])} steps)",
         "peak live memory  "
-        + ", ".join(f"rank {r['rank']}: {_mib(r['peak_live_bytes'])}" for r in records),
-        f"collectives/step  {calls} ({kinds}); {_mib(sum(r0['collective_bytes'].values()))} "
+        + ", ".join(f"rank {r['rank']}: {mib(r['peak_live_bytes'])}" for r in records),
+        f"collectives/step  {calls} ({kinds}); {mib(sum(r0['collective_bytes'].values()))} "
         "sent by rank 0",
-        f"bytes copied      {_mib(r0['copied_bytes'])} per step (rank 0; copy-like ops)",
+        f"bytes copied      {mib(r0['copied_bytes'])} per step (rank 0; copy-like ops)",
         f"padding           {r0['padding']:,} of {r0['buffer']:,} buffer elements "
         f"({100 * r0['padding'] / max(r0['buffer'], 1):.3f}%)",
     ]
@@ -442,54 +373,18 @@ def loss_figure(args: argparse.Namespace, record: dict[str, Any]) -> Any:
     return fig
 
 
-def _positive_int(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # one line, not the whole usage block
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
-
-
 def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> argparse.Namespace:
     """The command line; every bad value ends here with one argparse line and exit status 2."""
     env = dict(os.environ) if env is None else env
-    p = _Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     p.add_argument(
         "--world-size",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="ranks to spawn (default 2); under torchrun the world size is torchrun's",
     )
-    p.add_argument("--steps", type=_positive_int, default=300)
+    p.add_argument("--steps", type=positive_int, default=300)
     p.add_argument("--model", choices=sorted(PRESETS), default="tiny")
     p.add_argument("--mixed-precision", choices=("none", "bf16"), default="none")
     p.add_argument(
@@ -498,15 +393,15 @@ def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> a
         default="fsdp-engine",
         help="fsdp-engine (fsdp_engine.fully_shard) or fsdp2 (torch's, for comparison)",
     )
-    p.add_argument("--batch-size", type=_positive_int, default=16, help="sequences per rank/step")
-    p.add_argument("--seq-len", type=_non_negative_int, default=0, help="0: the model's context")
-    p.add_argument("--lr", type=_positive_float, default=3e-3)
+    p.add_argument("--batch-size", type=positive_int, default=16, help="sequences per rank/step")
+    p.add_argument("--seq-len", type=non_negative_int, default=0, help="0: the model's context")
+    p.add_argument("--lr", type=positive_float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-every", type=_positive_int, default=25)
-    p.add_argument("--sample", type=_non_negative_int, default=80, help="characters to generate")
-    p.add_argument("--threads", type=_positive_int, default=1, help="torch threads per rank")
+    p.add_argument("--eval-every", type=positive_int, default=25)
+    p.add_argument("--sample", type=non_negative_int, default=80, help="characters to generate")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     p.add_argument("--device", choices=("auto", "cpu"), default="auto")
-    p.add_argument("--timeout", type=_positive_float, default=1800.0, help="seconds per run")
+    p.add_argument("--timeout", type=positive_float, default=1800.0, help="seconds per run")
     p.add_argument("--out", default="runs/demo", help="folder for the PNG and the JSON summary")
     args = p.parse_args(argv)
     if args.steps < 2:

@@ -39,16 +39,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_models as hf
 import torch
 import torch.distributed as dist
-from demo import (
-    ENGINES,
-    CollectiveTally,
-    _mib,
-    _Parser,
-    _persistent_tensors,
-    _positive_float,
-    _positive_int,
-)
+from demo import ENGINES
 from llama import Corpus, load_corpus
+from run_tools import (
+    CollectiveTally,
+    OneLineErrorParser,
+    mib,
+    persistent_tensors,
+    positive_float,
+    positive_int,
+)
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -95,7 +95,7 @@ class Run:
 
         t0 = time.perf_counter()
         if measure:  # one measured step: peak live memory and collectives
-            with LiveBytes(seed=_persistent_tensors(self.model, self.opt)) as live, self.tally:
+            with LiveBytes(seed=persistent_tensors(self.model, self.opt)) as live, self.tally:
                 loss = self._step(tokens)
             self.peak = live.peak
         else:
@@ -300,7 +300,7 @@ def report(
             f"10 steps), val {r0['val'][-1][1]:.4f} (first step {r0['losses'][0]:.4f})",
             f"  throughput        {tps:,.0f} tokens/s (step {step_s * 1e3:.1f} ms median, "
             f"{min(steady) * 1e3:.1f} ms min)",
-            "  peak live memory  " + ", ".join(f"rank {i}: {_mib(p)}" for i, p in enumerate(peaks)),
+            "  peak live memory  " + ", ".join(f"rank {i}: {mib(p)}" for i, p in enumerate(peaks)),
             f"  collectives/step  {calls} ({kinds})",
         ]
         summary[engine] = {
@@ -386,26 +386,26 @@ def _plot(args: argparse.Namespace, summary: dict[str, Any], path: Path) -> None
 
 def parse(argv: list[str] | None = None, env: dict[str, str] | None = None) -> argparse.Namespace:
     env = dict(os.environ) if env is None else env
-    p = _Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = OneLineErrorParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--hf-model", choices=hf.HF_MODELS, default="llama")
     p.add_argument("--engine", choices=ENGINE_CHOICES, default="fsdp-engine")
-    p.add_argument("--world-size", type=_positive_int, default=None, help="ranks to spawn (2)")
-    p.add_argument("--steps", type=_positive_int, default=100)
-    p.add_argument("--layers", type=_positive_int, default=2)
-    p.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per rank/step")
-    p.add_argument("--seq-len", type=_positive_int, default=128)
-    p.add_argument("--lr", type=_positive_float, default=3e-3)
+    p.add_argument("--world-size", type=positive_int, default=None, help="ranks to spawn (2)")
+    p.add_argument("--steps", type=positive_int, default=100)
+    p.add_argument("--layers", type=positive_int, default=2)
+    p.add_argument("--batch-size", type=positive_int, default=8, help="sequences per rank/step")
+    p.add_argument("--seq-len", type=positive_int, default=128)
+    p.add_argument("--lr", type=positive_float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--eval-every", type=_positive_int, default=25)
-    p.add_argument("--threads", type=_positive_int, default=1, help="torch threads per rank")
+    p.add_argument("--eval-every", type=positive_int, default=25)
+    p.add_argument("--threads", type=positive_int, default=1, help="torch threads per rank")
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     p.add_argument("--save", default=None, help="checkpoint folder (a step_N directory each save)")
-    p.add_argument("--save-every", type=_positive_int, default=50)
+    p.add_argument("--save-every", type=positive_int, default=50)
     p.add_argument("--resume", default=None, help="a checkpoint folder or directory to resume")
     p.add_argument("--export", default=None, help="save_pretrained directory after training")
     p.add_argument("--device", choices=("auto", "cpu"), default="auto")
-    p.add_argument("--timeout", type=_positive_float, default=1800.0, help="seconds per run")
+    p.add_argument("--timeout", type=positive_float, default=1800.0, help="seconds per run")
     p.add_argument("--out", default="runs/hf", help="folder for the PNG and the JSON summary")
     args = p.parse_args(argv)
     if args.steps < 2:

@@ -150,12 +150,15 @@ def train(
     gradient_checkpointing: bool = False,
     compile_kwargs: dict[str, Any] | None = None,
     split: bool = False,
+    exact_presence: bool = False,
 ) -> dict[str, Any]:
     """``name`` sharded with ``engine`` at ``world`` ranks; the global mean loss of each step.
 
     ``save``: step -> checkpoint directory, saved after that many steps. ``resume``: a checkpoint
     to continue from (its step is in the metadata) up to ``steps``. ``split``: one module per
-    expert (``hf_models.split_experts``). Returns the losses, whether
+    expert (``hf_models.split_experts``). ``exact_presence``: ours with
+    ``set_reduce_scatter_unused_params(False)`` (a parameter no rank used has no ``.grad``, as with
+    one process). Returns the losses, whether
     ties held, the experts each rank's batches hit, and the logits of ``probe_input()`` after
     the last step (sharded forward, no grad).
     """
@@ -170,6 +173,8 @@ def train(
         hf.compile_layers(model, **compile_kwargs)
     hits = _experts_hit(model)
     hf.shard_model(model, _fully_shard(engine), mesh=mesh)
+    if exact_presence:
+        model.set_reduce_scatter_unused_params(False)  # type: ignore[operator]
     opt = optimizer(model)
     start = _load(model, opt, Path(resume)) if resume else 0
     losses: list[float] = []

@@ -140,8 +140,11 @@ def test_per_expert_moe_matches_one_process() -> None:
 
     Needs the engine's group-level gradient reduction (issue "Drop-in in behaviour ...
     conditional compute never hangs"): with per-parameter hook counting a group whose expert
-    got no gradient on one rank is reduced at another time on each rank."""
-    (ours,) = hw.run(2, {"name": "moe", "engine": "ours", "split": True}, timeout=180)
+    got no gradient on one rank is reduced at another time on each rank. An expert that no rank
+    routed a token to has no gradient with one process: ``set_reduce_scatter_unused_params(False)``
+    gives that presence (the default keeps a zero ``.grad``, and AdamW would move it)."""
+    run = {"name": "moe", "engine": "ours", "split": True, "exact_presence": True}
+    (ours,) = hw.run(2, run, timeout=180)
     assert _switched_experts(ours) > 0, "no expert was skipped on one rank only"
     hw.assert_losses_close(
         _same_on_every_rank(ours), hw.reference("moe", split=True), "per-expert moe vs one process"

@@ -73,7 +73,7 @@ def _advice() -> Any:
 
 def _train(rank: int, world: int, advice: Any) -> dict[str, Any]:
     _, net = demo_model()
-    mesh = init_device_mesh("cpu", advice.mesh_shape, mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh("cpu", advice.mesh_shape, mesh_dim_names=advice.mesh_dim_names)
     units = []
     for names in advice.module_groups(CFG.layers):
         modules: list[nn.Module] = []

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_fsdp2 import Mlp, data, engine, full_grads, make
+from engine_fsdp2 import Mlp, data, engine, full_grads, full_params, make
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
 
@@ -163,6 +163,97 @@ def test_conditional_compute_never_mismatches_collectives(keep: bool) -> None:
 
     presence = run_threaded(body, 2)
     assert presence[0] == presence[1] and all(presence[0].values()), presence
+
+
+def _frozen_differs(rank: int, world: int, impl: str) -> str:
+    """A frozen parameter whose values differ across ranks at ``fully_shard`` (e.g. made with
+    ``torch.empty``, or loaded from different files), next to a trainable one."""
+
+    class Frozen(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.full((4, 4), float(rank)), requires_grad=False)
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) + self.table[:1]
+
+    model = make(Frozen)
+    try:
+        engine(impl).fully_shard(model)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
+
+
+def test_frozen_values_that_differ_across_ranks_raise() -> None:
+    """FSDP2 shards each rank's own copy, so the frozen parameter silently mixes the ranks'
+    values for good (it is never reduced nor updated); fsdp_engine compares the frozen values'
+    digests and raises on every rank naming the parameter and the ranks."""
+    assert run_threaded(_frozen_differs, 2, "fsdp2") == ["accepted", "accepted"]
+    for outcome in run_threaded(_frozen_differs, 2, "ours"):
+        assert outcome.startswith("LayoutMismatchError"), outcome
+        assert "value of frozen parameter 'table'" in outcome, outcome
+        assert "ranks [0]" in outcome and "ranks [1]" in outcome, outcome
+
+
+class _TwoOutputs(nn.Module):
+    """Two heads; the caller decides whether the loss uses the second one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.second = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.relu(self.first(x)), torch.relu(self.second(x))
+
+
+def _unused_output(rank: int, world: int, impl: str, keep: bool | None) -> Any:
+    """Adam over a model whose second output the loss stops using after three steps, with
+    ``zero_grad`` alternating ``set_to_none=False/True``; returns the second head's ``.grad``
+    presence after each backward and the final full parameters."""
+    torch.set_num_threads(1)
+    api = engine(impl)
+    model = make(_TwoOutputs)
+    api.fully_shard(model.first)
+    api.fully_shard(model)
+    if keep is not None:
+        model.set_reduce_scatter_unused_params(keep)  # type: ignore[operator]
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    presence = []
+    for step in range(6):
+        out1, out2 = model(data(rank, step))
+        (out1 * out2 if step < 3 else out1).sum().backward()
+        presence.append(model.second.weight.grad is not None)
+        optim.step()
+        optim.zero_grad(set_to_none=bool(step % 2))
+    return presence, full_params(model)
+
+
+def test_an_unused_forward_output_keeps_a_zero_gradient_unless_asked() -> None:
+    """FSDP2's ``test_unused_forward_output`` behaviour: a head no rank uses after step 2
+    keeps the ``.grad`` it had before backward (a zero after ``zero_grad(set_to_none=False)``)
+    and otherwise has none, so Adam stops moving it. fsdp_engine cannot tell "no rank used
+    it" from "another rank did" without communication (README, design differences), so by
+    default it keeps a zero ``.grad`` on every rank and Adam keeps moving the head on its
+    momentum; ``set_reduce_scatter_unused_params(False)`` gives FSDP2's trajectory (one small
+    all-reduce per backward). Same arithmetic (ws 2: a two-term sum and a power-of-two
+    scale, Adam on the same values, one thread), compared bitwise."""
+    theirs = run_threaded(_unused_output, 2, "fsdp2", None)
+    exact = run_threaded(_unused_output, 2, "ours", False)
+    kept = run_threaded(_unused_output, 2, "ours", None)
+    # FSDP2: present while used (steps 0-2), kept zero at step 3 (zeroed, not dropped, after
+    # step 2), then None for good
+    assert theirs[0][0] == [True, True, True, True, False, False], theirs[0][0]
+    for rank in range(2):
+        assert exact[rank][0] == theirs[rank][0]
+        for name, value in theirs[rank][1].items():
+            assert torch.equal(exact[rank][1][name], value), name
+        assert kept[rank][0] == [True] * 6
+        for name, value in theirs[rank][1].items():
+            same = torch.equal(kept[rank][1][name], value)
+            assert same == name.startswith("first."), name
 
 
 def _float8(rank: int, world: int) -> list[str]:

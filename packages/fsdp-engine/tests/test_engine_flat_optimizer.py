@@ -239,5 +239,5 @@ def test_readme_flat_adamw_example_is_the_file_and_runs() -> None:
     from ragged_dtensor.testing import run_readme_example
 
     package = Path(__file__).resolve().parents[1]
-    out = run_readme_example(package / "README.md", package / "examples" / "flat_adamw.py", index=1)
+    out = run_readme_example(package / "README.md", package / "examples" / "flat_adamw.py", index=3)
     assert out.strip().endswith("ok")

@@ -253,6 +253,37 @@ def test_expert_weights_equal_separate_matrices() -> None:
         assert torch.equal(buf, b.state[p]["momentum_buffer"]), "momentum: same arithmetic"
 
 
+def _expert_owners(rank: int, world: int) -> list[tuple[int, int, int]]:
+    """(item, first expert, owner) of every unit of the plan: one (12, 32, 48) expert weight in
+    groups of 3 experts (4 equal units), beside a 2-D matrix, on ragged shards."""
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = [(12, 32, 48), (40, 24)]
+    params = [
+        torch.nn.Parameter(shard(torch.randn(s), mesh, ragged_spec(s, world, 1, seed=7 + i)))
+        for i, s in enumerate(shapes)
+    ]
+    flops = 3 * ob.ns_flops((32, 48), 5)
+    opt = ob.Muon(params, ns_dtype=torch.float32, expert_group_flops=flops)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    plan = opt._plans[0]
+    assert plan.exchange is not None
+    return [
+        (u.item, u.expert, owner) for u, owner in zip(plan.units, plan.exchange.owners, strict=True)
+    ]
+
+
+def test_expert_groups_of_one_weight_are_spread_over_owners() -> None:
+    """A 3-D weight is not one root's job: its 4 equal expert groups land on 4 different
+    owners at world size 4 (flops and root memory balanced), the same plan on every rank."""
+    out = run_threaded(_expert_owners, 4)
+    assert all(o == out[0] for o in out), "every rank plans the same owners"
+    experts = [(e, owner) for item, e, owner in out[0] if item == 0]
+    assert [e for e, _ in experts] == [0, 3, 6, 9], experts
+    assert len({owner for _, owner in experts}) == 4, experts
+
+
 @pytest.mark.parametrize("world", [3, 4])
 def test_many_buckets_equal_single_device(world: int) -> None:
     """Buckets of ~4 KB (one or two matrices each), three gathers in flight: the pipeline

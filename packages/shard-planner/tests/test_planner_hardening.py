@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from planner_testing import FUZZ_EXAMPLES, check_plan_independently, groups
 
 import shard_planner as sp
+from shard_planner._private.catalogue import Weight
 from shard_planner._private.greedy import greedy_ends
 from shard_planner._private.multiset import BestOrder, Kinds, multiset_orders
 
@@ -205,3 +206,56 @@ def test_catalogue_layers_stacked_plan_fast() -> None:
             p, seconds = _timed_plan(specs, world, 8)
             p.validate()
             assert seconds < 0.3
+
+
+@st.composite
+def fused_expert_groups(draw: st.DrawFn) -> tuple[list[Weight], int, int, bool, int]:
+    """A MoE-like group: fused 3-D expert stacks ``[E, h, n]`` (``h`` often not a multiple of
+    the tile, as GPT-OSS's 2880), a 2-D router, a bias vector; a tile or row granularity."""
+    experts = draw(st.integers(1, 16))
+    weights = [
+        Weight(
+            f"experts.w{i}",
+            (
+                experts,
+                draw(st.sampled_from((16, 24, 40, 64, 90, 128, 2880))),
+                draw(st.integers(1, 48)),
+            ),
+        )
+        for i in range(draw(st.integers(1, 3)))
+    ]
+    weights += [Weight("router", (experts, draw(st.integers(1, 64)))), Weight("bias", (7,), False)]
+    granularity = draw(st.sampled_from((8, 16, 32, 128)))
+    tile = draw(st.booleans())
+    world = draw(st.sampled_from((2, 3, 4, 8, 16, 64, 256, 1024)))
+    return weights, granularity, world, tile, draw(st.sampled_from((1, 8)))
+
+
+@FEWER
+@given(fused_expert_groups())
+def test_property_fused_expert_cuts_keep_per_expert_tiles(
+    case: tuple[list[Weight], int, int, bool, int],
+) -> None:
+    """Every shard boundary inside a fused ``[E, h, n]`` tensor falls on a tile-row boundary of
+    one expert (``(row mod h) mod t == 0``: tiles restart at each expert) with ``t x t`` tiles,
+    and on a multiple of ``gcd(r, h)`` rows of one expert with ``r``-row blocks, checked from the
+    shapes alone (not through ``Weight.block``)."""
+    weights, granularity, world, tile, align = case
+    specs = [sp.TensorSpec(w.numel, w.block(granularity, tile=tile), w.name) for w in weights]
+    p, seconds = _timed_plan(specs, world, align)
+    p.validate()
+    assert seconds < 1.0
+    for i, w in enumerate(weights):
+        if len(w.shape) < 2:
+            continue
+        h, c = w.shape[-2], w.shape[-1]
+        step = granularity if tile else math.gcd(granularity, h)
+        start, stop = p.tensor_range(i)
+        for k in range(1, world):
+            cut = k * p.shard_size
+            if start < cut < stop:
+                assert (cut - start) % c == 0, (w.name, cut, "inside a row")
+                row = (cut - start) // c
+                assert (row % h) % step == 0, (w.name, w.shape, row, "cuts a tile or block")
+                if tile and h % granularity:
+                    assert row % h == 0, (w.name, w.shape, row, "cuts an expert's partial tile")

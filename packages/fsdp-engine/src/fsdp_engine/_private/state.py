@@ -31,8 +31,9 @@ resets an iteration, so recomputation sees the parameters its backward needs.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from typing import Any
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,31 @@ from fsdp_engine._private.group import ParamGroup, ShardState
 from fsdp_engine._private.policy import MixedPrecisionPolicy
 
 __all__ = ["FSDPState", "TrainingState", "get_state"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _hidden_from_dynamo(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """[Note: hooks and torch.compile]
+    The hooks run eagerly, outside any graph dynamo builds of a module that ``fully_shard``
+    manages (``module.compile()``), as FSDP2's do: their collectives and Python bookkeeping
+    would otherwise break the graph (one break per layer, at the all-gather) or be traced into
+    it. Eager calls go straight to ``fn`` (no per-call wrapper cost, dynamo is not imported);
+    while dynamo traces, the call is to ``torch._dynamo.disable(fn)``, which dynamo runs
+    outside the graph without splitting it."""
+
+    @functools.wraps(fn)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if torch.compiler.is_compiling():
+            disable = torch._dynamo.disable  # untyped in torch
+            hidden: Callable[_P, _R] = disable(  # type: ignore[no-untyped-call]
+                fn, recursive=True, reason="fsdp_engine hooks"
+            )
+            return hidden(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return run
 
 
 class TrainingState(enum.Enum):
@@ -183,6 +209,7 @@ class FSDPState:
                 )
 
     # -- forward -----------------------------------------------------------------------------
+    @_hidden_from_dynamo
     def _pre_forward(
         self,
         module: nn.Module,
@@ -313,6 +340,7 @@ class FSDPState:
         new = apply_to_tensors(replace, (args, kwargs))
         return tuple(new[0]), dict(new[1])
 
+    @_hidden_from_dynamo
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return self._cast_output(output)  # recompute: the post-backward reshards
@@ -367,6 +395,7 @@ class FSDPState:
         return apply_to_tensors(lambda x: _cast(x, dtype), output)
 
     # -- backward ----------------------------------------------------------------------------
+    @_hidden_from_dynamo
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return grad  # another output of the same forward
@@ -397,6 +426,7 @@ class FSDPState:
         target = self.ctx.post_forward_order[index - 1]
         return [target] if target.unshard_in_backward else []
 
+    @_hidden_from_dynamo
     def post_backward(self, *unused: Any) -> None:
         """This module's post-backward: reduce (or accumulate) and reshard every group. Safe to
         call when the module took no part in backward (nothing to reduce)."""

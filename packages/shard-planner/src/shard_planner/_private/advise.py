@@ -68,6 +68,12 @@ class Advice:
             raise ValueError(f"no mesh fits: {self.explain()}")
         return (self.chosen.replicas, self.chosen.shard_ranks)
 
+    @property
+    def mesh_dim_names(self) -> tuple[str, str]:
+        """The names of ``mesh_shape``'s dimensions, for ``init_device_mesh(...,
+        mesh_dim_names=...)`` (a 2-D mesh is HSDP to ``fully_shard``, which wants them named)."""
+        return ("replicate", "shard")
+
     def module_groups(self, layers: int) -> list[list[str]]:
         """What to pass to each ``fully_shard`` call, in forward order, for a model of
         ``layers`` identical decoder layers: ``"embed"``, ``"head"`` and layer indices (as
