@@ -49,9 +49,9 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # torchao eager (its compiled
 import torch
 import torch.distributed as dist
 from bench_engine import _model_roots, _paired, _tensors_in, machine
-from demo import CollectiveTally
 from llama import PRESETS, ModelConfig, get_batch, load_corpus, loss_fn
 from llama import Llama as LlamaModel
+from run_tools import CollectiveTally
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
