@@ -15,6 +15,7 @@ from dbuffer._private.buffer import DBuffer
 from dbuffer._private.collectives import Handle, ReduceOp
 from dbuffer._private.layout import BufferLayout, ContiguousLayout, contiguous_layout
 from dbuffer._private.measure import CopiedBytes, LiveBytes
+from dbuffer._private.packed import PackedAllGather, PackedLayout, packed_layout
 
 try:
     __version__ = version("dbuffer")
@@ -27,6 +28,10 @@ __all__ = [
     "Handle",
     "ReduceOp",
     "LayoutMismatchError",
+    # packed (byte) all-gathers: quantized codes and scales in one collective
+    "PackedAllGather",
+    "PackedLayout",
+    "packed_layout",
     # layouts
     "BufferLayout",
     "ContiguousLayout",

@@ -37,6 +37,7 @@ from fsdp_engine._private.policy import (
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
+from fsdp_engine._private.quantized_gather import QuantizedAllGather, QuantizedWeight
 
 try:
     __version__ = version("fsdp-engine")
@@ -55,6 +56,8 @@ __all__ = [
     "OffloadPolicy",
     "CPUOffloadPolicy",
     "BlockPolicy",
+    "QuantizedAllGather",
+    "QuantizedWeight",
     "save_checkpoint",
     "load_checkpoint",
     "latest_checkpoint",

@@ -50,6 +50,12 @@ from torch.distributed.tensor.placement_types import Placement
 from dbuffer import DBuffer, Handle, contiguous_layout
 from fsdp_engine._private.plans import alignment, cached_plan
 from fsdp_engine._private.policy import BlockPolicy, MixedPrecisionPolicy
+from fsdp_engine._private.quantized_gather import (
+    QuantizedGather,
+    TileAlignedBlocks,
+    quantized_gather,
+    select_quantized,
+)
 from ragged_dtensor import RaggedShard
 from shard_planner import Plan, TensorSpec
 
@@ -210,6 +216,12 @@ class ParamGroup:
             raise ValueError(f"ParamGroup holds one dtype, got {sorted(map(str, dtypes))}")
         self.dtype: torch.dtype = dtypes.pop()
         self.world = mesh.size(shard_axis)
+        # [Note: quantized all-gather of a group]: the chosen weights' shares are whole blocks
+        quantization = mp_policy.quantized_all_gather
+        quantized = select_quantized(quantization, [r.fqn for r in refs], params)
+        if quantization is not None and any(quantized):
+            chosen = frozenset(r.fqn for r, q in zip(refs, quantized, strict=True) if q)
+            block_policy = TileAlignedBlocks(quantization, chosen, block_policy)
         self.plan = build_plan(
             refs, originals, self.world, block_policy, self._view_dtypes(), planner
         )
@@ -221,6 +233,9 @@ class ParamGroup:
             names=[r.fqn for r in refs],
             shard_axis=shard_axis,
             check=True,
+        )
+        self.quantized: QuantizedGather | None = quantized_gather(
+            quantization, self.params, quantized
         )
         # [Note: meta-device parameters]
         # A group built from meta parameters keeps meta sharded parameters (FSDP2's behaviour)
@@ -366,7 +381,12 @@ class ParamGroup:
 
     def _views_are_the_shard(self) -> bool:
         """On one rank the unsharded parameters can be the shard itself (no gather, no copy)."""
-        return self.world == 1 and self.compute_dtype == self.dtype and self.materialized
+        return (
+            self.world == 1
+            and self.compute_dtype == self.dtype
+            and self.materialized
+            and self.quantized is None  # one rank still quantizes: the same weights as m ranks
+        )
 
     def unsharded_params(self) -> list[nn.Parameter]:
         params = self._unsharded.get(self.compute_dtype)
@@ -593,6 +613,9 @@ class ParamGroup:
         if self._views_are_the_shard():
             self.state = ShardState.UNSHARDED
             return
+        if self.quantized is not None:
+            self._quantized_unshard(async_op=async_op)
+            return
         if self.world == 1:  # mixed precision on one rank: a cast, no collective
             flat = self.params.alloc_unsharded(dtype=self.gather_dtype)
             unsharded = self.params.unsharded_flat(self.gather_dtype)
@@ -606,6 +629,22 @@ class ParamGroup:
             return
         self.unshard_handle = self.params.unshard(
             dtype=self.gather_dtype, async_op=async_op, ready=self.inputs_ready
+        )
+        if not async_op:
+            self.wait_for_unshard()
+
+    def _quantized_unshard(self, *, async_op: bool) -> None:
+        """One packed all-gather of codes, scales and the other parameters' values, dequantized
+        into the compute-dtype unsharded storage ([Note: quantized all-gather of a group])."""
+        assert self.quantized is not None
+        if self.custom_all_gather is not None:
+            raise ValueError(
+                f"fully_shard: set_custom_all_gather and MixedPrecisionPolicy("
+                f"quantized_all_gather=...) both replace the all-gather of group "
+                f"{[r.fqn for r in self.refs]}; use one of them"
+            )
+        self.unshard_handle = self.quantized.unshard(
+            self.params, dtype=self.gather_dtype, async_op=async_op, ready=self.inputs_ready
         )
         if not async_op:
             self.wait_for_unshard()

@@ -7,6 +7,8 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import torch
 
+from fsdp_engine._private.quantized_gather import QuantizedAllGather
+
 __all__ = ["BlockPolicy", "CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
 
 
@@ -29,12 +31,21 @@ class MixedPrecisionPolicy:
     runs in it). ``reduce_dtype``: dtype of the gradient reduction (default: ``param_dtype``).
     ``output_dtype``: cast of floating outputs of the module. ``cast_forward_inputs``: cast floating
     inputs to ``param_dtype``.
+
+    ``quantized_all_gather`` (ours, not FSDP2's): a ``QuantizedAllGather`` makes each group's
+    all-gather carry blockwise FP8 / int8 codes and scales of its weight matrices, dequantized
+    into ``param_dtype`` on arrival (the other parameters travel in ``param_dtype``); None: the
+    all-gather moves ``param_dtype`` values.
     """
 
     param_dtype: torch.dtype | None = attrs.field(default=None, validator=_floating_or_none)
     reduce_dtype: torch.dtype | None = attrs.field(default=None, validator=_floating_or_none)
     output_dtype: torch.dtype | None = attrs.field(default=None, validator=_floating_or_none)
     cast_forward_inputs: bool = True
+    quantized_all_gather: QuantizedAllGather | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(attrs.validators.instance_of(QuantizedAllGather)),
+    )
 
 
 @attrs.frozen
