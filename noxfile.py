@@ -13,6 +13,7 @@ from this checkout), so an undeclared import fails there instead of passing by a
 
 from __future__ import annotations
 
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -30,6 +31,15 @@ nox.options.stop_on_first_error = True  # CI fails fast: the cheap checks run fi
 
 # hypothesis: the same examples on every CI run (derandomized; see conftest.py)
 CI_ENV = {"HYPOTHESIS_PROFILE": "ci"}
+# Tests run in parallel worker processes (pytest-xdist): the threaded-process-group tests hold
+# the GIL of one process, the gloo tests spend seconds starting processes, so two workers use a
+# 2-core machine about twice as well. At most 4, so a many-core CI does not start dozens of
+# torch imports; each test still runs alone in its worker, under its own hard timeout.
+XDIST = "pytest-xdist==3.8.0"
+
+
+def _workers() -> list[str]:
+    return ["-n", str(max(1, min(4, os.cpu_count() or 1)))]
 
 
 def _project(folder: Path) -> dict[str, object]:
@@ -160,9 +170,11 @@ def tests(session: nox.Session, package: str) -> None:
     """One package's tests, in a venv holding only what that package declares."""
     folders = _sibling_closure(package)
     _install_packages(session, folders, extras="test")
+    session.install(XDIST)
     tests_dir = _packages()[package] / "tests"
     session.run(
         "pytest",
+        *_workers(),
         str(tests_dir),
         "-m",
         "not slow",
@@ -178,9 +190,10 @@ def tests(session: nox.Session, package: str) -> None:
 def integration(session: nox.Session) -> None:
     """Cross-package tests (root tests/) with every package installed."""
     _install_torch(session)
-    session.install(*(str(p) + "[test]" for p in _packages().values()))
+    session.install(*(str(p) + "[test]" for p in _packages().values()), XDIST)
     session.run(
         "pytest",
+        *_workers(),
         "tests",
         "-m",
         "not slow",
@@ -258,7 +271,7 @@ def _install_hf(session: nox.Session) -> None:
     safetensors) next to the shared torch; fails if the extra brought another torch."""
     _install_torch(session)
     session.install(
-        *(str(p) + "[test]" for p in _packages().values()), f"{ROOT / 'examples'}[hf,demo]"
+        *(str(p) + "[test]" for p in _packages().values()), f"{ROOT / 'examples'}[hf,demo]", XDIST
     )
     session.run(
         "python",
@@ -273,6 +286,7 @@ def _hf_pytest(session: nox.Session, marker: str, timeout: int) -> None:
     tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_hf_*.py"))
     session.run(
         "pytest",
+        *_workers(),
         *tests,
         "-m",
         marker,
