@@ -35,11 +35,14 @@ CI_ENV = {"HYPOTHESIS_PROFILE": "ci"}
 # the GIL of one process, the gloo tests spend seconds starting processes, so two workers use a
 # 2-core machine about twice as well. At most 4, so a many-core CI does not start dozens of
 # torch imports; each test still runs alone in its worker, under its own hard timeout.
+# ``--durations`` in the CI sessions: where the time goes is in every CI log.
 XDIST = "pytest-xdist==3.8.0"
 
 
-def _workers() -> list[str]:
-    return ["-n", str(max(1, min(4, os.cpu_count() or 1)))]
+def _pytest_parallel() -> list[str]:
+    # whole files per worker: a module-scoped fixture (one launch of several runs) runs once
+    workers = str(max(1, min(4, os.cpu_count() or 1)))
+    return ["-n", workers, "--dist", "loadfile", "--durations=15"]
 
 
 def _project(folder: Path) -> dict[str, object]:
@@ -174,7 +177,7 @@ def tests(session: nox.Session, package: str) -> None:
     tests_dir = _packages()[package] / "tests"
     session.run(
         "pytest",
-        *_workers(),
+        *_pytest_parallel(),
         str(tests_dir),
         "-m",
         "not slow",
@@ -193,7 +196,7 @@ def integration(session: nox.Session) -> None:
     session.install(*(str(p) + "[test]" for p in _packages().values()), XDIST)
     session.run(
         "pytest",
-        *_workers(),
+        *_pytest_parallel(),
         "tests",
         "-m",
         "not slow",
@@ -201,6 +204,28 @@ def integration(session: nox.Session) -> None:
         "-p",
         "no:cacheprovider",
         "--timeout=900",
+        *session.posargs,
+        env=CI_ENV,
+    )
+
+
+@nox.session
+def slow(session: nox.Session) -> None:
+    """The tests marked ``slow`` (not in CI: over the CI budget on 2 cores), every package and
+    the root tests; the Hugging Face ones are ``nox -s hf_slow``."""
+    _install_torch(session)
+    session.install(*(str(p) + "[test]" for p in _packages().values()), XDIST)
+    paths = [str(p / "tests") for p in _packages().values()] + ["tests"]
+    session.run(
+        "pytest",
+        *_pytest_parallel(),
+        *paths,
+        "-m",
+        "slow",
+        "--ignore-glob=tests/test_hf_*.py",
+        "-p",
+        "no:cacheprovider",
+        "--timeout=1800",
         *session.posargs,
         env=CI_ENV,
     )
@@ -286,7 +311,7 @@ def _hf_pytest(session: nox.Session, marker: str, timeout: int) -> None:
     tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_hf_*.py"))
     session.run(
         "pytest",
-        *_workers(),
+        *_pytest_parallel(),
         *tests,
         "-m",
         marker,
@@ -309,8 +334,9 @@ def hf(session: nox.Session) -> None:
 
 @nox.session
 def hf_slow(session: nox.Session) -> None:
-    """The slow Hugging Face tests (not in CI): inductor-compiled layers of every model and the
-    graph breaks of the MoE models' layers."""
+    """The slow Hugging Face tests (not in CI): inductor-compiled layers of every model, the
+    graph breaks of the MoE models' layers, gradient checkpointing, the resume at world size 1
+    and the training script with both engines side by side."""
     _install_hf(session)
     _hf_pytest(session, "slow", 1800)
 
@@ -328,7 +354,7 @@ def numerics(session: nox.Session) -> None:
     (ATEN_CPU_CAPABILITY default, avx2, avx512) x OMP_NUM_THREADS 1 and 2, as CI machines
     differ (not in CI: about 6x the tests' time)."""
     _install_torch(session)
-    session.install(*(str(p) + "[test]" for p in _packages().values()))
+    session.install(*(str(p) + "[test]" for p in _packages().values()), XDIST)
     best = session.run(
         "python", "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())", silent=True
     )
@@ -346,6 +372,7 @@ def numerics(session: nox.Session) -> None:
             )
             session.run(
                 "pytest",
+                *_pytest_parallel(),
                 *paths,
                 "-m",
                 "numerics and not slow",

@@ -18,6 +18,8 @@ def _main(argv: list[str]) -> None:
     hf_train.main(argv)
 
 
+# CI budget: nox -s hf_slow (the command-line save/export test runs the script in CI)
+@pytest.mark.slow
 def test_both_engines_side_by_side(tmp_path: Path) -> None:
     """Same init and batches for both engines: their losses agree within ``LOSS_TOL`` (kind (b)
     of [Note: tolerances of the HF tests]); the summary has the side-by-side ratios."""

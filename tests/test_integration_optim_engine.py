@@ -136,6 +136,7 @@ def _gloo(rank: int, world: int) -> dict[str, Any]:
     return _sharded(rank, world, "adamw8bit")
 
 
+@pytest.mark.slow  # CI budget; the threaded test and optim-blockwise's gloo test stay in CI
 @pytest.mark.multiprocess
 def test_adamw8bit_on_fully_shard_on_gloo_4_ranks() -> None:
     want = _single("adamw8bit", 4)

@@ -125,6 +125,7 @@ def _gloo(rank: int, world: int) -> dict[str, Any]:
     return _sharded(rank, world, "soap")
 
 
+@pytest.mark.slow  # CI budget; the threaded tests and optim-blockwise's gloo test stay in CI
 @pytest.mark.multiprocess
 def test_soap_on_fully_shard_on_gloo_4_ranks() -> None:
     _check("soap", 4, run_processes(_gloo, 4, timeout=300))

@@ -208,6 +208,7 @@ def _state_dict_roundtrip(rank: int, world: int, path: str, phase: str) -> list[
     return [float(len(saved))]
 
 
+@pytest.mark.slow  # CI budget; threaded 2->4->1->2 and the gloo resume test stay in CI
 @pytest.mark.multiprocess
 def test_checkpoint_saved_at_2_loads_at_4(tmp_path: Path) -> None:
     run_processes(_state_dict_roundtrip, 2, str(tmp_path), "save", timeout=300)

@@ -178,6 +178,7 @@ def test_matches_single_process_on_gloo_bitwise() -> None:
     _check_bitwise(run_processes(_gloo_parity, 2, timeout=300, threads=1), want, "gloo ws 2")
 
 
+@pytest.mark.slow  # CI budget; the threaded float64 test at 4 ranks stays in CI
 @pytest.mark.multiprocess
 def test_matches_whole_batch_on_gloo_4_ranks_in_float64() -> None:
     """Different arithmetic: gloo sums 4 ranks in its own (ring) order, and the reference takes

@@ -17,6 +17,7 @@ def test_readme_example_is_the_file_and_runs() -> None:
     assert out.strip().endswith("ok")
 
 
+@pytest.mark.slow  # CI budget; test_engine_conditional.py runs the same routing on gloo
 @pytest.mark.multiprocess
 def test_readme_conditional_compute_example_is_the_file_and_runs() -> None:
     example = PACKAGE / "examples" / "conditional_compute.py"
@@ -24,6 +25,8 @@ def test_readme_conditional_compute_example_is_the_file_and_runs() -> None:
     assert out.strip().endswith("ok")
 
 
+# CI budget: the same save/resume/damage paths run in test_engine_reliability_checkpoint.py
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_readme_checkpoint_example_is_the_file_and_runs() -> None:
     example = PACKAGE / "examples" / "checkpoints.py"

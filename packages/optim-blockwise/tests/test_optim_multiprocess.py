@@ -50,7 +50,7 @@ def _all_cases(rank: int, world: int) -> bytes:
 
 @pytest.mark.numerics
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: CI budget
 def test_gloo_processes_equal_single_device(world: int) -> None:
     """AdamW8bit (block-aligned RaggedShard, and FSDP2-style Shard(0) cutting blocks) and
     distributed Muon (fp32 and bf16 NS) on real gloo processes, 5 steps: bit-identical states
