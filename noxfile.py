@@ -113,10 +113,7 @@ def _install_torch(session: nox.Session) -> None:
     shared_python = TORCH_VENV / "bin" / "python"
     if not shared_python.exists():
         session.run("python", "-m", "venv", str(TORCH_VENV), external=True)
-        # --no-compile: no .pyc for torch's ~20k files at install (Python writes the ones it
-        # imports, once); 25 s -> 8 s here
-        pip = [str(shared_python), "-m", "pip", "install", "--quiet", "--no-compile"]
-        session.run(*pip, TORCH, external=True)
+        session.run(str(shared_python), "-m", "pip", "install", "--quiet", TORCH, external=True)
     shared_site = session.run(
         str(shared_python),
         "-c",
@@ -241,7 +238,7 @@ def _build_dev_venv(session: nox.Session) -> Path:
     python = venv / "bin" / "python"
     if not python.exists():
         session.run(sys.executable, "-m", "venv", str(venv), external=True)
-    pip = [str(python), "-m", "pip", "install", "--quiet", "--no-compile"]  # see _install_torch
+    pip = [str(python), "-m", "pip", "install", "--quiet"]
     session.run(*pip, "--upgrade", "pip", external=True)  # venv's bundled pip 23 cannot resolve
     session.run(*pip, TORCH, external=True)  # first: no package's range may pull another torch
     editable = [f"-e{folder}[test]" for folder in _packages().values()]
@@ -299,10 +296,7 @@ def _install_hf(session: nox.Session) -> None:
     safetensors) next to the shared torch; fails if the extra brought another torch."""
     _install_torch(session)
     session.install(
-        "--no-compile",  # transformers is thousands of files (see _install_torch)
-        *(str(p) + "[test]" for p in _packages().values()),
-        f"{ROOT / 'examples'}[hf,demo]",
-        XDIST,
+        *(str(p) + "[test]" for p in _packages().values()), f"{ROOT / 'examples'}[hf,demo]", XDIST
     )
     session.run(
         "python",
