@@ -335,8 +335,8 @@ def hf(session: nox.Session) -> None:
 @nox.session
 def hf_slow(session: nox.Session) -> None:
     """The slow Hugging Face tests (not in CI): inductor-compiled layers of every model, the
-    graph breaks of the MoE models' layers, gradient checkpointing, the resume at world size 1
-    and the training script with both engines side by side."""
+    graph breaks of the MoE models' layers, gradient checkpointing, the resume at world sizes 1
+    and 4 and the training script with both engines side by side."""
     _install_hf(session)
     _hf_pytest(session, "slow", 1800)
 

@@ -113,6 +113,8 @@ def _world_2(rank: int, world: int) -> None:
     dist.barrier()
 
 
+# CI budget: in `nox -s slow`; test_gloo_world_4_and_hsdp_2x2 runs the same paths in CI
+@pytest.mark.slow
 def test_gloo_world_2() -> None:
     run_processes(_world_2, 2, timeout=180)
 
