@@ -9,12 +9,12 @@ gradient is exactly the single-process one, and each tile's math runs on a fresh
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from test_integration_optim_engine import _LOCK, Net, _init  # the same model and init
 from torch import nn
 from torch.distributed.tensor import DTensor, init_device_mesh
 
@@ -26,29 +26,6 @@ pytestmark = pytest.mark.numerics
 
 STEPS = 4
 MAX_DIM = 32  # divides 64, 96 and 160: every matrix's bands divide its rows
-_LOCK = threading.RLock()
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(64, 96)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(96, 160), nn.GELU(), nn.Linear(160, 96)) for _ in range(2)
-        )
-        self.head = nn.Linear(96, 64)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
-
-
-def _init() -> dict[str, torch.Tensor]:
-    with _LOCK, torch.random.fork_rng():
-        torch.manual_seed(0)
-        return {k: v.clone() for k, v in Net().state_dict().items()}
 
 
 def _data(world: int) -> list[torch.Tensor]:
