@@ -8,6 +8,13 @@ current layer's compute, waiting only on the iteration's inputs-ready event), ba
 all-gather stream) with an fp32 reduce dtype, and an SGD step on the compute stream between
 iterations. The model must see no race, the work must run on all three streams, and removing
 the all-gather stream's wait on the free events must be reported.
+
+The same training with the quantized all-gather (``QuantizedAllGather``: FP8 codes and fp32
+scales of 4x8 tiles, one packed all-gather per group) adds the all-gather stream's own
+temporaries (the quantize's abs / amax / division, the packed send and receive buffers, the
+dequantize) and a ``hook`` that reads the gathered codes on the compute stream: no race either,
+and removing the wait that orders the hook's reads of the receive buffer before the all-gather
+stream reuses it (``note_free`` after the hook in dbuffer's packed.py) must be reported.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import test_dbuffer_streams as streams
 
 import fsdp_engine
 from dbuffer._private import buffer as buffer_module
+from dbuffer._private import packed as packed_module
 from fsdp_engine._private import group as group_module
 from fsdp_engine._private import state as state_module
 from ragged_dtensor.testing import run_threaded
@@ -35,14 +43,22 @@ from ragged_dtensor.testing import run_threaded
 _BUILD = threading.Lock()  # ranks are threads sharing torch's generator
 
 
-def _train(rank: int, world: int, reshard: bool | int) -> tuple[list[str], set[str]]:
+def _train(
+    rank: int, world: int, reshard: bool | int, quantized: bool = False
+) -> tuple[list[str], set[str]]:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
     with _BUILD:
         torch.manual_seed(0)
         model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)))
+    seen: list[fsdp_engine.QuantizedWeight] = []
+    quantize = None
+    if quantized:  # every weight is two rows of 4x8 tiles; the biases travel in bf16
+        quantize = fsdp_engine.QuantizedAllGather(
+            "float8_e4m3fn", block=(4, 8), min_numel=64, hook=seen.append
+        )
     policy = fsdp_engine.MixedPrecisionPolicy(
-        param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, quantized_all_gather=quantize
     )
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
     with streams.simulated() as sim:
@@ -56,6 +72,9 @@ def _train(rank: int, world: int, reshard: bool | int) -> tuple[list[str], set[s
             model(x).float().sum().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if quantized:  # the packed all-gathers ran: the hook saw every weight's FP8 codes
+            assert {w.name for w in seen} == {"0.weight"}, {w.name for w in seen}
+            assert all(w.codes.dtype == torch.float8_e4m3fn for w in seen)
         return list(sim.races), set(sim.accessed)
 
 
@@ -71,6 +90,25 @@ def test_engine_streams_have_no_race(
         monkeypatch.setattr(buffer_module, "note_free", lambda device: None)
     world = 4 if reshard == 2 else 2
     results: list[Any] = run_threaded(_train, world, reshard, timeout=120)
+    for races, accessed in results:
+        assert accessed == {"compute", "all_gather", "reduce_scatter"}, accessed
+        if planted:
+            assert races, "the model saw no race where one was planted"
+        else:
+            assert races == [], races[:5]
+
+
+@pytest.mark.parametrize(("reshard", "planted"), [(True, False), (2, False), (True, True)])
+def test_quantized_engine_streams_have_no_race(
+    reshard: bool | int, planted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    streams.install(monkeypatch)
+    monkeypatch.setattr(group_module, "_event_now", streams.event_now)
+    monkeypatch.setattr(state_module, "_event_now", streams.event_now)
+    if planted:  # the hook's reads of the receive buffer no longer order its reuse
+        monkeypatch.setattr(packed_module, "note_free", lambda device: None)
+    world = 4 if reshard == 2 else 2
+    results: list[Any] = run_threaded(_train, world, reshard, True, timeout=120)
     for races, accessed in results:
         assert accessed == {"compute", "all_gather", "reduce_scatter"}, accessed
         if planted:

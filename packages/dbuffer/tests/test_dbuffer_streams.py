@@ -5,13 +5,23 @@ No accelerator runs here, so the protocol of [Note: streams and frees without re
 under a stream ticks that stream's clock, ``Event.record`` snapshots the clock, ``wait_event``
 merges it), a dispatch mode that records which storage every aten op reads and writes and on
 which stream (the collectives, which run inside the process group, are recorded by a wrapper:
-the output written, the input read), and the caching allocator's rule without
-``record_stream``: memory allocated under a stream and freed by the host may be handed to that
-stream's next allocation at once, so every access to it must happen after every access to
-memory of that pool freed before. An access that conflicts with an earlier one on another stream
-with no happens-before path is a race. Allocations are tracked where dbuffer makes and frees its
-unsharded storages (``_allocate`` / ``_free``); temporaries freed by the garbage collector are
-not (they are used on one stream only).
+the output written, the input read), and the caching allocator's reuse rule without
+``record_stream``.
+
+[Note: the caching allocator's per-stream pools]
+CUDA's caching allocator associates every allocation with the stream current when it was made;
+once the host frees it (the last tensor on the storage dies, or ``resize_(0)``), the block may be
+handed to the next allocation *on that same stream* at once, never to another stream's
+(c10/cuda/CUDACachingAllocator.cpp, its header: "Allocations are associated with a stream. Once
+freed, blocks can be re-allocated on the same stream, but not on any other stream."). So the
+model keeps one pool per stream: every allocation (a fresh op output, or dbuffer's ``_allocate``
+regrowing an unsharded storage) belongs to the current stream's pool, and every access to it must
+happen after every access, on another stream, to memory of that pool freed before the
+allocation (any such block may be the one reused). The last access per stream summarises them
+(an access ordered after it is ordered after the earlier ones). Frees are seen where dbuffer
+frees (``_free``) and when a storage dies (a finalizer on it: storages keep their Python object
+while they live). An access that conflicts with an earlier one on another stream with no
+happens-before path is a race.
 
 Each scenario runs once on the real protocol (no race) and once with one ordering removed, which
 the model must report (the check is not vacuous).
@@ -21,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -76,13 +87,26 @@ class SimEvent:
 
 
 class Memory:
-    """One allocation: where it came from, its last write and the reads since."""
+    """One allocation: its pool, its last write and the reads since."""
 
-    def __init__(self, pool: str, prior: list[Access]) -> None:
+    def __init__(self, pool: str, prior: dict[str, int]) -> None:
         self.pool = pool
-        self.prior = prior  # accesses to freed memory of the same pool (possible reuse)
+        # per stream, the last access to memory of this pool freed before (a possible reuse)
+        self.prior = prior
         self.write: Access | None = None
         self.reads: list[Access] = []
+
+
+# allocations that touch no data: a reused block's first access is checked, not its handing out
+_ALLOCATIONS = frozenset(
+    {
+        torch.ops.aten.empty.memory_format,
+        torch.ops.aten.empty_strided.default,
+        torch.ops.aten.new_empty.default,
+        torch.ops.aten.new_empty_strided.default,
+        torch.ops.aten.empty_like.default,
+    }
+)
 
 
 class Sim:
@@ -91,10 +115,11 @@ class Sim:
         self.stack: list[SimStream] = [self.compute]
         self.comm: dict[str, SimStream] = {}
         self.memory: dict[int, Memory] = {}
-        self.freed: dict[str, list[Access]] = {}
+        self.freed: dict[str, dict[str, int]] = {}  # pool -> stream -> last access to freed memory
         self.races: list[str] = []
         self.accessed: set[str] = set()  # streams that touched memory
         self.last_free: dict[Any, dict[int, Any]] = {}  # collectives._LAST_FREE of this rank
+        self.finalizers: list[weakref.finalize[Any, Any]] = []
 
     def current(self) -> SimStream:
         return self.stack[-1]
@@ -108,21 +133,48 @@ class Sim:
         return int(t.untyped_storage()._cdata)
 
     def allocated(self, t: torch.Tensor) -> None:
+        """``t``'s storage was just given memory from the current stream's pool."""
         pool = self.current().name
-        self.memory[self._key(t)] = Memory(pool, list(self.freed.get(pool, [])))
+        self.memory[self._key(t)] = Memory(pool, dict(self.freed.get(pool, {})))
+
+    def fresh(self, t: torch.Tensor) -> None:
+        """An op's output with a new storage: allocated now, freed when the storage dies."""
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0:
+            return
+        key = int(storage._cdata)
+        stale = self.memory.pop(key, None)  # a storage that died unseen at this address
+        if stale is not None:
+            self._retire(stale)
+        self.allocated(t)
+        self.finalizers.append(weakref.finalize(storage, self._died, key))
+
+    def _died(self, key: int) -> None:
+        mem = self.memory.pop(key, None)
+        if mem is not None:
+            self._retire(mem)
+
+    def _retire(self, mem: Memory) -> None:
+        """``mem`` went back to its pool: a later allocation there may reuse it."""
+        freed = self.freed.setdefault(mem.pool, {})
+        for name, tick in (a for a in (mem.write, *mem.reads) if a is not None):
+            freed[name] = max(freed.get(name, 0), tick)
 
     def released(self, t: torch.Tensor) -> None:
         mem = self.memory.pop(self._key(t), None)
         if mem is not None:
-            done = [a for a in (mem.write, *mem.reads) if a is not None]
-            self.freed.setdefault(mem.pool, []).extend(done)
+            self._retire(mem)
 
     def access(self, t: torch.Tensor, *, write: bool, what: str) -> None:
         if t.untyped_storage().nbytes() == 0:
             return
         stream = self.current()
-        mem = self.memory.setdefault(self._key(t), Memory(stream.name, []))
-        earlier = [*mem.prior, *([mem.write] if mem.write else []), *(mem.reads if write else [])]
+        mem = self.memory.setdefault(self._key(t), Memory(stream.name, {}))
+        earlier = [
+            *mem.prior.items(),
+            *([mem.write] if mem.write else []),
+            *(mem.reads if write else []),
+        ]
         for a in earlier:
             if a[0] != stream.name and not stream.after(a):
                 self.races.append(f"{what} on {stream.name} races {a[0]}@{a[1]}")
@@ -169,7 +221,9 @@ class Tracker(TorchDispatchMode):
                     sim().access(t, write=written, what=f"{func} {arg.name}")
         for ret, t in zip(schema.returns, tree_leaves(out), strict=False):
             if isinstance(t, torch.Tensor) and ret.alias_info is None:
-                sim().access(t, write=True, what=f"{func} output")
+                sim().fresh(t)  # a new storage, from the current stream's pool
+                if func not in _ALLOCATIONS:
+                    sim().access(t, write=True, what=f"{func} output")
         return out
 
 
@@ -228,6 +282,8 @@ def simulated() -> Iterator[Sim]:
         with Tracker():
             yield _TLS.sim
     finally:
+        for finalizer in _TLS.sim.finalizers:
+            finalizer.detach()
         del _TLS.sim
 
 
@@ -305,3 +361,36 @@ def test_stream_protocol_has_no_race(case: str, monkeypatch: pytest.MonkeyPatch)
         assert races, f"{case}: the model saw no race where one was planted"
     else:
         assert races == [], races
+
+
+def _pools(case: str) -> list[str]:
+    """A temporary of the compute stream's pool read on the all-gather stream, freed by the
+    host, then a new allocation on ``"compute"`` (may reuse it: a race unless the compute stream
+    waited for the read), ``"compute-after-event"`` (it did) or ``"all_gather"`` (another
+    stream's pool never reuses it: no race)."""
+    with simulated() as state:
+        side = state.comm_stream(torch.device("cpu"))
+        temporary = torch.ones(64)  # the compute stream's pool
+        written = SimEvent()
+        written.record(state.compute)
+        side.wait_event(written)
+        with side:
+            temporary.sum()  # read on the all-gather stream
+            read = SimEvent()
+            read.record(side)
+        if case == "compute-after-event":
+            state.compute.wait_event(read)
+        del temporary  # the host frees it: its block goes back to the compute stream's pool
+        with side if case == "all_gather" else contextlib.nullcontext():
+            torch.zeros(64)  # a new allocation of the current stream, written at once
+        return list(state.races)
+
+
+@pytest.mark.parametrize(
+    ("case", "race"), [("compute", True), ("compute-after-event", False), ("all_gather", False)]
+)
+def test_allocator_pools_are_per_stream(case: str, race: bool) -> None:
+    """[Note: the caching allocator's per-stream pools]: the model reports reuse within a pool
+    without ordering, and only that."""
+    races = _pools(case)
+    assert bool(races) == race, races
