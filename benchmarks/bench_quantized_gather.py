@@ -77,12 +77,13 @@ SPEED_ENGINES = tuple(LABELS)
 CONVERGENCE_ENGINES = ("ours-bf16", "ours-fp8", "ours-int8")
 
 
-def torchao_available() -> bool:
+def torchao_missing() -> str | None:
+    """Why torchao's float8 row cannot run here (None: it can)."""
     try:
         import torchao.float8  # noqa: F401
-    except Exception:
-        return False
-    return True
+    except Exception as error:  # ImportError, or a broken install's own error
+        return f"`import torchao.float8` fails: {type(error).__name__}: {error}"
+    return None
 
 
 @dataclass
@@ -124,7 +125,13 @@ class BytesAllGather:
         return dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-def build(engine: str, cfg: ModelConfig, mesh: DeviceMesh, seed: int) -> Runner:
+def layer_groups(model: nn.Module, per_group: int) -> list[list[nn.Module]]:
+    """The transformer layers in consecutive groups of ``per_group``: one ``fully_shard`` each."""
+    layers = list(model.layers)  # type: ignore[arg-type]
+    return [layers[i : i + per_group] for i in range(0, len(layers), per_group)]
+
+
+def build(engine: str, cfg: ModelConfig, mesh: DeviceMesh, seed: int, per_group: int = 1) -> Runner:
     torch.manual_seed(seed)  # the same initial weights for every engine and rank
     model = LlamaModel(cfg)
     after: Callable[[], None] = lambda: None  # noqa: E731
@@ -136,8 +143,8 @@ def build(engine: str, cfg: ModelConfig, mesh: DeviceMesh, seed: int) -> Runner:
         mp = fsdp_engine.MixedPrecisionPolicy(
             torch.bfloat16, torch.float32, quantized_all_gather=policy
         )
-        for layer in model.layers:
-            fsdp_engine.fully_shard(layer, mesh=mesh, mp_policy=mp)
+        for group in layer_groups(model, per_group):
+            fsdp_engine.fully_shard(group, mesh=mesh, mp_policy=mp)
         fsdp_engine.fully_shard(model, mesh=mesh, mp_policy=mp)
     else:
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -149,9 +156,13 @@ def build(engine: str, cfg: ModelConfig, mesh: DeviceMesh, seed: int) -> Runner:
                 precompute_float8_dynamic_scale_for_fsdp,
             )
 
+            # CPU has no float8 GEMM kernel (torch._scaled_mm on CPU: ~60 s for one step of
+            # two 256x768 layers here): torchao's emulation (dequantize, bf16 matmul) there.
+            # The all-gather, what this table compares, is the same float8 one either way.
+            emulate = mesh.device_type == "cpu"
             convert_to_float8_training(
                 model,
-                config=Float8LinearConfig(enable_fsdp_float8_all_gather=True),
+                config=Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=emulate),
                 module_filter_fn=lambda module, fqn: fqn != "head",  # vocab rows: not /16
             )
 
@@ -159,8 +170,8 @@ def build(engine: str, cfg: ModelConfig, mesh: DeviceMesh, seed: int) -> Runner:
                 precompute_float8_dynamic_scale_for_fsdp(model)
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        for group in layer_groups(model, per_group):
+            fully_shard(group, mesh=mesh, mp_policy=mp)
         fully_shard(model, mesh=mesh, mp_policy=mp)
         if engine == "fsdp2-torchao-fp8":
             for module in model.modules():
@@ -181,14 +192,16 @@ def _timed(runner: Runner, tokens: torch.Tensor) -> tuple[float, float]:
 # -- speed and bytes ----------------------------------------------------------------------------
 
 
-def speed_worker(rank: int, world: int, engines: list[str], steps: int, warmup: int) -> Any:
+def speed_worker(
+    rank: int, world: int, engines: list[str], steps: int, warmup: int, per_group: int = 1
+) -> Any:
     from dbuffer import LiveBytes
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
     corpus = load_corpus()
     cfg = PRESETS["medium"].with_vocab(corpus.vocab)
-    runners = [build(e, cfg, mesh, seed=0) for e in engines]
+    runners = [build(e, cfg, mesh, seed=0, per_group=per_group) for e in engines]
     gen = torch.Generator().manual_seed(1000 + rank)
     batch = 4
     batches = [get_batch(corpus.train, gen, batch, cfg.seq) for _ in range(warmup + steps)]
@@ -215,16 +228,16 @@ def speed_worker(rank: int, world: int, engines: list[str], steps: int, warmup: 
     out = {r.name: {"times": r.times, "losses": r.losses, **measured[r.name]} for r in runners}
     del runners
     gc.collect()
-    return {"model": cfg.as_dict(), "batch": batch, "engines": out}
+    return {"model": cfg.as_dict(), "batch": batch, "per_group": per_group, "engines": out}
 
 
 def _gather_bytes(e: dict[str, Any]) -> int:
     return sum(v for k, v in e["collective_bytes"].items() if "allgather" in k or "all_gather" in k)
 
 
-def speed_rows(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+def speed_rows(results: dict[tuple[int, int], dict[str, Any]]) -> list[dict[str, Any]]:
     rows = []
-    for world, res in sorted(results.items()):
+    for (world, per_group), res in sorted(results.items()):
         engines = res["engines"]
         base = engines["ours-bf16"]
         for name, e in engines.items():
@@ -236,6 +249,7 @@ def speed_rows(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
             rows.append(
                 {
                     "world": world,
+                    "layers_per_group": per_group,
                     "engine": name,
                     "label": LABELS[name],
                     "median_s": statistics.median(e["times"]),
@@ -253,7 +267,7 @@ def speed_rows(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def speed_markdown(
-    rows: list[dict[str, Any]], info: dict[str, str], steps: int, torchao: bool
+    rows: list[dict[str, Any]], info: dict[str, str], steps: int, torchao: str | None
 ) -> str:
     lines = [
         f"{info['date']}; {info['cpu']}, {info['nproc']} cores; torch {info['torch']}, gloo; "
@@ -263,18 +277,24 @@ def speed_markdown(
         f"reduction, engines alternating step by step, {steps} timed steps after warm-up. "
         "Weight bytes: the all-gathers of one step counted at the dispatcher (what this rank "
         "puts in; codes, scales and the bf16 norms for ours). Step ratio: median of the paired "
-        "per-step ratios to ours-bf16 (< 1: faster)."
-        + ("" if torchao else " torchao is not installed here: its row is missing."),
+        "per-step ratios to ours-bf16 (< 1: faster), within the same world size and grouping. "
+        "Layers per group: transformer layers per `fully_shard` call (the same for every engine "
+        "of a block of rows). FSDP2 + torchao: `Float8LinearConfig(enable_fsdp_float8_all_gather"
+        "=True)`, tensor-wise scales, its GEMMs emulated on CPU (`emulate=True`: no float8 GEMM "
+        "kernel here), the output head left in bf16 (103 rows)."
+        + ("" if torchao is None else f" No torchao row: {torchao}."),
         "",
-        "| world | engine | step median s (min) | step / ours-bf16 | all-gathers per step | "
+        "| world | layers per group | engine | step median s (min) | step / ours-bf16 | "
+        "all-gathers per step | "
         "weight MiB per step | weight bytes / ours-bf16 | other collectives MiB | "
         "peak live MiB | loss after the last step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         other = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in sorted(r["other_bytes"].items()))
         lines.append(
-            f"| {r['world']} | {r['label']} | {r['median_s']:.3f} ({r['min_s']:.3f}) | "
+            f"| {r['world']} | {r['layers_per_group']} | {r['label']} | "
+            f"{r['median_s']:.3f} ({r['min_s']:.3f}) | "
             f"{r['paired_vs_ours_bf16']:.2f}x | {r['gathers']} | {r['gather_bytes'] / 2**20:.2f} | "
             f"{r['gather_ratio']:.3f}x | {other} | {r['peak_live_bytes'] / 2**20:.1f} | "
             f"{r['final_loss']:.4f} |"
@@ -405,6 +425,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=str(ROOT / "results"))
     p.add_argument("--part", choices=("speed", "convergence", "all"), default="speed")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument(
+        "--layers-per-group",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="transformer layers per fully_shard call (speed; each value its own run)",
+    )
     p.add_argument("--steps", type=int, default=10, help="timed steps per engine (speed)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps (the last is measured)")
     p.add_argument("--train-steps", type=int, default=600, help="convergence steps")
@@ -414,28 +441,37 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torchao = torchao_available()
-    if not torchao:
-        print("torchao is not installed: its row is skipped (pip install torchao)")
+    torchao = torchao_missing()
+    if torchao is not None:
+        print(f"no torchao row: {torchao} (pip install torchao)")
     if args.part in ("speed", "all"):
-        engines = [e for e in SPEED_ENGINES if e != "fsdp2-torchao-fp8" or torchao]
-        results: dict[int, dict[str, Any]] = {}
+        engines = [e for e in SPEED_ENGINES if e != "fsdp2-torchao-fp8" or torchao is None]
+        results: dict[tuple[int, int], dict[str, Any]] = {}
         for world in args.worlds:
-            start = time.perf_counter()
-            per_rank = run_processes(
-                speed_worker, world, engines, args.steps, args.warmup, timeout=args.timeout
-            )
-            results[world] = per_rank[0]
-            for name, e in per_rank[0]["engines"].items():
-                e["peak_live_bytes_per_rank"] = [
-                    r["engines"][name]["peak_live_bytes"] for r in per_rank
-                ]
-            print(f"world {world}: {time.perf_counter() - start:.0f} s", flush=True)
+            for per_group in args.layers_per_group:
+                start = time.perf_counter()
+                per_rank = run_processes(
+                    speed_worker,
+                    world,
+                    engines,
+                    args.steps,
+                    args.warmup,
+                    per_group,
+                    timeout=args.timeout,
+                )
+                results[(world, per_group)] = per_rank[0]
+                for name, e in per_rank[0]["engines"].items():
+                    e["peak_live_bytes_per_rank"] = [
+                        r["engines"][name]["peak_live_bytes"] for r in per_rank
+                    ]
+                wall = time.perf_counter() - start
+                print(f"world {world}, {per_group} layers per group: {wall:.0f} s", flush=True)
         rows = speed_rows(results)
         info = machine()
         table = speed_markdown(rows, info, args.steps, torchao)
         (out / "bench_quantized_gather.md").write_text(table)
-        payload = {"machine": info, "args": vars(args), "rows": rows, "raw": results}
+        raw = {f"world {w}, {g} layers per group": v for (w, g), v in results.items()}
+        payload = {"machine": info, "args": vars(args), "rows": rows, "raw": raw}
         (out / "bench_quantized_gather.json").write_text(json.dumps(payload, indent=1))
         print(table)
     if args.part in ("convergence", "all"):
