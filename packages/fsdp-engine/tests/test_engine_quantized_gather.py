@@ -664,7 +664,7 @@ def test_readme_quantized_example_is_the_file_and_runs() -> None:
     assert out.strip().endswith("ok")
 
 
-# the demo's medium transformer layer (dim 256, FFN 768): norm, fused qkv, proj, norm, gate, up, down
+# the demo's medium layer (dim 256, FFN 768): norm, fused qkv, proj, norm, gate, up, down
 _MEDIUM_LAYER = [(256,), (768, 256), (256, 256), (256,), (768, 256), (768, 256), (256, 768)]
 
 
@@ -676,7 +676,9 @@ def _shard_size(layers: int, world: int, policy: QuantizedAllGather | None) -> i
     blocks = None
     if policy is not None:
         chosen = select_quantized(policy, names, params)
-        blocks = TileAlignedBlocks(policy, frozenset(n for n, c in zip(names, chosen) if c))
+        blocks = TileAlignedBlocks(
+            policy, frozenset(n for n, c in zip(names, chosen, strict=True) if c)
+        )
     return build_plan(refs, params, world, blocks, [torch.float32, torch.bfloat16]).shard_size
 
 
