@@ -8,19 +8,21 @@ reduction:
 
 - ``--part speed`` (default): the demo's medium model (``examples/llama.py``) at world sizes 2
   and 4, with one and with two transformer layers per ``fully_shard`` call (every engine
-  grouped alike; ``--layers-per-group``): step time (median and min of the timed steps; the paired ratio to ours-bf16 is the
-  median of per-step ratios), collectives of one measured step counted at the dispatcher
-  (``c10d`` ops; bytes = what this rank puts in): the all-gathers carry the weights, so their
-  bytes against ours-bf16's are the weight-communication ratio; peak live memory per rank
-  (``dbuffer.LiveBytes``); the loss after the last step.
+  grouped alike; ``--layers-per-group``): step time (median and min of the timed steps; the
+  paired ratio to ours-bf16 is the median of per-step ratios), collectives of one measured
+  step counted at the dispatcher (``c10d`` ops; bytes = what this rank puts in): the
+  all-gathers carry the weights, so their bytes against ours-bf16's are the
+  weight-communication ratio; peak live memory per rank (``dbuffer.LiveBytes``); the loss
+  after the last step.
 - ``--part convergence``: the demo corpus, 600 steps, two seeds, world size 2, the demo's small
   model (dim 128, so 128x128 tiles fit its matrices): validation loss (32 fixed batches) every
   100 steps and at the end; the final ratio to ours-bf16.
 
 torchao's float8 (``convert_to_float8_training`` with ``enable_fsdp_float8_all_gather``) also
 runs its GEMMs in float8 (inputs and gradients cast too; emulated on CPU, which has no float8
-GEMM kernel), so its step time is not that of the communication alone; gloo has no float8 collectives, so its all-gather is given FSDP2's
-``set_custom_all_gather`` hook viewing the bytes as uint8 (the same bytes move).
+GEMM kernel), so its step time is not that of the communication alone; gloo has no float8
+collectives, so its all-gather is given FSDP2's ``set_custom_all_gather`` hook viewing the
+bytes as uint8 (the same bytes move).
 
 Writes into ``--out`` (default ``results/``): ``bench_quantized_gather.{md,json}`` (speed) and
 ``quantized_convergence.{md,json,png}`` (convergence).

@@ -5,7 +5,7 @@ Two ranks (threaded process group, one simulation each) train a 4-layer model fo
 with everything that issues all-gathers early: the implicit forward prefetch (issued before the
 current layer's compute, waiting only on the iteration's inputs-ready event), backward prefetch,
 ``reshard_after_forward=2`` regathers from the kept parts, bf16 mixed precision (the cast on the
-all-gather stream) with an fp32 reduce dtype, and an SGD step on the compute stream between
+all-gather stream) with an fp32 reduce dtype, and a foreach SGD step on the compute stream between
 iterations. The model must see no race, the work must run on all three streams, and removing
 the all-gather stream's wait on the free events must be reported.
 
@@ -67,7 +67,7 @@ def _train(
                 layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard
             )
         fsdp_engine.fully_shard(model, mesh=mesh, mp_policy=policy)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
         for _ in range(3):
             model(x).float().sum().backward()
             opt.step()

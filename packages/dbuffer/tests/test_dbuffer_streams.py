@@ -211,8 +211,10 @@ class Tracker(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         schema = func._schema
-        if all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
-            return out  # a view: no data touched
+        if schema.returns and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+        ):
+            return out  # a view: no data touched (an op returning nothing, _foreach_add_, writes)
         values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args) :]]
         for arg, value in zip(schema.arguments, values, strict=False):
             written = arg.alias_info is not None and arg.alias_info.is_write
