@@ -1,4 +1,5 @@
-"""FSDP2's grouping knobs: a list of modules as one group, and ``shard_placement_fn``.
+"""FSDP2's grouping knobs: a list of modules as one group, and ``shard_placement_fn``
+(``Shard(0)``: our planned layout cut between dim-0 slices; ``Shard(d > 0)``: FSDP2's layout).
 
 Numerics: same arithmetic as torch's FSDP2 on the same script (one intra-op thread, the same
 per-rank kernels, a sum of two ranks): compared bitwise.
@@ -20,6 +21,19 @@ from ragged_dtensor import RaggedShard
 from ragged_dtensor.testing import count_collectives, run_threaded
 
 
+def _largest_dim(param: torch.Tensor) -> Shard:
+    """FSDP2's tests' favourite: shard each parameter on its largest dim (the first on ties)."""
+    sizes = list(param.shape)
+    return Shard(sizes.index(max(sizes)))
+
+
+PLACEMENTS: dict[str, Any] = {
+    "shard0": lambda p: Shard(0),
+    "shard1": lambda p: Shard(1) if p.dim() > 1 else None,
+    "largest": _largest_dim,
+}
+
+
 def _train(rank: int, world: int, engine: str, case: str) -> dict[str, Any]:
     api: Any = fsdp_engine if engine == "ours" else torch_fsdp
     torch.set_num_threads(1)
@@ -31,9 +45,10 @@ def _train(rank: int, world: int, engine: str, case: str) -> dict[str, Any]:
         api.fully_shard(list(model.layers), mesh=mesh)  # both layers: one group
         api.fully_shard(model, mesh=mesh)
     else:
+        placement = PLACEMENTS[case]
         for layer in model.layers:
-            api.fully_shard(layer, mesh=mesh, shard_placement_fn=lambda p: Shard(0))
-        api.fully_shard(model, mesh=mesh, shard_placement_fn=lambda p: Shard(0))
+            api.fully_shard(layer, mesh=mesh, shard_placement_fn=placement)
+        api.fully_shard(model, mesh=mesh, shard_placement_fn=placement)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step, tokens in enumerate(batches(4, world)):
@@ -45,11 +60,19 @@ def _train(rank: int, world: int, engine: str, case: str) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    if engine == "ours" and case == "shard0":
-        for param in model.parameters():
-            assert isinstance(param, DTensor) and isinstance(param.placements[0], RaggedShard)
-            row = param.numel() // param.shape[0]
-            assert param.to_local().numel() % row == 0  # whole dim-0 slices on every rank
+    if engine == "ours" and case in PLACEMENTS:
+        for name, param in model.named_parameters():
+            wanted = PLACEMENTS[case](param)
+            if wanted is None:
+                assert isinstance(param.placements[0], RaggedShard), name
+                continue
+            # FSDP2's layout: the placement asked for, the local tensor its contiguous chunk
+            assert isinstance(param, DTensor) and param.placements == (wanted,), name
+            local = param.to_local()
+            chunk = param.full_tensor().chunk(world, wanted.dim)[rank]
+            assert local.is_contiguous() and torch.equal(local, chunk), name
+            grad = param.grad
+            assert grad is None or grad.placements == (wanted,), name
     params = {
         k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()
     }
@@ -73,24 +96,27 @@ def test_a_list_of_modules_is_one_group_like_fsdp2() -> None:
 
 
 @pytest.mark.numerics
-def test_shard_placement_fn_shard0_keeps_dim0_slices_whole() -> None:
-    _compare("shard0")
-
-
-def _bad_placement(rank: int, world: int) -> str:
-    mesh = init_device_mesh("cpu", (world,))
-    try:
-        fsdp_engine.fully_shard(
-            build(), mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.dim() > 1 else None
+@pytest.mark.parametrize("case", ["shard0", "shard1", "largest"])
+def test_shard_placement_fn_gives_fsdp2s_placement_layout_and_training(case: str) -> None:
+    """``Shard(d)`` from ``shard_placement_fn`` (dim_shard [Note: Shard(d) groups]): those
+    parameters are FSDP2's ``Shard(d)`` DTensors with its local chunks, the others stay
+    RaggedShard (checked in ``_train``), and training is bitwise FSDP2's."""
+    ours = _compare(case)
+    # a reduce-scatter per placed parameter, plus one per call for the planned rest
+    placed = sum(1 for p in build().parameters() if PLACEMENTS[case](p) is not None)
+    rest = sum(
+        1
+        for module in (*build().layers, build())
+        if any(PLACEMENTS[case](p) is None for p in module.parameters(recurse=False))
+        or any(
+            PLACEMENTS[case](p) is None
+            for child in module.children()
+            if not isinstance(child, torch.nn.ModuleList)
+            for p in child.parameters()
         )
-    except NotImplementedError as exc:
-        return str(exc)
-    return "no error"
-
-
-def test_shard_placement_fn_other_dims_raise_naming_the_parameter() -> None:
-    for message in run_threaded(_bad_placement, 2, timeout=60):
-        assert "'embed.weight': Shard(1)" in message and "dim > 0" in message, message
+    )
+    for result in ours:
+        assert result["counts"]["reduce_scatter_single"] == placed + rest, result["counts"]
 
 
 def _plans(rank: int, world: int) -> list[float]:
