@@ -140,3 +140,75 @@ def _plans(rank: int, world: int) -> list[float]:
 def test_shard_plan_is_public_and_the_planner_can_be_switched_off() -> None:
     auto, naive = run_threaded(_plans, 3, timeout=60)[0]
     assert auto <= naive
+
+
+def _train_placed(rank: int, world: int, engine: str, case: str) -> dict[str, Any]:
+    """Shard(1) groups through the other paths: HSDP, reshard_after_forward=2 (re-gather in a
+    sub-group, then the copy-out), bf16 compute with gradient accumulation (no sync on the first
+    microbatch: the unsharded gradient is kept, copied in at the synced one), a state-dict
+    round trip, and ``.to(float64)`` after fully_shard."""
+    api: Any = fsdp_engine if engine == "ours" else torch_fsdp
+    torch.set_num_threads(1)
+    if case == "hsdp":
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+    model = build()
+    model.load_state_dict(initial_state())
+    if case == "float64":
+        model = model.double()
+    kwargs: dict[str, Any] = {"mesh": mesh, "shard_placement_fn": PLACEMENTS["shard1"]}
+    if case == "reshard2":
+        kwargs["reshard_after_forward"] = 2
+    if case == "accumulate":
+        kwargs["mp_policy"] = api.MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    for layer in model.layers:
+        api.fully_shard(layer, **kwargs)
+    api.fully_shard(model, **kwargs)
+    if case == "float64":
+        model.to(torch.float32)  # converts the shards (FSDP2's behaviour too)
+    if case == "state_dict":
+        saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        model.load_state_dict(saved)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    microbatches = 2 if case == "accumulate" else 1
+    for tokens in batches(3, world):
+        local = tokens.chunk(world)[rank]
+        for micro, part in enumerate(local.chunk(microbatches)):
+            model.set_requires_gradient_sync(micro == microbatches - 1)
+            loss = loss_fn(model, part)
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    params = {n: p.full_tensor() for n, p in model.named_parameters()}
+    placements = {n: tuple(p.placements) for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "placements": placements}
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize(
+    ("case", "world"),
+    [("hsdp", 4), ("reshard2", 4), ("accumulate", 2), ("state_dict", 2), ("float64", 2)],
+)
+def test_shard1_groups_through_hsdp_regather_accumulation_and_conversion(
+    case: str, world: int
+) -> None:
+    """Same arithmetic as FSDP2 (one thread, the same kernels; sums of 2 or 4 ranks in the same
+    order): bitwise, and the same placements. torch 2.13's FSDP2 fails on
+    ``reshard_after_forward=2`` with ``Shard(1)`` parameters ("setStorage ... out of bounds" in
+    its post-forward), so that case's control is FSDP2 with ``reshard_after_forward=True``: the
+    re-gather changes when parameters are gathered, not their values."""
+    ours = run_threaded(_train_placed, world, "ours", case, timeout=180)
+    control = "plain" if case == "reshard2" else case
+    theirs = run_threaded(_train_placed, world, "fsdp2", control, timeout=180)
+    for rank, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        placed = {n: p for n, p in b["placements"].items() if any(x == Shard(1) for x in p)}
+        assert placed and all(a["placements"][n] == p for n, p in placed.items()), (case, rank)
+        assert a["losses"] == b["losses"], (case, rank)
+        for name, value in b["params"].items():
+            assert torch.equal(a["params"][name], value), (case, rank, name)
