@@ -63,13 +63,18 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
         else:
             out[name] = "no error"
 
-    capture(
-        "Shard(1)",
-        lambda: api.fully_shard(
-            Mlp(), shard_placement_fn=lambda p: Shard(1) if p.dim() > 1 else None
-        ),
-    )
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+    def tp_with_shard1() -> None:
+        layer = nn.Linear(4, 4)
+        layer.weight = nn.Parameter(
+            DTensor.from_local(layer.weight.detach(), hsdp["tp"], [Replicate()], run_check=False)
+        )
+        api.fully_shard(
+            layer, mesh=hsdp["dp"], shard_placement_fn=lambda p: Shard(1) if p.dim() > 1 else None
+        )
+
+    capture("Shard(1) of a tensor-parallel parameter", tp_with_shard1)
 
     def tp_with_hsdp() -> None:
         layer = nn.Linear(4, 4)
@@ -102,7 +107,7 @@ def test_what_fsdp2_supports_and_we_refuse_raises_naming_it() -> None:
     the reason (see the README's table)."""
     out = run_threaded(_refusals, 4)[0]
     expected = {
-        "Shard(1)": "dim > 0",
+        "Shard(1) of a tensor-parallel parameter": "Shard(1) of the tensor-parallel",
         "tensor parallel with HSDP": "combining tensor parallelism with HSDP",
         "set_requires_all_reduce(False) with HSDP": "set_requires_all_reduce(False)",
         "dp_mesh_dims": "dp_mesh_dims",

@@ -89,12 +89,12 @@ ARGUMENT_CASES: dict[str, Case] = {
         TypeError,
         ("reshard_after_forward", "str"),
     ),
-    "shard_placement_fn with Shard(1)": (
+    "shard_placement_fn with an uneven Shard(1) (FSDP2's NotImplementedError)": (
         lambda mesh: fully_shard(
-            _linear(), mesh=mesh, shard_placement_fn=lambda p: Shard(1) if p.dim() > 1 else None
+            nn.Linear(3, 4), mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1)
         ),
         NotImplementedError,
-        ("shard_placement_fn", "'weight': Shard(1)", "dim > 0"),
+        ("uneven sharding on dim 1", "(4, 3)", "'weight'"),
     ),
     "shard_placement_fn with a dim the parameter lacks (FSDP2's AssertionError)": (
         lambda mesh: fully_shard(_linear(), mesh=mesh, shard_placement_fn=lambda p: Shard(1)),

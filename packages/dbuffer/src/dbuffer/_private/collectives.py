@@ -177,6 +177,22 @@ def _supports_avg(group: dist.ProcessGroup) -> bool:
     return dist.get_backend(group) == "nccl"
 
 
+def predivide_factor(dtype: torch.dtype, ranks: int) -> int:
+    """[Note: dividing a mean of gradients]
+    A mean over ``ranks`` of gradients in a dtype of small range (anything but fp32 and bf16,
+    e.g. fp16) is computed as ``sum(g / p) / (ranks / p)`` with ``p`` the power of two nearest
+    below ``sqrt(ranks)`` that divides it: summing ``ranks`` fp16 gradients first can overflow
+    at scale, dividing each by ``ranks`` first can underflow. fp32 and bf16 sum first and
+    divide once. This is FSDP2's rule (``_get_gradient_divide_factors``), so the two engines
+    round alike."""
+    if dtype in (torch.float32, torch.bfloat16):
+        return 1
+    pre = 1
+    while ranks % pre == 0 and ranks / pre > pre:
+        pre *= 2
+    return pre
+
+
 def all_gather_flat(
     out: torch.Tensor,
     inp: torch.Tensor,
@@ -242,7 +258,10 @@ def reduce_scatter_flat(
     for group in replicate_groups:
         divisor *= dist.get_world_size(group)
     rdtype = reduce_dtype or inp.dtype
-    native_avg = op == "avg" and all(_supports_avg(g) for g in (shard_group, *replicate_groups))
+    pre = predivide_factor(rdtype, divisor) if op == "avg" else 1
+    native_avg = (
+        op == "avg" and pre == 1 and all(_supports_avg(g) for g in (shard_group, *replicate_groups))
+    )
     red = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
     direct = not accumulate and rdtype == out.dtype
     works: list[dist.Work] = []
@@ -254,14 +273,16 @@ def reduce_scatter_flat(
     def epilogue() -> None:
         for group in replicate_groups:
             dist.all_reduce(recv, op=red, group=group)
-        scale = 1.0 / divisor if op == "avg" and not native_avg else 1.0
+        # [Note: dividing a mean of gradients]: a division (what FSDP2 and gloo's AVG do),
+        # not a multiplication by the reciprocal, which rounds differently for odd counts
+        post = divisor // pre if op == "avg" and not native_avg else 1
         if direct:
-            if scale != 1.0:
-                out.mul_(scale)
+            if post != 1:
+                out.div_(post)
         elif accumulate:
-            out.add_(recv, alpha=scale)
-        elif scale != 1.0:
-            torch.mul(recv, scale, out=out)
+            out.add_(recv.div_(post) if post != 1 else recv)
+        elif post != 1:
+            torch.div(recv, post, out=out)
         else:
             out.copy_(recv)
 
@@ -269,6 +290,8 @@ def reduce_scatter_flat(
         # Temporaries made (and the cast run) on the reduce-scatter stream: see [Note: streams
         # and frees without record_stream]
         send = inp if rdtype == inp.dtype else inp.to(rdtype)
+        if pre != 1:  # a temporary when inp is already in the reduce dtype
+            send = send.div_(pre) if send is not inp else inp.div(pre)
         recv = out if direct else torch.empty(out.numel(), dtype=rdtype, device=out.device)
         work = dist.reduce_scatter_single(recv, send, op=red, group=shard_group, async_op=defer)
         if defer and work is not None:

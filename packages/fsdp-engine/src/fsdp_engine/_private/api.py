@@ -499,7 +499,7 @@ def fully_shard(
     refs = _managed_params(modules, set(ignored_params or ()))
     for ref in refs:
         _check_param(ref)
-    block_policy = _with_placement_fn(block_policy, shard_placement_fn, refs, world)
+    block_policy, shard_dims = _with_placement_fn(block_policy, shard_placement_fn, refs, world)
     _check_ranks_agree(
         mesh,
         {
@@ -514,6 +514,7 @@ def fully_shard(
     for ref in refs:
         _remember(ref.registered(), ref.fqn)
     _check_devices(refs, mesh)
+    planned = [r for r in refs if r.fqn not in shard_dims]
     groups = [
         ParamGroup(
             members,
@@ -523,7 +524,20 @@ def fully_shard(
             shard_axis=shard_axis,
             planner=planner,
         )
-        for members in _by_dtype(refs)
+        for members in _by_dtype(planned)
+    ]
+    # [Note: Shard(d) groups]: each such parameter is a group of its own
+    groups += [
+        ParamGroup(
+            [ref],
+            mesh,
+            mp_policy=mp_policy,
+            block_policy=None,
+            shard_axis=shard_axis,
+            shard_dim=shard_dims[ref.fqn],
+        )
+        for ref in refs
+        if ref.fqn in shard_dims
     ]
     for group in groups:
         if subgroup:
@@ -601,23 +615,22 @@ def _with_placement_fn(
     shard_placement_fn: Callable[[nn.Parameter], Any] | None,
     refs: Sequence[ParamRef],
     world: int,
-) -> BlockPolicy | None:
-    """FSDP2's ``shard_placement_fn`` in our terms: ``None`` keeps the default, ``Shard(0)``
-    means "cut between dim-0 slices only" (a block of one slice, combined with any block
-    policy by LCM).
+) -> tuple[BlockPolicy | None, dict[str, int]]:
+    """FSDP2's ``shard_placement_fn`` in our terms: ``None`` keeps our planned layout;
+    ``Shard(d)`` gives that parameter exactly FSDP2's placement and layout, in a group of its
+    own (returned as ``{fqn: d}``; ``dim_shard`` [Note: Shard(d) groups]); for a tensor-parallel
+    (DTensor) parameter ``Shard(0)`` means "cut our RaggedShard between dim-0 slices only" (a
+    block of one slice, combined with any block policy by LCM).
 
-    [Note: Shard(d>0) is refused]
-    A shard of the planned flat buffer is a contiguous range of each parameter's row-major
-    storage, so the unsharded parameters are views of the gathered buffer and the gradients are
-    reduced from views too. A slab along dim d > 0 is not contiguous: holding one would need a
-    copy into and out of every collective, which is what the design removes, and the uneven
-    padding that ``Shard(largest dim)`` avoids in FSDP2 is already minimised by the planner.
-    FSDP2's own errors come first (an invalid dim, an uneven dim), then ours.
+    A user who names a placement gets it, as from FSDP2 (a drop-in keeps code that reads
+    ``param.to_local()`` as dim-d chunks working); the price is FSDP2's: one collective per such
+    parameter instead of one per call, and for d > 0 a copy out of the all-gather and into the
+    reduce-scatter. FSDP2's own errors come first (an invalid dim, an uneven dim > 0).
     """
     if shard_placement_fn is None:
-        return block_policy
+        return block_policy, {}
     chosen: dict[int, int] = {}
-    refused: list[str] = []
+    dims: dict[str, int] = {}
     for ref in refs:
         param = ref.registered()
         placement = shard_placement_fn(param)
@@ -638,26 +651,25 @@ def _with_placement_fn(
                 f"FSDP does not support uneven sharding on dim {dim}: {tuple(param.shape)} "
                 f"(world size: {world}) -- parameter {ref.fqn!r}"
             )
-        if dim > 0:
-            refused.append(f"{ref.fqn!r}: Shard({placement.dim})")
+        if dim > 0 or not isinstance(param, DTensor):
+            if isinstance(param, DTensor):
+                raise NotImplementedError(
+                    f"shard_placement_fn asked for Shard({placement.dim}) of the tensor-parallel "
+                    f"parameter {ref.fqn!r}: fsdp_engine shards DTensor parameters with "
+                    "RaggedShard on the data-parallel axis only; return None or Shard(0)"
+                )
+            dims[ref.fqn] = dim
             continue
         chosen[id(param)] = max(1, param.numel() // param.shape[0]) if param.shape[0] else 1
-    if refused:
-        raise NotImplementedError(
-            f"shard_placement_fn asked for dim > 0 sharding ({', '.join(refused)}): fsdp_engine "
-            "shards each parameter as a contiguous range of its row-major storage (RaggedShard "
-            "over whole dim-0 slices at most); a dim > 0 slab would need a copy around every "
-            "collective. Return None or Shard(0) (the planner already minimises padding)"
-        )
     if not chosen:
-        return block_policy
+        return block_policy, dims
 
     def policy(name: str, param: torch.Tensor) -> int:
         base = 1 if block_policy is None else operator.index(block_policy(name, param))
         row = chosen.get(id(param))
         return base if row is None else math.lcm(base, row)
 
-    return policy
+    return policy, dims
 
 
 def _check_ranks_agree(

@@ -34,6 +34,7 @@ neither communicated nor given a ``.grad``.
 from __future__ import annotations
 
 import enum
+import math
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -45,9 +46,16 @@ from torch import nn
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from dbuffer import DBuffer, Handle, contiguous_layout
+from fsdp_engine._private.dim_shard import (
+    chunk_shape,
+    from_chunk_major,
+    local_chunk,
+    shard_dim_plan,
+    to_chunk_major,
+)
 from fsdp_engine._private.plans import alignment, cached_plan
 from fsdp_engine._private.policy import BlockPolicy, MixedPrecisionPolicy
 from fsdp_engine._private.quantized_gather import (
@@ -201,6 +209,7 @@ class ParamGroup:
         block_policy: BlockPolicy | None,
         shard_axis: int,
         planner: str = "auto",
+        shard_dim: int | None = None,
     ) -> None:
         self.refs = tuple(refs)
         self.mesh = mesh
@@ -216,18 +225,31 @@ class ParamGroup:
             raise ValueError(f"ParamGroup holds one dtype, got {sorted(map(str, dtypes))}")
         self.dtype: torch.dtype = dtypes.pop()
         self.world = mesh.size(shard_axis)
+        self.shapes = [tuple(p.shape) for p in originals]
+        # [Note: Shard(d) groups] (dim_shard): one parameter in FSDP2's layout; d > 0 is
+        # stored chunk-major and copied out/in around the collectives
+        self.shard_dim = shard_dim
+        self.copies = shard_dim is not None and shard_dim > 0 and self.world > 1
         # [Note: quantized all-gather of a group]: the chosen weights' shares are whole blocks
         quantization = mp_policy.quantized_all_gather
         quantized = select_quantized(quantization, [r.fqn for r in refs], params)
-        if quantization is not None and any(quantized):
-            chosen = frozenset(r.fqn for r, q in zip(refs, quantized, strict=True) if q)
-            block_policy = TileAlignedBlocks(quantization, chosen, block_policy)
-        self.plan = build_plan(
-            refs, originals, self.world, block_policy, self._view_dtypes(), planner
-        )
+        if shard_dim is not None:
+            if len(refs) != 1 or self.tp_specs[0] is not None or any(quantized):
+                raise NotImplementedError(
+                    f"fully_shard: Shard({shard_dim}) for {[r.fqn for r in refs]} is supported "
+                    "for one plain (not tensor-parallel, not quantized-all-gather) parameter"
+                )
+            self.plan = shard_dim_plan(refs[0].fqn, self.shapes[0], shard_dim, self.world)
+        else:
+            if quantization is not None and any(quantized):
+                chosen = frozenset(r.fqn for r, q in zip(refs, quantized, strict=True) if q)
+                block_policy = TileAlignedBlocks(quantization, chosen, block_policy)
+            self.plan = build_plan(
+                refs, originals, self.world, block_policy, self._view_dtypes(), planner
+            )
         self.params = DBuffer(
             self.plan,
-            [tuple(p.shape) for p in originals],
+            [(p.numel(),) if self.copies else tuple(p.shape) for p in originals],
             mesh,
             dtype=_storage_dtype(self.dtype),
             names=[r.fqn for r in refs],
@@ -336,12 +358,30 @@ class ParamGroup:
 
     def _local(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s share of the shard storage, in the parameter's dtype (a view)."""
-        return self.params.local_views()[i].view(self.dtype)
+        flat = self.params.local_views()[i].view(self.dtype)
+        return flat if self.shard_dim is None else flat.view(self._local_shape(i))
+
+    def _local_shape(self, i: int) -> tuple[int, ...]:
+        """The shape of parameter ``i``'s local tensor: flat (RaggedShard), or its chunk."""
+        numel = self.params.slots[i].local_numel
+        if self.shard_dim is None:
+            return (numel,)
+        if self.shard_dim == 0:
+            rest = self.shapes[i][1:]
+            row = math.prod(rest)
+            return (numel // row if row else 0, *rest)
+        return chunk_shape(self.shapes[i], self.shard_dim, self.world)
+
+    def _part_of_full(self, i: int, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of parameter ``i``'s full value, flat."""
+        if self.copies:
+            assert self.shard_dim is not None
+            return local_chunk(full, self.shard_dim, self.world, self.params.rank)
+        slot = self.params.slots[i]
+        return full.reshape(-1)[slot.tensor_start : slot.tensor_start + slot.local_numel]
 
     def _load_full(self, i: int, tensor: torch.Tensor) -> None:
-        slot = self.params.slots[i]
-        flat = tensor.reshape(-1)
-        self._local(i).copy_(flat[slot.tensor_start : slot.tensor_start + slot.local_numel])
+        self._local(i).view(-1).copy_(self._part_of_full(i, tensor))
 
     def _local_or_meta(self, i: int, original: torch.Tensor) -> torch.Tensor:
         local = self._local(i)
@@ -353,6 +393,20 @@ class ParamGroup:
         """A DTensor over ``local`` (this rank's flat share of parameter ``i``, no copy)."""
         slot = self.params.slots[i]
         tp = self.tp_specs[i]
+        if self.shard_dim is not None:
+            shape = self.shapes[i]
+            stride = torch.empty(shape, device="meta").stride()
+            fsdp2: tuple[Placement, ...] = (Replicate(),) * (self.mesh.ndim - 1) + (
+                Shard(self.shard_dim),
+            )
+            return DTensor.from_local(
+                local.view(self._local_shape(i)),
+                self.mesh,
+                fsdp2,
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=stride,
+            )
         if tp is None:
             return DTensor.from_local(
                 local,
@@ -395,6 +449,9 @@ class ParamGroup:
                 views: Sequence[torch.Tensor] = [
                     self._local(i).view(slot.shape) for i, slot in enumerate(self.params.slots)
                 ]
+            elif self.copies:  # [Note: Shard(d) groups]: its own storage, filled by a copy
+                device, dtype = self.params.device, self.compute_dtype
+                views = [torch.empty(s, dtype=dtype, device=device) for s in self.shapes]
             else:
                 full = self.params.full_views(self.gather_dtype, allow_released=True)
                 views = [v.view(self.compute_dtype) for v in full]
@@ -474,7 +531,7 @@ class ParamGroup:
             self._adopt(i, current)
 
     def _adopt(self, i: int, value: torch.Tensor) -> None:
-        ref, slot = self.refs[i], self.params.slots[i]
+        ref = self.refs[i]
         if tuple(value.shape) != tuple(self.sharded[i].shape):
             raise ValueError(
                 f"parameter {ref.fqn!r}: the assigned value has shape {tuple(value.shape)}, "
@@ -486,10 +543,9 @@ class ParamGroup:
         if isinstance(value, DTensor) and tuple(value.placements) == ours_placements:
             local = value._local_tensor
         elif isinstance(value, DTensor):
-            full = value.full_tensor()
-            local = full.reshape(-1)[slot.tensor_start : slot.tensor_start + slot.local_numel]
+            local = self._part_of_full(i, value.full_tensor())
         else:
-            local = value.reshape(-1)[slot.tensor_start : slot.tensor_start + slot.local_numel]
+            local = self._part_of_full(i, value)
         if local.dtype != self.dtype:
             raise TypeError(
                 f"parameter {ref.fqn!r}: the assigned value is {local.dtype}, the group holds "
@@ -501,7 +557,7 @@ class ParamGroup:
         else:
             self._materialize()
             with torch.no_grad():
-                ours.copy_(local.detach().reshape(-1))
+                ours.copy_(local.detach().reshape(ours.shape))
             new_local = ours
         if (
             isinstance(value, DTensor)
@@ -558,7 +614,7 @@ class ParamGroup:
                 else:
                     self._materialize()
                     if not local.is_meta and not _is_view_of(local, ours):
-                        ours.copy_(local.reshape(-1))
+                        ours.copy_(local.reshape(ours.shape))
                     new_local = ours
                 current._local_tensor = new_local
                 if current._spec.tensor_meta is None or (
@@ -582,7 +638,7 @@ class ParamGroup:
                 continue
             local = grad._local_tensor if isinstance(grad, DTensor) else grad
             with torch.no_grad():
-                view._local_tensor.copy_(local.reshape(-1))
+                view._local_tensor.copy_(local.reshape(view._local_tensor.shape))
             param.grad = view
 
     # -- unshard / reshard -------------------------------------------------------------------
@@ -622,6 +678,7 @@ class ParamGroup:
             with torch.no_grad(), _unsafe_preserve_version_counter(unsharded):
                 unsharded.copy_(self.params.shard)
             del flat
+            self._copy_out()
             self.state = ShardState.UNSHARDED
             return
         if self.custom_all_gather is not None:
@@ -665,13 +722,31 @@ class ParamGroup:
             )
             if work is not None:
                 work.wait()
+        self._copy_out()
         self.state = ShardState.UNSHARDED
 
     def wait_for_unshard(self) -> None:
         if self.unshard_handle is not None:
             self.unshard_handle.wait()  # DBuffer restores the version counter autograd checks
             self.unshard_handle = None
+            self._copy_out()
             self.state = ShardState.UNSHARDED
+
+    def _copy_out(self) -> None:
+        """[Note: Shard(d) groups]: the gathered chunk-major buffer into the unsharded
+        parameter's own storage (allocated again after a reshard; same tensor, so autograd's
+        saved references stay valid, and its version counter is kept like DBuffer's views)."""
+        if not self.copies:
+            return
+        full = self.unsharded_params()[0]
+        storage = full.untyped_storage()
+        nbytes = full.numel() * full.element_size()
+        if storage.nbytes() < nbytes:
+            storage.resize_(nbytes)
+        flat = self.params.unsharded_flat(self.gather_dtype).view(self.compute_dtype)
+        assert self.shard_dim is not None
+        with torch.no_grad(), _unsafe_preserve_version_counter(full):
+            from_chunk_major(flat, full, self.shard_dim, self.world)
 
     def reshard(self) -> None:
         if (
@@ -683,6 +758,9 @@ class ParamGroup:
         self.wait_for_unshard()
         if not self._views_are_the_shard():
             self.params.reshard()
+        if self.copies:
+            for params in self._unsharded.values():
+                params[0].untyped_storage().resize_(0)
         self.post_forward_chunk = None
         self.register_sharded()
         self.state = ShardState.SHARDED
@@ -786,7 +864,12 @@ class ParamGroup:
             )
         if not self.accum_pending:
             self._used = [False] * len(self.refs)
-        if reduction.kind == "full":
+        if reduction.kind == "full" and self.copies:
+            # [Note: Shard(d) groups]: autograd accumulates into a gradient of the
+            # parameter's own shape; it is copied into chunk-major order at the reduction
+            param = self.unsharded_params()[0]
+            param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        elif reduction.kind == "full":
             self.unsharded_grads.alloc_unsharded(zero=True)
             if self._unsharded_grad_views is None:  # made once (a DTensor each for TP)
                 full = self.unsharded_grads.full_views()
@@ -829,6 +912,7 @@ class ParamGroup:
         # is added into a reduce_dtype accumulator and the compute buffer is let go
         separate = self.reduce_dtype != self.compute_dtype
         if self.pending and (self.accum_pending or (separate and not sync)):
+            self._copy_in()
             accum = self._accumulator(self.unsharded_grads)
             accum.unsharded_flat().add_(self.unsharded_grads.unsharded_flat())
             self._detach_unsharded_grads()
@@ -838,9 +922,23 @@ class ParamGroup:
             return  # same dtype: autograd keeps accumulating into the unsharded views
         source = self.accum if self.accum_pending else self.unsharded_grads
         assert source is not None
+        if not self.accum_pending:
+            self._copy_in()
         self._detach_unsharded_grads()
         self._issue_reduction(reduction, source, async_op=async_op)
         self.pending = self.accum_pending = False
+
+    def _copy_in(self) -> None:
+        """[Note: Shard(d) groups]: the unsharded gradient into chunk-major order, the
+        reduce-scatter's input."""
+        if not self.copies:
+            return
+        grad = self.unsharded_params()[0].grad
+        assert grad is not None and self.shard_dim is not None
+        self.unsharded_grads.alloc_unsharded()
+        flat = self.unsharded_grads.unsharded_flat()
+        with torch.no_grad():
+            to_chunk_major(grad, flat, self.shard_dim, self.world)
 
     def _reduce_compact(self, reduction: _Reduction, *, sync: bool, async_op: bool) -> None:
         if self.pending:
@@ -1016,6 +1114,7 @@ class ParamGroup:
         """Parameter ``i``'s sharded gradient over ``local``: the sharded parameter's own spec
         (same shape, placements and dtype) when it has no tensor parallelism, so no per-rank
         check runs again (``from_local`` checks every rank's units)."""
+        local = local.view(self._local_shape(i))
         spec = _dtensor(self.sharded[i])._spec
         meta = spec.tensor_meta
         if self.tp_specs[i] is None and meta is not None and meta.dtype == local.dtype:
