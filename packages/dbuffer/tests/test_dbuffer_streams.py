@@ -20,7 +20,8 @@ happen after every access, on another stream, to memory of that pool freed befor
 allocation (any such block may be the one reused). The last access per stream summarises them
 (an access ordered after it is ordered after the earlier ones). Frees are seen where dbuffer
 frees (``_free``) and when a storage dies (a finalizer on it: storages keep their Python object
-while they live). An access that conflicts with an earlier one on another stream with no
+while they live); memory first seen without its allocation (made before the simulation) is the
+compute stream's. An access that conflicts with an earlier one on another stream with no
 happens-before path is a race.
 
 Each scenario runs once on the real protocol (no race) and once with one ordering removed, which
@@ -147,6 +148,9 @@ class Sim:
         if stale is not None:
             self._retire(stale)
         self.allocated(t)
+        self._watch(storage, key)
+
+    def _watch(self, storage: torch.UntypedStorage, key: int) -> None:
         self.finalizers.append(weakref.finalize(storage, self._died, key))
 
     def _died(self, key: int) -> None:
@@ -169,7 +173,11 @@ class Sim:
         if t.untyped_storage().nbytes() == 0:
             return
         stream = self.current()
-        mem = self.memory.setdefault(self._key(t), Memory(stream.name, {}))
+        key = self._key(t)
+        mem = self.memory.get(key)
+        if mem is None:  # made before the simulation, on the compute stream
+            mem = self.memory[key] = Memory(self.compute.name, {})
+            self._watch(t.untyped_storage(), key)
         earlier = [
             *mem.prior.items(),
             *([mem.write] if mem.write else []),
