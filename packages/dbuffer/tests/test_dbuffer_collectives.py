@@ -245,3 +245,23 @@ def _inflight(rank: int, world: int) -> None:
 
 def test_ops_wait_for_collectives_in_flight() -> None:
     run_threaded(_inflight, 2)
+
+
+def _fp16_mean(rank: int, world: int, value: float) -> list[float]:
+    mesh = init_device_mesh("cpu", (world,))
+    layout = contiguous_layout([8], world)
+    grads = DBuffer(layout, [(8,)], mesh, dtype=torch.float16)
+    grads.alloc_unsharded()[0].fill_(value)
+    grads.reduce_scatter(op="avg").wait()
+    return [float(x) for x in grads.shard]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fp16_mean_neither_overflows_nor_rounds_differently_from_fsdp2(world: int) -> None:
+    """[Note: dividing a mean of gradients]: fp16 gradients of 30000 on every rank sum to more
+    than fp16's largest finite value (65504) at 4 ranks; dividing each by p = 2 first (FSDP2's
+    factor for 2 and 4 ranks), summing, then dividing by world / p gives the mean exactly
+    (every step is exact in fp16 here), where summing first gives inf. Same arithmetic as the
+    reference: exact equality."""
+    for shard in run_threaded(_fp16_mean, world, 30000.0):
+        assert shard == [30000.0] * len(shard), shard

@@ -142,3 +142,76 @@ def trace(
     finally:
         _LOCAL.log = None
     return out
+
+
+class CheckpointedNet(nn.Module):
+    """``Net`` with a second Linear per layer, each layer checkpoint-wrapped (activation
+    checkpointing); the trace shards that inner Linear on its own inside the wrapped layer, as
+    MoE code shards its experts inside a checkpointed block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(a, b), nn.ReLU(), nn.Linear(b, b))
+            for a, b in itertools.pairwise(DIMS)
+        )
+        self.head = nn.Linear(DIMS[-1], 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def _group_size(engine: str, module: nn.Module) -> int:
+    if engine == "ours":
+        return int(module.shard_plan().shard_size)  # type: ignore[operator]
+    group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+    return sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
+
+
+def trace_checkpointed_backward(engine: str, rank: int, world: int) -> list[str]:
+    """The collectives of the second iteration's backward (after ``loss.backward()`` is
+    called) for ``CheckpointedNet``: each layer checkpoint-wrapped, its inner Linear a
+    fully_shard group of its own (``Lk.in``) inside it, and explicit backward prefetching of
+    the previous layer and its inner group (``set_modules_to_backward_prefetch``)."""
+    import torch.distributed.fsdp as torch_fsdp
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fsdp_engine
+
+    install()
+    api: Any = fsdp_engine if engine == "ours" else torch_fsdp
+    mesh = init_device_mesh("cpu", (world,))
+    with _LOCK:
+        torch.manual_seed(0)
+        model = CheckpointedNet()
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.Sequential))
+    names: dict[int, str] = {}
+    inners = []
+    for k, layer in enumerate(model.layers):
+        inner = layer._checkpoint_wrapped_module[2]
+        api.fully_shard(inner, mesh=mesh)
+        api.fully_shard(layer, mesh=mesh)
+        inners.append(inner)
+        names[_group_size(engine, inner)] = f"L{k}.in"
+        names[_group_size(engine, layer)] = f"L{k}"
+    api.fully_shard(model, mesh=mesh)
+    names[_group_size(engine, model)] = "root"
+    assert len(names) == 2 * len(model.layers) + 1, "two groups move the same size"
+    for k in range(1, len(model.layers)):
+        model.layers[k].set_modules_to_backward_prefetch([model.layers[k - 1], inners[k - 1]])
+    x = torch.randn(3, DIMS[0], generator=torch.Generator().manual_seed(rank))
+    events: list[tuple[str, int, bool]] = []
+    _LOCAL.log = events
+    try:
+        for _ in range(2):
+            loss = model(x).sum()
+            events.clear()
+            loss.backward()
+    finally:
+        _LOCAL.log = None
+    return [f"{kind}:{names.get(numel, numel)}" for kind, numel, _ in events]

@@ -15,7 +15,7 @@ is FSDP2's order.
 
 from __future__ import annotations
 
-from engine_trace import trace
+from engine_trace import trace, trace_checkpointed_backward
 
 from ragged_dtensor.testing import run_threaded
 
@@ -99,4 +99,38 @@ def test_reshard_after_forward_k_regathers_are_prefetched() -> None:
         "AG:L2/2~",
         "AG:L1/2~",
         "AG:L0/2~",
+    ]
+
+
+def _checkpointed(rank: int, world: int) -> dict[str, list[str]]:
+    return {e: trace_checkpointed_backward(e, rank, world) for e in ("ours", "fsdp2")}
+
+
+def test_backward_prefetch_inside_activation_checkpointing_is_fsdp2s() -> None:
+    """Checkpoint-wrapped layers with a fully_shard group nested inside each, and explicit
+    backward prefetching (layer k prefetches layer k-1 and its inner group): the recompute
+    inside backward gathers nothing twice, and the backward's collectives (the explicit
+    prefetches, each reduce-scatter after its group's backward) are FSDP2's, in order."""
+    results = run_threaded(_checkpointed, 2, timeout=120)
+    assert results[0] == results[1]
+    ours, fsdp2 = results[0]["ours"], results[0]["fsdp2"]
+    assert ours == fsdp2, (ours, fsdp2)
+    assert fsdp2 == [
+        "AG:L3",  # the root's pre-backward: the last layer (its own default prefetch)
+        "AG:L3.in",  # layer 3's inner group, when the recompute runs its forward
+        "AG:L2",  # layer 3's explicit prefetches
+        "AG:L2.in",
+        "RS:L3.in",
+        "RS:L3",
+        "AG:L1",
+        "AG:L1.in",
+        "RS:L2.in",
+        "RS:L2",
+        "AG:L0",
+        "AG:L0.in",
+        "RS:L1.in",
+        "RS:L1",
+        "RS:L0.in",
+        "RS:root",
+        "RS:L0",
     ]
