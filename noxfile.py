@@ -129,13 +129,29 @@ def _install_torch(session: nox.Session) -> None:
     session.run("python", "-c", "import torch; assert torch.__version__.startswith('2.13.0')")
 
 
+# [Note: builds without isolation]
+# pip builds each local package in a fresh isolated environment by default, installing its
+# build backend there first: ~2 s per package per session, a minute or more over the CI sessions.
+# The backends (hatchling for the five packages, setuptools for ``examples``) are installed once
+# into the session's venv and the local builds use them there; what gets built is the same.
+BUILD_BACKENDS = ("hatchling>=1.25", "setuptools>=68")
+
+
+def _install_local(session: nox.Session, *args: str) -> None:
+    """``session.install`` of local package folders (and anything else), built without
+    isolation ([Note: builds without isolation])."""
+    session.install(*BUILD_BACKENDS)
+    session.install("--no-build-isolation", *args)
+
+
 def _install_packages(session: nox.Session, folders: list[Path], *, extras: str = "") -> None:
     if _needs_torch(folders):
         # The pinned CPU wheel first, so no package's range can pull a multi-GB CUDA build.
         _install_torch(session)
     suffix = f"[{extras}]" if extras else ""
-    session.install(
-        *(f"{folder}{suffix}" if folder == folders[-1] else str(folder) for folder in folders)
+    _install_local(
+        session,
+        *(f"{folder}{suffix}" if folder == folders[-1] else str(folder) for folder in folders),
     )
 
 
@@ -153,7 +169,7 @@ def lint(session: nox.Session) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy --strict over every package's src/ and the cross-package typing checks."""
     _install_torch(session)
-    session.install("mypy==2.4.1", *(f"-e{p}[test]" for p in _packages().values()))
+    _install_local(session, "mypy==2.4.1", *(f"-e{p}[test]" for p in _packages().values()))
     # by module name: mypy resolves the installed (editable) packages, never a source file twice
     modules = [arg for p in _packages() for arg in ("-p", p.replace("-", "_"))]
     session.run("mypy", "--strict", *modules, *session.posargs)
@@ -193,7 +209,7 @@ def tests(session: nox.Session, package: str) -> None:
 def integration(session: nox.Session) -> None:
     """Cross-package tests (root tests/) with every package installed."""
     _install_torch(session)
-    session.install(*(str(p) + "[test]" for p in _packages().values()), XDIST)
+    _install_local(session, *(str(p) + "[test]" for p in _packages().values()), XDIST)
     session.run(
         "pytest",
         *_pytest_parallel(),
@@ -214,7 +230,7 @@ def slow(session: nox.Session) -> None:
     """The tests marked ``slow`` (not in CI: over the CI budget on 2 cores), every package and
     the root tests; the Hugging Face ones are ``nox -s hf_slow``."""
     _install_torch(session)
-    session.install(*(str(p) + "[test]" for p in _packages().values()), XDIST)
+    _install_local(session, *(str(p) + "[test]" for p in _packages().values()), XDIST)
     paths = [str(p / "tests") for p in _packages().values()] + ["tests"]
     session.run(
         "pytest",
@@ -242,7 +258,10 @@ def _build_dev_venv(session: nox.Session) -> Path:
     session.run(*pip, "--upgrade", "pip", external=True)  # venv's bundled pip 23 cannot resolve
     session.run(*pip, TORCH, external=True)  # first: no package's range may pull another torch
     editable = [f"-e{folder}[test]" for folder in _packages().values()]
-    session.run(*pip, *editable, f"-e{ROOT / 'examples'}[demo]", external=True)
+    session.run(*pip, *BUILD_BACKENDS, external=True)  # [Note: builds without isolation]
+    session.run(
+        *pip, "--no-build-isolation", *editable, f"-e{ROOT / 'examples'}[demo]", external=True
+    )
     return venv
 
 
@@ -295,8 +314,11 @@ def _install_hf(session: nox.Session) -> None:
     """Every package and the examples' optional ``hf`` extra (the pinned transformers and
     safetensors) next to the shared torch; fails if the extra brought another torch."""
     _install_torch(session)
-    session.install(
-        *(str(p) + "[test]" for p in _packages().values()), f"{ROOT / 'examples'}[hf,demo]", XDIST
+    _install_local(
+        session,
+        *(str(p) + "[test]" for p in _packages().values()),
+        f"{ROOT / 'examples'}[hf,demo]",
+        XDIST,
     )
     session.run(
         "python",
@@ -354,7 +376,7 @@ def numerics(session: nox.Session) -> None:
     (ATEN_CPU_CAPABILITY default, avx2, avx512) x OMP_NUM_THREADS 1 and 2, as CI machines
     differ (not in CI: about 6x the tests' time)."""
     _install_torch(session)
-    session.install(*(str(p) + "[test]" for p in _packages().values()), XDIST)
+    _install_local(session, *(str(p) + "[test]" for p in _packages().values()), XDIST)
     best = session.run(
         "python", "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())", silent=True
     )
@@ -389,7 +411,7 @@ def numerics(session: nox.Session) -> None:
 def fuzz(session: nox.Session) -> None:
     """Hypothesis at 10,000 examples over the planner and ragged redistributions (not in CI)."""
     _install_torch(session)
-    session.install(*(str(p) + "[test]" for p in _packages().values()))
+    _install_local(session, *(str(p) + "[test]" for p in _packages().values()))
     session.env["FUZZ_EXAMPLES"] = "10000"
     session.env["HYPOTHESIS_PROFILE"] = "fuzz"  # fresh random examples every run
     session.run(
@@ -409,7 +431,7 @@ def fuzz(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """The main job: a short sharded run on 2 gloo processes on this CPU."""
     _install_torch(session)
-    session.install(*(str(p) for p in _packages().values()), f"{ROOT / 'examples'}[demo]")
+    _install_local(session, *(str(p) for p in _packages().values()), f"{ROOT / 'examples'}[demo]")
     session.run("python", "examples/demo.py", *session.posargs)
 
 
@@ -418,8 +440,9 @@ def bench(session: nox.Session) -> None:
     """Side-by-side benchmarks against the peers, in one run each (figures, not pass/fail)."""
     _install_torch(session)
     packages = _packages()
-    session.install(
-        *(f"{p}[bench]" if name == "optim-blockwise" else str(p) for name, p in packages.items())
+    _install_local(
+        session,
+        *(f"{p}[bench]" if name == "optim-blockwise" else str(p) for name, p in packages.items()),
     )
     # DeepSpeed ZeRO-3 is a peer when it installs here (CPU, DS_ACCELERATOR=cpu); optional
     session.run("python", "-m", "pip", "install", "--quiet", "deepspeed", success_codes=[0, 1])
@@ -440,5 +463,5 @@ def soak(session: nox.Session) -> None:
     every 500 steps; the final state must equal an uninterrupted run bit for bit and live memory
     stay flat (``benchmarks/soak.py``; figures in ``results/soak.md``)."""
     _install_torch(session)
-    session.install(*(str(p) for p in _packages().values()))
+    _install_local(session, *(str(p) for p in _packages().values()))
     session.run("python", "benchmarks/soak.py", "--out", str(ROOT / "results"), *session.posargs)

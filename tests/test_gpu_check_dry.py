@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # CI budget (19 s): the device script runs only when a GPU is lent
 def test_gpu_check_dry_run_passes(tmp_path: Path) -> None:
     proc = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry", "--out", str(tmp_path)],

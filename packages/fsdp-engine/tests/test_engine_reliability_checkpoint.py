@@ -267,6 +267,7 @@ def _resume_run(rank: int, world: int, root: str, phase: str) -> dict[str, Any]:
     return {"losses": losses, "state": full_snapshot(model, opt)}
 
 
+@pytest.mark.slow  # CI budget: test_killed_rank_restarts_... resumes in new processes in CI
 @pytest.mark.multiprocess
 def test_resume_in_new_processes_matches_an_uninterrupted_run(tmp_path: Path) -> None:
     """20 steps straight (checkpoint at 10, which does not perturb training) vs 10 steps +
@@ -326,6 +327,7 @@ def _load_latest(rank: int, world: int, root: str) -> dict[str, torch.Tensor]:
     return snapshot
 
 
+@pytest.mark.slow  # CI budget (11 s): runs in `nox -s slow`
 @pytest.mark.multiprocess
 def test_a_rank_killed_during_the_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     root = tmp_path
