@@ -132,9 +132,10 @@ def _install_torch(session: nox.Session) -> None:
 # [Note: builds without isolation]
 # pip builds each local package in a fresh isolated environment by default, installing its
 # build backend there first: ~2 s per package per session, a minute or more over the CI sessions.
-# The backends (hatchling for the five packages, setuptools for ``examples``) are installed once
-# into the session's venv and the local builds use them there; what gets built is the same.
-BUILD_BACKENDS = ("hatchling>=1.25", "setuptools>=68")
+# The backends (hatchling, and ``editables`` for its editable builds, for the five packages;
+# setuptools for ``examples``) are installed once into the session's venv and the local builds
+# use them there; what gets built is the same.
+BUILD_BACKENDS = ("hatchling>=1.25", "editables>=0.5", "setuptools>=68")
 
 
 def _install_local(session: nox.Session, *args: str) -> None:
