@@ -78,40 +78,37 @@ def _train(
         return list(sim.races), set(sim.accessed)
 
 
+def _check_streams(
+    monkeypatch: pytest.MonkeyPatch, reshard: bool | int, quantized: bool, planted: Any
+) -> None:
+    """Train under the simulated streams; ``planted``: the module whose ``note_free`` is
+    removed (a race the model must report), or None."""
+    streams.install(monkeypatch)
+    monkeypatch.setattr(group_module, "_event_now", streams.event_now)
+    monkeypatch.setattr(state_module, "_event_now", streams.event_now)
+    if planted is not None:
+        monkeypatch.setattr(planted, "note_free", lambda device: None)
+    world = 4 if reshard == 2 else 2
+    results: list[Any] = run_threaded(_train, world, reshard, quantized, timeout=120)
+    for races, accessed in results:
+        assert accessed == {"compute", "all_gather", "reduce_scatter"}, accessed
+        if planted is not None:
+            assert races, "the model saw no race where one was planted"
+        else:
+            assert races == [], races[:5]
+
+
 @pytest.mark.parametrize("reshard", [True, 2])
 @pytest.mark.parametrize("planted", [False, True])
 def test_engine_streams_have_no_race(
     reshard: bool | int, planted: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    streams.install(monkeypatch)
-    monkeypatch.setattr(group_module, "_event_now", streams.event_now)
-    monkeypatch.setattr(state_module, "_event_now", streams.event_now)
-    if planted:
-        monkeypatch.setattr(buffer_module, "note_free", lambda device: None)
-    world = 4 if reshard == 2 else 2
-    results: list[Any] = run_threaded(_train, world, reshard, timeout=120)
-    for races, accessed in results:
-        assert accessed == {"compute", "all_gather", "reduce_scatter"}, accessed
-        if planted:
-            assert races, "the model saw no race where one was planted"
-        else:
-            assert races == [], races[:5]
+    _check_streams(monkeypatch, reshard, False, buffer_module if planted else None)
 
 
 @pytest.mark.parametrize(("reshard", "planted"), [(True, False), (2, False), (True, True)])
 def test_quantized_engine_streams_have_no_race(
     reshard: bool | int, planted: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    streams.install(monkeypatch)
-    monkeypatch.setattr(group_module, "_event_now", streams.event_now)
-    monkeypatch.setattr(state_module, "_event_now", streams.event_now)
-    if planted:  # the hook's reads of the receive buffer no longer order its reuse
-        monkeypatch.setattr(packed_module, "note_free", lambda device: None)
-    world = 4 if reshard == 2 else 2
-    results: list[Any] = run_threaded(_train, world, reshard, True, timeout=120)
-    for races, accessed in results:
-        assert accessed == {"compute", "all_gather", "reduce_scatter"}, accessed
-        if planted:
-            assert races, "the model saw no race where one was planted"
-        else:
-            assert races == [], races[:5]
+    # planted: the hook's reads of the receive buffer no longer order its reuse
+    _check_streams(monkeypatch, reshard, True, packed_module if planted else None)
