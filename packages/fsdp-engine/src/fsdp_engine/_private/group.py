@@ -747,6 +747,10 @@ class ParamGroup:
         assert self.shard_dim is not None
         with torch.no_grad(), _unsafe_preserve_version_counter(full):
             from_chunk_major(flat, full, self.shard_dim, self.world)
+        # the gathered chunk-major buffer is not read again (FSDP2 frees its copy too), except
+        # by reshard_after_forward=k, which keeps a part of it after forward
+        if self.subgroup is None:
+            self.params.reshard()
 
     def reshard(self) -> None:
         if (
