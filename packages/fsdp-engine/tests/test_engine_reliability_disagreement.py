@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from engine_models import TinyLlama, batches, loss_fn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-from torch.distributed.tensor import init_device_mesh
+from torch.distributed.tensor import Shard, init_device_mesh
 
 from fsdp_engine import MixedPrecisionPolicy, fully_shard
 from ragged_dtensor import CollectiveMismatchError
@@ -117,6 +117,8 @@ def _train_disagreeing_config(rank: int, world: int, case: str) -> str:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     if rank == 1 and case == "reshard_after_forward":
         kwargs["reshard_after_forward"] = False
+    if rank == 1 and case == "shard_placement_fn":  # one rank asks for FSDP2's layout
+        kwargs["shard_placement_fn"] = lambda p: Shard(1) if p.dim() > 1 else None
     try:
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, **kwargs)
@@ -129,7 +131,12 @@ def _train_disagreeing_config(rank: int, world: int, case: str) -> str:
 
 
 @pytest.mark.parametrize(
-    ("case", "named"), [("mp_policy", "bfloat16"), ("reshard_after_forward", "reshard")]
+    ("case", "named"),
+    [
+        ("mp_policy", "bfloat16"),
+        ("reshard_after_forward", "reshard"),
+        ("shard_placement_fn", "shard_placement_fn"),
+    ],
 )
 def test_ranks_passing_different_fully_shard_settings_all_raise(case: str, named: str) -> None:
     """Found here. The DBuffer record compares layout, dtype and shapes, not the settings that

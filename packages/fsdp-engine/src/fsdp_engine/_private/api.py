@@ -508,6 +508,8 @@ def fully_shard(
             "mp_policy": repr(mp_policy),
             "offload_policy": repr(offload_policy),
             "block_policy": "none" if block_policy is None else type(block_policy).__name__,
+            # the groups follow it: a rank-dependent shard_placement_fn is named, not a hang
+            "shard_placement_fn": repr(sorted(shard_dims.items())),
         },
         refs,
     )
