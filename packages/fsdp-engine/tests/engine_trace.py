@@ -71,18 +71,21 @@ class Net(nn.Module):
         return self.head(x)
 
 
+def _group_size(engine: str, module: nn.Module) -> int:
+    """The per-rank numel a group's collectives move (ours: the plan's shard size)."""
+    if engine == "ours":
+        return int(module.shard_plan().shard_size)  # type: ignore[operator]
+    group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+    return sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
+
+
 def _per_rank_sizes(engine: str, model: Net, world: int) -> dict[int, str]:
     """The per-rank numel each group's collectives move -> the group's name."""
     sizes: dict[int, str] = {}
     modules: list[tuple[str, nn.Module]] = [(f"L{k}", m) for k, m in enumerate(model.layers)]
     modules.append(("root", model))
     for name, module in modules:
-        if engine == "ours":
-            plan = module.shard_plan()  # type: ignore[operator]
-            size = plan.shard_size
-        else:
-            group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
-            size = sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
+        size = _group_size(engine, module)
         assert size not in sizes, f"two groups move {size} elements per rank"
         sizes[size] = name
     return sizes
@@ -144,7 +147,7 @@ def trace(
     return out
 
 
-class CheckpointedNet(nn.Module):
+class CheckpointedNet(Net):
     """``Net`` with a second Linear per layer, each layer checkpoint-wrapped (activation
     checkpointing); the trace shards that inner Linear on its own inside the wrapped layer, as
     MoE code shards its experts inside a checkpointed block."""
@@ -155,19 +158,6 @@ class CheckpointedNet(nn.Module):
             nn.Sequential(nn.Linear(a, b), nn.ReLU(), nn.Linear(b, b))
             for a, b in itertools.pairwise(DIMS)
         )
-        self.head = nn.Linear(DIMS[-1], 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-def _group_size(engine: str, module: nn.Module) -> int:
-    if engine == "ours":
-        return int(module.shard_plan().shard_size)  # type: ignore[operator]
-    group = module._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
-    return sum(p.padded_sharded_param_size.numel() for p in group.fsdp_params)
 
 
 def trace_checkpointed_backward(engine: str, rank: int, world: int) -> list[str]:
