@@ -2,7 +2,7 @@
 held-out run.
 
 The projection models a ring collective over ``m`` ranks with ``S`` bytes per rank as
-``T = (m - 1) * (alpha + S * beta)`` (``shard_planner`` ``hardware`` Note), plus, where a
+``T = (m - 1) * (alpha + S * beta)`` (``shard_planner.projection`` ``hardware`` Note), plus, where a
 backend copies the whole buffer locally, ``m * S * gamma`` at memory bandwidth (gloo's
 reduce-scatter clones its ``m * S`` input and all-reduces it, so its ring moves ``2 (m - 1)``
 steps of ``S`` and it copies ``m S``; the fit finds that). The constants are fitted, per

@@ -2,10 +2,10 @@
 
 Each parameter has the catalogue's name and shape (so ``fully_shard`` plans exactly the groups
 the projection plans), and the forward uses the ops the projection's activation formula counts
-(``shard_planner`` ``activations`` Note): a fused RMSNorm that keeps its input and inverse RMS,
-linear projections, ``scaled_dot_product_attention`` (flash kernel: it keeps q, k, v, its output
-and log-sum-exp), SwiGLU, token-choice top-k experts, fp32 cross-entropy. Rotary embeddings are
-left out (they keep nothing per token and cost no memory the formula counts).
+(``shard_planner.projection`` ``activations`` Note): a fused RMSNorm that keeps its input and
+inverse RMS, linear projections, ``scaled_dot_product_attention`` (flash kernel: it keeps q, k, v,
+its output and log-sum-exp), SwiGLU, token-choice top-k experts, fp32 cross-entropy. Rotary
+embeddings are left out (they keep nothing per token and cost no memory the formula counts).
 
 Run as a script (a fresh process: the fake process group is global state)::
 
@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shard_planner import GPUS, Group, Model, Setup, catalogue_model, project
+from shard_planner.projection import GPUS, Group, Model, Setup, catalogue_model, project
 
 
 class _RMSNorm(torch.autograd.Function):

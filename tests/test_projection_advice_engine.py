@@ -1,11 +1,11 @@
 """The mesh advisor's advice, applied as is to ``fully_shard`` on the demo model.
 
-``shard_planner.advise`` chooses an HSDP mesh ``(replicate, shard)`` and which modules share a
-``fully_shard`` group; the engine takes both directly: ``init_device_mesh(..., mesh_shape)``
-and one ``fully_shard`` call per advised group (a list of modules where the advice groups
-several). The engine's plans must be the advisor's (same shard sizes and padding, since both run
-the planner on the same tensors and blocks), and the model must train on that mesh: 8 ranks of
-the threaded process group, one step, finite loss, gradients in every group.
+``shard_planner.projection.advise`` chooses an HSDP mesh ``(replicate, shard)`` and which modules
+share a ``fully_shard`` group; the engine takes both directly: ``init_device_mesh(..., mesh_shape)``
+and one ``fully_shard`` call per advised group (a list of modules where the advice groups several).
+The engine's plans must be the advisor's (same shard sizes and padding, since both run the planner
+on the same tensors and blocks), and the model must train on that mesh: 8 ranks of the threaded
+process group, one step, finite loss, gradients in every group.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch.distributed.tensor import init_device_mesh
 
 from fsdp_engine import fully_shard
 from ragged_dtensor.testing import run_threaded
-from shard_planner import GPUS, Group, LayerShape, Model, Setup, Weight, advise
+from shard_planner.projection import GPUS, Group, LayerShape, Model, Setup, Weight, advise
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from llama import PRESETS, Llama, loss_fn

@@ -22,7 +22,8 @@ import fsdp_engine
 from fsdp_engine._private.plans import alignment, cached_plan, clear_plan_cache, plan_cache_info
 from fsdp_engine._private.state import get_state
 from ragged_dtensor.testing import run_threaded
-from shard_planner import MODELS, TensorSpec, catalogue_model
+from shard_planner import TensorSpec
+from shard_planner.projection import MODELS, catalogue_model
 
 _BUILD = threading.Lock()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import shard_planner as sp
-from shard_planner._private.catalogue import MODELS, catalogue_model
+from shard_planner.projection import MODELS, catalogue_model
 
 WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 ROWS = (1, 16, 32, 128)

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from planner_testing import FUZZ_EXAMPLES, check_plan_independently, groups
 
 import shard_planner as sp
+import shard_planner.projection as proj
 from shard_planner._private.align import aligned_start
 
 SETTINGS = settings(
@@ -112,8 +113,8 @@ def test_catalogue_padding_cost_of_aligned_offsets() -> None:
     point. Measured: 0 / 0.030 / 0.090 pp at 4 / 8 / 16 elements (the largest: LLaMA-3-8B's
     layer at m = 16384, where the shard size moves from 13316 to 13320 / 13328)."""
     worst = {pair: 0.0 for pair in ALIGNMENTS}
-    for name in sp.MODELS:
-        model = sp.catalogue_model(name)
+    for name in proj.MODELS:
+        model = proj.catalogue_model(name)
         for rows in ROWS:
             for world in WORLDS:
                 for group in model.groups:

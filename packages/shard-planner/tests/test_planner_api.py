@@ -18,6 +18,47 @@ def test_public_names() -> None:
     assert isinstance(sp.__version__, str)
 
 
+CORE = {
+    "TensorSpec",
+    "Plan",
+    "Slice",
+    "plan",
+    "METHODS",
+    "lower_bound",
+    "exact_plan",
+    "MAX_EXACT_TENSORS",
+    "naive_plan",
+    "megatron_plan",
+    "fsdp2_layout",
+    "Fsdp2Layout",
+    "__version__",
+}
+
+
+def test_top_level_is_the_packing_core_and_projection_is_a_subpackage() -> None:
+    """The split of 0.2.0: the top level is the packing core, the rest lives in
+    ``shard_planner.projection`` (no deprecated top-level aliases)."""
+    import shard_planner.projection as proj
+
+    assert set(sp.__all__) == CORE
+    for name in proj.__all__:
+        assert hasattr(proj, name), name
+        assert not hasattr(sp, name), f"shard_planner.{name} should only be in the subpackage"
+    assert {"project", "advise", "catalogue_model", "MODELS", "GPUS", "Setup"} <= set(proj.__all__)
+
+
+def test_importing_the_core_does_not_import_the_projection() -> None:
+    code = (
+        "import sys, shard_planner; "
+        "loaded = sorted(m for m in sys.modules if m.startswith('shard_planner.projection')); "
+        "assert not loaded, loaded"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [

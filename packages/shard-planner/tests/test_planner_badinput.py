@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import shard_planner as sp
+import shard_planner.projection as proj
 
 T = sp.TensorSpec
 
@@ -65,37 +66,43 @@ CASES: dict[str, tuple[Callable[[], object], type[Exception], tuple[str, ...]]] 
         ("world_size", "got 0"),
     ),
     "projection: MFU above 1": (
-        lambda: sp.Setup(mfu=1.5),
+        lambda: proj.Setup(mfu=1.5),
         ValueError,
         ("Setup.mfu", "(0, 1]", "1.5"),
     ),
     "projection: unknown optimizer": (
-        lambda: sp.Setup(optimizer="lion"),
+        lambda: proj.Setup(optimizer="lion"),
         ValueError,
         ("Setup.optimizer", "adamw"),
     ),
     "projection: shard group not dividing the world": (
-        lambda: sp.project(sp.catalogue_model("llama3-8b"), 64, sp.GPUS["H100"], shard_ranks=48),
+        lambda: proj.project(
+            proj.catalogue_model("llama3-8b"), 64, proj.GPUS["H100"], shard_ranks=48
+        ),
         ValueError,
         ("shard_ranks 48", "divisor of the world size 64"),
     ),
     "advisor: shard choice not dividing the world": (
-        lambda: sp.advise(sp.catalogue_model("llama3-8b"), 64, sp.GPUS["H100"], shard_choices=[5]),
+        lambda: proj.advise(
+            proj.catalogue_model("llama3-8b"), 64, proj.GPUS["H100"], shard_choices=[5]
+        ),
         ValueError,
         ("shard choice 5", "world size 64"),
     ),
     "catalogue: unknown hyper-parameter": (
-        lambda: sp.catalogue_model("llama3-8b", {"hiddn": 128}),
+        lambda: proj.catalogue_model("llama3-8b", {"hiddn": 128}),
         ValueError,
         ("'llama3-8b'", "'hiddn'", "hidden"),
     ),
     "catalogue: non-positive width": (
-        lambda: sp.catalogue_model("llama3-8b", {"hidden": 0}),
+        lambda: proj.catalogue_model("llama3-8b", {"hidden": 0}),
         ValueError,
         ("hidden=0", "int >= 1"),
     ),
     "projection: layers per group 0": (
-        lambda: sp.project(sp.catalogue_model("llama3-8b"), 8, sp.GPUS["H100"], layers_per_group=0),
+        lambda: proj.project(
+            proj.catalogue_model("llama3-8b"), 8, proj.GPUS["H100"], layers_per_group=0
+        ),
         ValueError,
         ("layers_per_group", "got 0"),
     ),

@@ -8,8 +8,8 @@ import pytest
 from planner_testing import check_plan_independently
 
 import shard_planner as sp
-from shard_planner._private.catalogue import MODELS, catalogue_model
-from shard_planner._private.report import parse_granularity, report_rows
+from shard_planner.projection import MODELS, catalogue_model
+from shard_planner.projection._private.report import parse_granularity, report_rows
 
 # Published parameter counts (base models, without DeepSeek's multi-token-prediction module).
 PUBLISHED = {

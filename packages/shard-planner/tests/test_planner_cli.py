@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
 import shard_planner as sp
-from shard_planner._private.cli import main
+from shard_planner.projection._private.cli import main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -74,3 +76,12 @@ def test_readme_examples_are_the_files_and_run(index: int, name: str) -> None:
         [sys.executable, str(example)], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_the_console_script_is_the_subpackage_cli() -> None:
+    """pyproject's ``shard-planner`` entry point names an importable ``main`` (this one)."""
+    pyproject = README.parent / "pyproject.toml"
+    target = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]["scripts"]
+    module, _, attr = target["shard-planner"].partition(":")
+    assert module.startswith("shard_planner.projection.")
+    assert getattr(importlib.import_module(module), attr) is main

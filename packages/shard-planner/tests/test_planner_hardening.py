@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from planner_testing import FUZZ_EXAMPLES, check_plan_independently, groups
 
 import shard_planner as sp
-from shard_planner._private.catalogue import Weight
 from shard_planner._private.greedy import greedy_ends
 from shard_planner._private.multiset import BestOrder, Kinds, multiset_orders
+from shard_planner.projection import Weight
 
 SETTINGS = settings(
     max_examples=FUZZ_EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -197,7 +197,7 @@ def test_property_repeated_groups_plan_fast(case: Case) -> None:
 def test_catalogue_layers_stacked_plan_fast() -> None:
     """Several decoder layers in one group (the advisor's grouping): 4 LLaMA-3-70B layers are 36
     tensors of 5 kinds."""
-    from shard_planner._private.catalogue import catalogue_model
+    from shard_planner.projection import catalogue_model
 
     layer = catalogue_model("llama3-70b").groups[1]
     for rows in (1, 16):

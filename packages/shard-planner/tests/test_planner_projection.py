@@ -15,20 +15,20 @@ from pathlib import Path
 
 import pytest
 
-import shard_planner as sp
-from shard_planner._private.activations import activation_bytes, forward_flops
-from shard_planner._private.cli import main
+import shard_planner.projection as proj
+from shard_planner.projection._private.activations import activation_bytes, forward_flops
+from shard_planner.projection._private.cli import main
 
 WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
-@pytest.mark.parametrize("name", sp.MODELS)
+@pytest.mark.parametrize("name", proj.MODELS)
 def test_every_catalogue_model_projects_from_8_to_16384(name: str) -> None:
-    model = sp.catalogue_model(name)
-    setup = sp.Setup(activation_checkpointing=True)
+    model = proj.catalogue_model(name)
+    setup = proj.Setup(activation_checkpointing=True)
     previous_shards = math.inf
     for m in WORLDS:
-        p = sp.project(model, m, sp.GPUS["H100"], setup)
+        p = proj.project(model, m, proj.GPUS["H100"], setup)
         for e in (p.ours, p.fsdp2):
             parts = dict(e.breakdown)
             assert e.peak_bytes == pytest.approx(sum(parts.values()), abs=16)
@@ -46,10 +46,10 @@ def test_paper_finding_gpt_oss_fsdp2_fits_128_not_256_ours_both() -> None:
     ranks and not at 256 (128 experts over 256 ranks: the even split pads the expert buffers to
     twice their size); ours fits at both. Setup stated: seq 4096, micro-batch 1, bf16 compute
     and reduction (FSDP2's default with ``param_dtype=bf16``), fp32 parameters, AdamW."""
-    model = sp.catalogue_model("gpt-oss-120b")
-    gpu = sp.GPUS["H800"]
-    setup = sp.Setup(seq=4096, micro_batch=1, reduce_bytes=2)
-    at = {m: sp.project(model, m, gpu, setup) for m in (128, 256)}
+    model = proj.catalogue_model("gpt-oss-120b")
+    gpu = proj.GPUS["H800"]
+    setup = proj.Setup(seq=4096, micro_batch=1, reduce_bytes=2)
+    at = {m: proj.project(model, m, gpu, setup) for m in (128, 256)}
     budget = gpu.usable_bytes
     assert at[128].fsdp2.fits(budget) and not at[256].fsdp2.fits(budget)
     assert at[128].ours.fits(budget) and at[256].ours.fits(budget)
@@ -63,7 +63,7 @@ def test_paper_finding_gpt_oss_fsdp2_fits_128_not_256_ours_both() -> None:
 
 def test_activation_formula_by_hand() -> None:
     """LLaMA-3-8B, bf16: the terms of the activations Note, added up by hand."""
-    layer = sp.catalogue_model("llama3-8b").groups[1]
+    layer = proj.catalogue_model("llama3-8b").groups[1]
     h, q, kv, f, heads, c = 4096, 4096, 1024, 14336, 32, 2
     attention = 2 * h * c + 4 + (q + 2 * kv) * c + q * c + heads * 4
     mlp = 2 * h * c + 4 + 4 * f * c
@@ -75,7 +75,7 @@ def test_activation_formula_by_hand() -> None:
 
 
 def test_moe_flops_count_active_experts_only() -> None:
-    layer = sp.catalogue_model("qwen3-30b-a3b").groups[1]
+    layer = proj.catalogue_model("qwen3-30b-a3b").groups[1]
     s = layer.layer
     assert s is not None and s.top_k == 8 and s.experts == 128
     dense = sum(w.numel for w in layer.weights if w.matrix and "experts." not in w.name)
@@ -86,29 +86,29 @@ def test_moe_flops_count_active_experts_only() -> None:
 
 
 def test_hsdp_and_grouping_change_what_they_should() -> None:
-    model = sp.catalogue_model("llama3-70b")
-    gpu = sp.GPUS["H100"]
-    setup = sp.Setup(activation_checkpointing=True, block_rows=16)
-    fsdp = sp.project(model, 4096, gpu, setup)
-    hsdp = sp.project(model, 4096, gpu, setup, shard_ranks=256)
+    model = proj.catalogue_model("llama3-70b")
+    gpu = proj.GPUS["H100"]
+    setup = proj.Setup(activation_checkpointing=True, block_rows=16)
+    fsdp = proj.project(model, 4096, gpu, setup)
+    hsdp = proj.project(model, 4096, gpu, setup, shard_ranks=256)
     assert hsdp.replicas == 16 and hsdp.ours.padding_ratio < fsdp.ours.padding_ratio
     assert (
         dict(hsdp.ours.breakdown)["parameter shards"]
         > dict(fsdp.ours.breakdown)["parameter shards"]
     )
-    grouped = sp.project(model, 4096, gpu, setup, shard_ranks=256, layers_per_group=4)
+    grouped = proj.project(model, 4096, gpu, setup, shard_ranks=256, layers_per_group=4)
     assert grouped.ours.padding_ratio < hsdp.ours.padding_ratio
     assert sum(g.count for g in grouped.ours.groups) == 2 + 80 // 4
     with pytest.raises(ValueError, match="divisor of the world size"):
-        sp.project(model, 4096, gpu, setup, shard_ranks=3)
+        proj.project(model, 4096, gpu, setup, shard_ranks=3)
 
 
 def test_advisor_at_16384_ranks_picks_hsdp_and_grouping_and_says_why() -> None:
     """LLaMA-3-70B at 16-row blocks pads 76.7% per layer at m=4096: the advice must be a
     smaller shard group, with layers stacked where one layer still pads over 1%."""
-    model = sp.catalogue_model("llama3-70b")
-    setup = sp.Setup(activation_checkpointing=True, block_rows=16)
-    advice = sp.advise(model, 16384, sp.GPUS["H100"], setup)
+    model = proj.catalogue_model("llama3-70b")
+    setup = proj.Setup(activation_checkpointing=True, block_rows=16)
+    advice = proj.advise(model, 16384, proj.GPUS["H100"], setup)
     chosen = advice.chosen
     assert chosen is not None
     assert chosen.padding_ratio <= 0.01 and chosen.peak_bytes <= advice.budget_bytes
@@ -127,31 +127,31 @@ def test_advisor_at_16384_ranks_picks_hsdp_and_grouping_and_says_why() -> None:
 
 
 def test_advisor_reports_when_nothing_fits() -> None:
-    advice = sp.advise(
-        sp.catalogue_model("llama3-70b"), 8, sp.GPUS["H100"], sp.Setup(), budget_bytes=10**9
+    advice = proj.advise(
+        proj.catalogue_model("llama3-70b"), 8, proj.GPUS["H100"], proj.Setup(), budget_bytes=10**9
     )
     assert advice.chosen is None and "no candidate fits" in advice.explain()
     with pytest.raises(ValueError, match="no mesh fits"):
         advice.mesh_shape  # noqa: B018
     with pytest.raises(ValueError, match="does not divide the world size 8"):
-        sp.advise(sp.catalogue_model("llama3-8b"), 8, sp.GPUS["H100"], shard_choices=[3])
+        proj.advise(proj.catalogue_model("llama3-8b"), 8, proj.GPUS["H100"], shard_choices=[3])
 
 
 def test_setup_rejects_bad_values() -> None:
     with pytest.raises(ValueError, match=r"Setup\.mfu"):
-        sp.Setup(mfu=0)
+        proj.Setup(mfu=0)
     with pytest.raises(ValueError, match=r"Setup\.optimizer"):
-        sp.Setup(optimizer="lion")
+        proj.Setup(optimizer="lion")
     with pytest.raises(ValueError, match=r"Setup\.seq"):
-        sp.Setup(seq=0)
+        proj.Setup(seq=0)
 
 
 def test_gpu_specs_name_their_sources() -> None:
-    for gpu in sp.GPUS.values():
+    for gpu in proj.GPUS.values():
         assert gpu.source and gpu.memory_bytes > gpu.usable_bytes > 0
-    assert set(sp.GPUS) == {"H100", "H800", "H200", "B200"}
-    assert sp.GPUS["H800"].nvlink_bytes_per_s < sp.GPUS["H100"].nvlink_bytes_per_s
-    for net in sp.NETWORKS.values():
+    assert set(proj.GPUS) == {"H100", "H800", "H200", "B200"}
+    assert proj.GPUS["H800"].nvlink_bytes_per_s < proj.GPUS["H100"].nvlink_bytes_per_s
+    for net in proj.NETWORKS.values():
         assert net.source and net.inter_bytes_per_s == 50e9
 
 
@@ -205,8 +205,8 @@ def test_embedded_configs_equal_the_shared_data() -> None:
     they must be the project's shared ones, key for key."""
     shared = json.loads(_shared_configs().read_text(encoding="utf-8"))
     names = {k for k in shared if not k.startswith("_")}
-    assert names == set(sp.MODELS)
-    from shard_planner._private.catalogue import CONFIGS
+    assert names == set(proj.MODELS)
+    from shard_planner.projection._private.catalogue import CONFIGS
 
     for name in names:
         published = {k: v for k, v in shared[name].items() if not k.startswith("_")}
@@ -216,7 +216,7 @@ def test_embedded_configs_equal_the_shared_data() -> None:
 def test_projection_and_advice_never_import_torch() -> None:
     """``pip install shard-planner`` alone is enough: the commands run without torch."""
     code = (
-        "import sys; from shard_planner._private.cli import main; "
+        "import sys; from shard_planner.projection._private.cli import main; "
         "assert main(['project', '--model', 'llama3-8b', '--world', '8,16384']) == 0; "
         "assert main(['advise', '--model', 'llama3-8b', '--world', '64']) == 0; "
         "assert 'torch' not in sys.modules, 'torch was imported'"

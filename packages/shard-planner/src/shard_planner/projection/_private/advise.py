@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 import attrs
 
-from shard_planner._private.catalogue import Model
-from shard_planner._private.hardware import Gpu
-from shard_planner._private.project import Projection, Setup, project
+from shard_planner.projection._private.catalogue import Model
+from shard_planner.projection._private.hardware import Gpu
+from shard_planner.projection._private.project import Projection, Setup, project
 
 __all__ = ["LAYER_CHOICES", "Advice", "Candidate", "advise"]
 

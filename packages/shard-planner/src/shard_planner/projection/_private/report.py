@@ -21,10 +21,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from shard_planner._private.baselines import fsdp2_layout
-from shard_planner._private.catalogue import Group, Model, catalogue_model
-from shard_planner._private.search import lower_bound, plan
-from shard_planner._private.spec import TensorSpec
+from shard_planner import TensorSpec, fsdp2_layout, lower_bound, plan
+from shard_planner.projection._private.catalogue import Group, Model, catalogue_model
 
 __all__ = [
     "Granularity",

@@ -44,7 +44,7 @@ not per token).
 
 from __future__ import annotations
 
-from shard_planner._private.catalogue import Group, LayerShape
+from shard_planner.projection._private.catalogue import Group, LayerShape
 
 __all__ = [
     "activation_bytes",

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import attrs
 
-from shard_planner._private.catalogue import catalogue_model
-from shard_planner._private.hardware import Gpu
-from shard_planner._private.project import Setup, project
+from shard_planner.projection._private.catalogue import catalogue_model
+from shard_planner.projection._private.hardware import Gpu
+from shard_planner.projection._private.project import Setup, project
 
 __all__ = ["plot_models"]
 

@@ -57,16 +57,15 @@ from collections.abc import Sequence
 
 import attrs
 
-from shard_planner._private.activations import (
+from shard_planner import TensorSpec, plan
+from shard_planner.projection._private.activations import (
     activation_bytes,
     backward_work_bytes,
     forward_flops,
     fused_gradient_bytes,
 )
-from shard_planner._private.catalogue import Group, Model, Weight
-from shard_planner._private.hardware import NETWORKS, Gpu, Network, collective_seconds
-from shard_planner._private.search import plan
-from shard_planner._private.spec import TensorSpec
+from shard_planner.projection._private.catalogue import Group, Model, Weight
+from shard_planner.projection._private.hardware import NETWORKS, Gpu, Network, collective_seconds
 
 __all__ = [
     "OPTIMIZERS",

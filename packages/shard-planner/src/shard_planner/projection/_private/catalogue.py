@@ -35,7 +35,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from shard_planner._private.spec import TensorSpec
+from shard_planner import TensorSpec
 
 __all__ = ["CONFIGS", "MODELS", "Group", "LayerShape", "Model", "Weight", "catalogue_model"]
 

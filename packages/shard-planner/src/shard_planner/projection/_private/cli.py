@@ -20,18 +20,17 @@ from pathlib import Path
 
 import attrs
 
-from shard_planner._private.advise import advise
-from shard_planner._private.catalogue import MODELS, catalogue_model
-from shard_planner._private.hardware import GPUS, NETWORKS
-from shard_planner._private.project import OPTIMIZERS, Projection, Setup, project
-from shard_planner._private.report import (
+from shard_planner import METHODS, TensorSpec, lower_bound, plan
+from shard_planner.projection._private.advise import advise
+from shard_planner.projection._private.catalogue import MODELS, catalogue_model
+from shard_planner.projection._private.hardware import GPUS, NETWORKS
+from shard_planner.projection._private.project import OPTIMIZERS, Projection, Setup, project
+from shard_planner.projection._private.report import (
     format_json,
     format_table,
     parse_granularity,
     report_rows,
 )
-from shard_planner._private.search import METHODS, lower_bound, plan
-from shard_planner._private.spec import TensorSpec
 
 __all__ = ["main"]
 
@@ -334,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 return 1
         elif args.command == "plot":
-            from shard_planner._private.plots import plot_models
+            from shard_planner.projection._private.plots import plot_models
 
             written = plot_models(
                 args.model or list(MODELS),

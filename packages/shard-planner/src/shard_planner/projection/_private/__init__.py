@@ -1,0 +1,1 @@
+"""Private modules of shard_planner.projection; import from ``shard_planner.projection``."""
