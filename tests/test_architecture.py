@@ -3,14 +3,19 @@
 - each package imports only the standard library, itself and what its pyproject declares;
 - sibling packages only in the allowed directions (table below);
 - never another package's ``_private`` modules;
-- shard-planner never imports torch.
+- shard-planner never imports torch;
+- shard-planner's ``projection`` subpackage reaches the packing core only through the core's
+  public API (``shard_planner.<name>`` for a name in ``shard_planner.__all__``), and the core
+  never imports the subpackage.
 """
 
 from __future__ import annotations
 
 import ast
+import shutil
 import sys
 import tomllib
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -120,6 +125,248 @@ def test_shard_planner_never_imports_torch() -> None:
         if m.split(".")[0] == "torch"
     ]
     assert not offenders, offenders
+
+
+# [Note: the planner's core and its projection subpackage]
+# shard-planner is a packing core (``shard_planner``: spec, plan, search, exact, bounds, orders,
+# align, baselines) and a subpackage ``shard_planner.projection`` (catalogue, hardware,
+# projection, advisor, report, plots, CLI) that a user of the core never needs. The line: the
+# subpackage uses the core only as any user would, through the names ``shard_planner/__init__.py``
+# exports in ``__all__`` (so the core's private modules can change freely), and the core never
+# imports the subpackage (so ``import shard_planner`` stays the packing core alone). Every way a
+# module can name another counts: ``import``, ``from ... import`` (relative ones resolved),
+# attributes of a bound ``shard_planner`` (``sp._private``), and literal
+# ``importlib.import_module`` / ``__import__`` arguments.
+PLANNER = "shard_planner"
+PLANNER_SUBPACKAGE = "shard_planner.projection"
+PLANNER_SRC = PACKAGES / "shard-planner" / "src"
+
+
+def _dunder_all(source: str, filename: str) -> set[str]:
+    """The string literals of ``__all__ = [...]`` (or a tuple) in a module's source."""
+    for node in ast.walk(ast.parse(source, filename=filename)):
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            if not isinstance(node.value, ast.List | ast.Tuple):
+                raise AssertionError(f"{filename}: __all__ must be a literal list or tuple")
+            return {
+                e.value
+                for e in node.value.elts
+                if isinstance(e, ast.Constant) and isinstance(e.value, str)
+            }
+    raise AssertionError(f"{filename}: no __all__")
+
+
+def _named_modules(rel_path: str, tree: ast.Module) -> Iterator[tuple[int, str, set[str]]]:
+    """``(line, module, names)`` for every import in a module at ``rel_path`` (a ``/`` path
+    under ``src``): relative imports resolved against the module's package; ``names`` are the
+    names taken from the module by ``from ... import`` (empty for ``import``); a relative
+    import climbing above the top-level package yields the module ``<beyond top level>``."""
+    package = rel_path.removesuffix(".py").split("/")[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, set()
+        elif isinstance(node, ast.ImportFrom):
+            names = {alias.name for alias in node.names}
+            if node.level == 0:
+                yield node.lineno, node.module or "", names
+                continue
+            up = node.level - 1
+            if up >= len(package):
+                yield node.lineno, "<beyond top level>", names
+                continue
+            base = package[: len(package) - up]
+            yield node.lineno, ".".join([*base, *([node.module] if node.module else [])]), names
+        elif (
+            isinstance(node, ast.Call)
+            and (
+                (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                or (
+                    isinstance(node.func, ast.Name)
+                    and node.func.id in {"import_module", "__import__"}
+                )
+            )
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            yield node.lineno, node.args[0].value, set()
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def planner_layering_problems(files: Mapping[str, str], core_public: set[str]) -> list[str]:
+    """Breaches of the line between shard-planner's core and its projection subpackage.
+
+    ``files`` maps each module's ``/`` path under ``src`` (``shard_planner/projection/x.py``) to
+    its source; ``core_public`` is the core's ``__all__``. Files outside ``shard_planner`` are
+    ignored. Returns one ``path:line: what`` string per breach.
+    """
+    sub_dir = PLANNER_SUBPACKAGE.replace(".", "/") + "/"
+    problems: list[str] = []
+    for rel_path, source in sorted(files.items()):
+        if not rel_path.startswith(PLANNER + "/"):
+            continue
+        tree = ast.parse(source, filename=rel_path)
+        in_sub = rel_path.startswith(sub_dir)
+        for lineno, module, names in _named_modules(rel_path, tree):
+            where = f"{rel_path}:{lineno}"
+            # ``from shard_planner import projection`` names the subpackage too
+            targets = {module} | {f"{module}.{n}" for n in names if module == PLANNER}
+            if module == "<beyond top level>":
+                problems.append(f"{where}: relative import above the top-level package")
+            elif not in_sub:
+                if any(_within(t, PLANNER_SUBPACKAGE) for t in targets):
+                    problems.append(
+                        f"{where}: the core imports {PLANNER_SUBPACKAGE} ({module}); "
+                        "the core must not depend on its subpackage"
+                    )
+            elif module == PLANNER:
+                private = sorted(n for n in names if n not in core_public and n != "projection")
+                if private:
+                    problems.append(
+                        f"{where}: imports {private} from {PLANNER}, not in its __all__ "
+                        "(the subpackage may use only the core's public API)"
+                    )
+            elif _within(module, PLANNER) and not _within(module, PLANNER_SUBPACKAGE):
+                problems.append(
+                    f"{where}: imports {module}, inside the core; the subpackage may use only "
+                    f"the core's public API (from {PLANNER} import <name in __all__>)"
+                )
+        if not in_sub:
+            continue
+        # ``import shard_planner as sp`` then ``sp._private...``: attributes of the bound core
+        bound = {
+            alias.asname or PLANNER
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Import)
+            for alias in node.names
+            if (alias.asname and alias.name == PLANNER)
+            or (not alias.asname and _within(alias.name, PLANNER))
+        }
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+                and node.attr not in core_public
+                and node.attr != "projection"
+            ):
+                problems.append(
+                    f"{rel_path}:{node.lineno}: uses {node.value.id}.{node.attr}, not in "
+                    f"{PLANNER}.__all__ (the subpackage may use only the core's public API)"
+                )
+    return problems
+
+
+def _planner_sources(src: Path) -> dict[str, str]:
+    return {p.relative_to(src).as_posix(): p.read_text() for p in sorted(src.rglob("*.py"))}
+
+
+def _core_public(files: Mapping[str, str]) -> set[str]:
+    init = f"{PLANNER}/__init__.py"
+    return _dunder_all(files[init], init)
+
+
+def test_shard_planner_core_and_projection_keep_their_line() -> None:
+    files = _planner_sources(PLANNER_SRC)
+    sub_dir = PLANNER_SUBPACKAGE.replace(".", "/") + "/"
+    sub_files = [p for p in files if p.startswith(sub_dir)]
+    core_files = [p for p in files if p.startswith(PLANNER + "/") and not p.startswith(sub_dir)]
+    assert f"{sub_dir}__init__.py" in sub_files, f"{PLANNER_SUBPACKAGE} is missing"
+    assert len(core_files) > 1, "the planner's core is missing"
+    public = _core_public(files)
+    # not vacuous: the subpackage does use the core, through its public names
+    uses_core = [
+        (path, module)
+        for path in sub_files
+        for _, module, names in _named_modules(path, ast.parse(files[path]))
+        if module == PLANNER and names & public
+    ]
+    assert uses_core, f"{PLANNER_SUBPACKAGE} never imports the core's public API"
+    problems = planner_layering_problems(files, public)
+    assert not problems, "\n".join(problems)
+
+
+CORE_PUBLIC = {"plan", "TensorSpec", "Plan", "lower_bound"}
+SUB = "shard_planner/projection/_private/report.py"
+SUB_INIT = "shard_planner/projection/__init__.py"
+CORE = "shard_planner/_private/search.py"
+CORE_INIT = "shard_planner/__init__.py"
+
+
+@pytest.mark.parametrize(
+    ("path", "source", "expected"),
+    [
+        # the subpackage reaching into the core's private modules
+        (SUB, "from shard_planner._private.search import plan\n", "shard_planner._private.search"),
+        (SUB, "import shard_planner._private.spec\n", "shard_planner._private.spec"),
+        (SUB, "from ..._private.spec import TensorSpec\n", "shard_planner._private.spec"),
+        (SUB_INIT, "from .._private import search\n", "shard_planner._private"),
+        (SUB, "import shard_planner as sp\nx = sp._private.search\n", "sp._private"),
+        (SUB, "import shard_planner.projection\nx = shard_planner._private\n", "._private"),
+        (SUB, "from shard_planner import check_inputs\n", "check_inputs"),
+        (SUB, "from .... import plan\n", "above the top-level package"),
+        (
+            SUB,
+            "import importlib\nimportlib.import_module('shard_planner._private.plan')\n",
+            "_private.plan",
+        ),
+        (SUB, "def f():\n    from shard_planner._private import exact\n", "shard_planner._private"),
+        # the core importing the subpackage
+        (CORE, "from shard_planner.projection import MODELS\n", "the core imports"),
+        (CORE, "from shard_planner import projection\n", "the core imports"),
+        (CORE, "import shard_planner.projection._private.cli\n", "the core imports"),
+        (CORE_INIT, "from .projection import project\n", "the core imports"),
+        (CORE, "from ..projection._private.catalogue import Model\n", "the core imports"),
+        (CORE, "def f():\n    import shard_planner.projection\n", "the core imports"),
+        (CORE, "__import__('shard_planner.projection')\n", "the core imports"),
+    ],
+)
+def test_planner_layering_check_rejects_a_planted_breach(
+    path: str, source: str, expected: str
+) -> None:
+    problems = planner_layering_problems({path: source}, CORE_PUBLIC)
+    assert len(problems) == 1, problems
+    assert path in problems[0] and expected in problems[0], problems
+
+
+@pytest.mark.parametrize(
+    ("path", "source"),
+    [
+        (SUB, "from shard_planner import TensorSpec, plan\nimport shard_planner as sp\nsp.plan\n"),
+        (SUB, "from shard_planner.projection._private.catalogue import Model\n"),
+        (SUB, "from .catalogue import Model\nfrom .. import Setup\n"),
+        (SUB_INIT, "from shard_planner import projection\n"),
+        (CORE, "from shard_planner._private.spec import TensorSpec\nfrom .plan import Plan\n"),
+        (CORE_INIT, "from shard_planner._private.search import plan\n"),
+        ("other_package/x.py", "from shard_planner._private.search import plan\n"),
+    ],
+)
+def test_planner_layering_check_accepts_the_allowed_imports(path: str, source: str) -> None:
+    assert planner_layering_problems({path: source}, CORE_PUBLIC) == []
+
+
+def test_planner_layering_check_finds_a_breach_planted_in_the_real_tree(tmp_path: Path) -> None:
+    """A copy of the real source with one breach planted on each side: both named, nothing
+    else (so the real tree's files are read and classified as the check expects)."""
+    src = tmp_path / "src"
+    shutil.copytree(PLANNER_SRC, src, ignore=shutil.ignore_patterns("__pycache__"))
+    report = src / "shard_planner" / "projection" / "_private" / "report.py"
+    report.write_text(report.read_text() + "\nfrom shard_planner._private.bounds import round_up\n")
+    search = src / "shard_planner" / "_private" / "search.py"
+    search.write_text(search.read_text() + "\nfrom shard_planner.projection import MODELS\n")
+    files = _planner_sources(src)
+    problems = planner_layering_problems(files, _core_public(files))
+    assert len(problems) == 2, problems
+    assert any("projection/_private/report.py" in p and "_private.bounds" in p for p in problems)
+    assert any(
+        "shard_planner/_private/search.py" in p and "the core imports" in p for p in problems
+    )
 
 
 @pytest.mark.parametrize("folder", _package_folders(), ids=lambda p: p.name)
