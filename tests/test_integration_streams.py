@@ -14,7 +14,7 @@ scales of 4x8 tiles, one packed all-gather per group) adds the all-gather stream
 temporaries (the quantize's abs / amax / division, the packed send and receive buffers, the
 dequantize) and a ``hook`` that reads the gathered codes on the compute stream: no race either,
 and removing the wait that orders the hook's reads of the receive buffer before the all-gather
-stream reuses it (``note_free`` after the hook in dbuffer's packed.py) must be reported.
+stream reuses it (the hand-back after the hook in dbuffer's packed.py) must be reported.
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "dbuff
 import test_dbuffer_streams as streams
 
 import fsdp_engine
-from dbuffer._private import buffer as buffer_module
-from dbuffer._private import packed as packed_module
+from dbuffer._private import streams as streams_module
 from fsdp_engine._private import group as group_module
 from fsdp_engine._private import state as state_module
 from ragged_dtensor.testing import run_threaded
@@ -79,20 +78,20 @@ def _train(
 
 
 def _check_streams(
-    monkeypatch: pytest.MonkeyPatch, reshard: bool | int, quantized: bool, planted: Any
+    monkeypatch: pytest.MonkeyPatch, reshard: bool | int, quantized: bool, planted: bool
 ) -> None:
-    """Train under the simulated streams; ``planted``: the module whose ``note_free`` is
-    removed (a race the model must report), or None."""
+    """Train under the simulated streams; ``planted``: frees no longer hand memory back to
+    the stream that allocated it (a race the model must report)."""
     streams.install(monkeypatch)
     monkeypatch.setattr(group_module, "_event_now", streams.event_now)
     monkeypatch.setattr(state_module, "_event_now", streams.event_now)
-    if planted is not None:
-        monkeypatch.setattr(planted, "note_free", lambda device: None)
+    if planted:
+        monkeypatch.setattr(streams_module, "hand_back", lambda owner, device: None)
     world = 4 if reshard == 2 else 2
     results: list[Any] = run_threaded(_train, world, reshard, quantized, timeout=120)
     for races, accessed in results:
         assert accessed == {"compute", "all_gather", "reduce_scatter"}, accessed
-        if planted is not None:
+        if planted:
             assert races, "the model saw no race where one was planted"
         else:
             assert races == [], races[:5]
@@ -103,7 +102,7 @@ def _check_streams(
 def test_engine_streams_have_no_race(
     reshard: bool | int, planted: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _check_streams(monkeypatch, reshard, False, buffer_module if planted else None)
+    _check_streams(monkeypatch, reshard, False, planted)
 
 
 @pytest.mark.parametrize(("reshard", "planted"), [(True, False), (2, False), (True, True)])
@@ -111,4 +110,4 @@ def test_quantized_engine_streams_have_no_race(
     reshard: bool | int, planted: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # planted: the hook's reads of the receive buffer no longer order its reuse
-    _check_streams(monkeypatch, reshard, True, packed_module if planted else None)
+    _check_streams(monkeypatch, reshard, True, planted)

@@ -172,19 +172,19 @@ def test_new_like_shares_the_geometry(monkeypatch: pytest.MonkeyPatch) -> None:
     def body(rank: int, world: int) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from dbuffer._private import buffer as buffer_module
+        from dbuffer._private import geometry as geometry_module
 
         mesh = init_device_mesh("cpu", (world,))
         layout = contiguous_layout([6, 8], world)
         params = DBuffer(layout, [(2, 3), (8,)], mesh)
         views = params.sharded_views()
-        original = buffer_module.slots_for
-        buffer_module.slots_for = None  # type: ignore[assignment]
+        original = geometry_module.slots_for
+        geometry_module.slots_for = None  # type: ignore[assignment]
         try:
             grads = params.new_like(torch.float64)
         finally:
-            buffer_module.slots_for = original
-        assert grads.slots is params.slots
+            geometry_module.slots_for = original
+        assert grads.slots is params.slots and grads.geometry is params.geometry
         low = grads.sharded_views()
         for a, b in zip(views, low, strict=True):
             assert a.placements == b.placements and a.shape == b.shape

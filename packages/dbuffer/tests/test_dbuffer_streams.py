@@ -24,6 +24,14 @@ while they live); memory first seen without its allocation (made before the simu
 compute stream's. An access that conflicts with an earlier one on another stream with no
 happens-before path is a race.
 
+[Note: memory given back to the device]
+The allocator may also give a freed block back to the device (``empty_cache``, an out-of-memory
+retry, expandable segments unmapping); it then only makes sure the block's *own* stream is done
+with it, so any later allocation, on any stream, may get that memory. With ``give_back`` the model
+checks this at every free: the owning pool's stream must already be ordered after every access
+to the block on other streams (``streams.hand_back``), else the free is a race. Deferring that
+wait to the next all-gather (the old protocol) passes the reuse model and fails this one.
+
 Each scenario runs once on the real protocol (no race) and once with one ordering removed, which
 the model must report (the check is not vacuous).
 """
@@ -44,8 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves
 
 from dbuffer import DBuffer, contiguous_layout
-from dbuffer._private import buffer as buffer_module
-from dbuffer._private import collectives
+from dbuffer._private import storage, streams
 from ragged_dtensor.testing import run_threaded
 
 Access = tuple[str, int]  # (stream name, its clock at the access)
@@ -111,15 +118,16 @@ _ALLOCATIONS = frozenset(
 
 
 class Sim:
-    def __init__(self) -> None:
+    def __init__(self, *, give_back: bool = False) -> None:
         self.compute = SimStream(self, "compute")
         self.stack: list[SimStream] = [self.compute]
         self.comm: dict[str, SimStream] = {}
+        self.streams: dict[str, SimStream] = {"compute": self.compute}
+        self.give_back = give_back
         self.memory: dict[int, Memory] = {}
         self.freed: dict[str, dict[str, int]] = {}  # pool -> stream -> last access to freed memory
         self.races: list[str] = []
         self.accessed: set[str] = set()  # streams that touched memory
-        self.last_free: dict[Any, dict[int, Any]] = {}  # collectives._LAST_FREE of this rank
         self.finalizers: list[weakref.finalize[Any, Any]] = []
 
     def current(self) -> SimStream:
@@ -127,8 +135,14 @@ class Sim:
 
     def comm_stream(self, device: torch.device, kind: str = "all_gather") -> SimStream:
         if kind not in self.comm:
-            self.comm[kind] = SimStream(self, kind)
+            self.comm[kind] = self.stream(kind)
         return self.comm[kind]
+
+    def stream(self, name: str) -> SimStream:
+        """A stream of its own (a user's side stream, or a communication stream)."""
+        if name not in self.streams:
+            self.streams[name] = SimStream(self, name)
+        return self.streams[name]
 
     def _key(self, t: torch.Tensor) -> int:
         return int(t.untyped_storage()._cdata)
@@ -159,7 +173,15 @@ class Sim:
             self._retire(mem)
 
     def _retire(self, mem: Memory) -> None:
-        """``mem`` went back to its pool: a later allocation there may reuse it."""
+        """``mem`` went back to its pool: a later allocation there may reuse it; with
+        ``give_back`` the device may take it at once ([Note: memory given back to the device])."""
+        if self.give_back:
+            owner = self.streams[mem.pool]
+            for a in (a for a in (mem.write, *mem.reads) if a is not None):
+                if a[0] != owner.name and not owner.after(a):
+                    self.races.append(
+                        f"{mem.pool}-pool memory given back while {a[0]}@{a[1]} may use it"
+                    )
         freed = self.freed.setdefault(mem.pool, {})
         for name, tick in (a for a in (mem.write, *mem.reads) if a is not None):
             freed[name] = max(freed.get(name, 0), tick)
@@ -202,16 +224,6 @@ def sim() -> Sim:
     return current
 
 
-class _LastFreePerRank:
-    """Stands in for ``collectives._LAST_FREE``: each rank's own events."""
-
-    def get(self, key: Any, default: Any = None) -> Any:
-        return sim().last_free.get(key, default)
-
-    def setdefault(self, key: Any, default: Any) -> Any:
-        return sim().last_free.setdefault(key, default)
-
-
 class Tracker(TorchDispatchMode):
     """Records every aten op's reads and writes on the current simulated stream."""
 
@@ -247,10 +259,20 @@ def _collective(fn: Callable[..., Any]) -> Callable[..., Any]:
     return recorded
 
 
+def _in_place_collective(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def recorded(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        sim().access(tensor, write=False, what=f"{fn.__name__} input")
+        sim().access(tensor, write=True, what=f"{fn.__name__} output")
+        with _disable_current_modes():
+            return fn(tensor, *args, **kwargs)
+
+    return recorded
+
+
 def install(monkeypatch: pytest.MonkeyPatch) -> None:
     """Route dbuffer's streams, events, allocations and collectives to the calling rank's
     simulation (in the test's thread, before the ranks start)."""
-    real_allocate, real_free = buffer_module._allocate, buffer_module._free
+    real_allocate, real_free = storage.allocate_storage, storage.free_storage
 
     def allocate(t: torch.Tensor) -> bool:
         grown = real_allocate(t)
@@ -266,15 +288,40 @@ def install(monkeypatch: pytest.MonkeyPatch) -> None:
     def comm_stream_for(device: torch.device, kind: str = "all_gather") -> SimStream:
         return sim().comm_stream(device, kind)
 
-    monkeypatch.setattr(collectives, "comm_stream_for", comm_stream_for)
-    monkeypatch.setattr(collectives, "_current", lambda device: sim().current())
-    monkeypatch.setattr(collectives, "_LAST_FREE", _LastFreePerRank())
+    monkeypatch.setattr(streams, "comm_stream_for", comm_stream_for)
+    monkeypatch.setattr(streams, "current_stream", lambda device: sim().current())
     monkeypatch.setattr(torch, "Event", SimEvent)
     monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: sim().current())
-    monkeypatch.setattr(buffer_module, "_allocate", allocate)
-    monkeypatch.setattr(buffer_module, "_free", free)
+    monkeypatch.setattr(storage, "allocate_storage", allocate)
+    monkeypatch.setattr(storage, "free_storage", free)
     for name in ("all_gather_single", "reduce_scatter_single"):
         monkeypatch.setattr(dist, name, _collective(getattr(dist, name)))
+    monkeypatch.setattr(dist, "all_reduce", _in_place_collective(dist.all_reduce))
+
+
+def plant_deferred_hand_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The old protocol: a free records the caller's event and the owning stream waits on it
+    only at its next all-gather (enough for reuse by the same stream, not for memory given
+    back to the device)."""
+    pending: dict[int, list[SimEvent]] = {}
+
+    def deferred(owner: Any, device: torch.device) -> None:
+        if owner is None or owner is sim().current():
+            return
+        event = SimEvent()
+        event.record(sim().current())
+        pending.setdefault(id(sim()), []).append(event)
+
+    real_ordered = streams.ordered_after
+
+    def ordered_after(stream: Any, device: torch.device, ready: Any) -> None:
+        real_ordered(stream, device, ready)
+        if stream is not None:
+            for event in pending.pop(id(sim()), []):
+                stream.wait_event(event)
+
+    monkeypatch.setattr(streams, "hand_back", deferred)
+    monkeypatch.setattr(streams, "ordered_after", ordered_after)
 
 
 def event_now(*_: Any) -> SimEvent:
@@ -285,9 +332,9 @@ def event_now(*_: Any) -> SimEvent:
 
 
 @contextlib.contextmanager
-def simulated() -> Iterator[Sim]:
+def simulated(*, give_back: bool = False) -> Iterator[Sim]:
     """This rank's simulation, with every aten op recorded, for the body."""
-    _TLS.sim = Sim()
+    _TLS.sim = Sim(give_back=give_back)
     try:
         with Tracker():
             yield _TLS.sim
@@ -297,10 +344,11 @@ def simulated() -> Iterator[Sim]:
         del _TLS.sim
 
 
-def _buffer() -> DBuffer:
-    mesh = init_device_mesh("cpu", (1,))
+def _buffer(mesh_shape: tuple[int, ...] = (1,)) -> DBuffer:
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else None
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
     shapes = [(5, 3), (7,), (2, 2)]
-    layout = contiguous_layout([15, 7, 4], 1, align=4)
+    layout = contiguous_layout([15, 7, 4], mesh_shape[-1], align=4)
     return DBuffer(layout, shapes, mesh, check=False)
 
 
@@ -308,7 +356,7 @@ def _iteration(buf: DBuffer, *, mixed: bool, ready: bool, wait: bool = True) -> 
     """An optimizer write of the shard, then (like a forward and a backward) twice: an
     all-gather, compute reading the views, a reshard. With ``ready``, every all-gather waits on
     one event recorded after the optimizer (the engine's inputs-ready event), which does not
-    cover the compute after it: only the free events order the reuse of gathered memory."""
+    cover the compute after it: only the frees order the reuse of gathered memory."""
     dtype = torch.bfloat16 if mixed else None
     buf.shard.add_(1.0)  # the optimizer, on the compute stream
     event = None
@@ -323,54 +371,118 @@ def _iteration(buf: DBuffer, *, mixed: bool, ready: bool, wait: bool = True) -> 
         buf.reshard()
 
 
-def _scenario(rank: int, world: int, case: str) -> tuple[list[str], set[str]]:
-    buf = _buffer()
-    with simulated() as state:
-        if case in ("gather", "gather-no-wait", "gather-no-free-event"):
-            for mixed in (False, True, True):
-                for ready in (True, False):
-                    _iteration(buf, mixed=mixed, ready=ready, wait=case != "gather-no-wait")
-        elif case in ("reduce", "reduce-no-wait"):
-            grads = buf.new_like()
-            for accumulate, rdtype in (
-                (False, None),
-                (True, torch.float64),
-                (False, torch.float64),
-            ):
-                grads.alloc_unsharded()
-                grads.unsharded.fill_(1.0)  # autograd writes the gradients (compute)
-                handle = grads.reduce_scatter(
-                    reduce_dtype=rdtype, accumulate=accumulate, async_op=True
-                )
-                if case == "reduce":
-                    handle.wait()
-                buf.shard.add_(grads.shard)  # the optimizer reads the reduced shard
-                grads.wait()
+def _gather(buf: DBuffer, case: str) -> None:
+    for mixed in (False, True, True):
+        for ready in (True, False):
+            _iteration(buf, mixed=mixed, ready=ready, wait=case != "gather-no-wait")
+
+
+def _reduce(buf: DBuffer, case: str) -> None:
+    grads = buf.new_like()
+    hook_stream = sim().stream("user") if case.startswith("reduce-hook") else None
+    seen: list[float] = []
+
+    def hook(reduced: torch.Tensor) -> None:  # a user all-reduce hook: reads and scales
+        reduced.mul_(0.5)
+
+    for accumulate, rdtype in ((False, None), (True, torch.float64), (False, torch.float64)):
+        grads.alloc_unsharded()
+        grads.unsharded.fill_(1.0)  # autograd writes the gradients (compute)
+        handle = grads.reduce_scatter(
+            op="avg",
+            reduce_dtype=rdtype,
+            accumulate=accumulate,
+            async_op=True,
+            hook=hook if hook_stream is not None else None,
+            hook_stream=hook_stream,  # type: ignore[arg-type]
+        )
+        if case != "reduce-no-wait":
+            handle.wait()
+        buf.shard.add_(grads.shard)  # the optimizer reads the reduced shard
+        grads.wait()
+        seen.append(float(grads.shard[0]))
+
+
+def _scenario(rank: int, world: int, case: str, give_back: bool) -> tuple[list[str], set[str]]:
+    buf = _buffer((world, 1) if case.startswith("reduce-hook") else (1,))
+    with simulated(give_back=give_back) as state:
+        if case.startswith("gather"):
+            _gather(buf, case)
+        else:
+            _reduce(buf, case)
         return list(state.races), set(state.accessed)
 
 
-CASES = {
-    "gather": False,
-    "gather-no-wait": True,  # compute reads the gathered views without Handle.wait
-    "gather-no-free-event": True,  # the all-gather stream reuses memory without note_free
-    "reduce": False,
-    "reduce-no-wait": True,  # the optimizer reads the shard the reduce-scatter writes
+GATHER, REDUCE = {"compute", "all_gather"}, {"compute", "reduce_scatter"}
+HOOKED = {"compute", "reduce_scatter", "all_reduce", "user"}
+# case -> (a race is planted: when blocks are only reused / when they may be given back, the
+# streams that must have run work)
+CASES: dict[str, tuple[bool, bool, set[str]]] = {
+    "gather": (False, False, GATHER),
+    # compute reads the gathered views without Handle.wait
+    "gather-no-wait": (True, True, GATHER),
+    # frees without the all-gather stream waiting for compute's reads
+    "gather-no-hand-back": (True, True, GATHER),
+    # the old protocol (the wait deferred to the next all-gather): fine for reuse only
+    "gather-deferred": (False, True, GATHER),
+    "reduce": (False, False, REDUCE),
+    # the optimizer reads the shard the reduce-scatter writes
+    "reduce-no-wait": (True, True, REDUCE),
+    # HSDP (2 replicas of 1 shard rank: no reduce-scatter, FSDP2's skip) with a user hook on
+    # its own stream: the all-reduce on its stream, the hook after it
+    "reduce-hook": (False, False, HOOKED),
+    # the hook's stream does not wait for the reduction (defect 1 of issue 24)
+    "reduce-hook-unordered": (True, True, HOOKED),
 }
 
 
+def _plant(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if case == "gather-no-hand-back":
+        monkeypatch.setattr(streams, "hand_back", lambda owner, device: None)
+    elif case.startswith("gather-deferred"):
+        plant_deferred_hand_back(monkeypatch)
+    elif case == "reduce-hook-unordered":
+        from dbuffer._private import collectives
+
+        real = collectives._follow
+
+        def follow(previous: Any, stream: Any, device: torch.device) -> Any:
+            if stream is not None and stream.name == "user":
+                return stream  # no wait on the stream before it
+            return real(previous, stream, device)
+
+        monkeypatch.setattr(collectives, "_follow", follow)
+
+
+@pytest.mark.parametrize("give_back", [False, True], ids=["reuse", "give-back"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_stream_protocol_has_no_race(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    if case == "gather-no-free-event":
-        monkeypatch.setattr(collectives, "note_free", lambda device: None)
-        monkeypatch.setattr(buffer_module, "note_free", lambda device: None)
+def test_stream_protocol_has_no_race(
+    case: str, give_back: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _plant(case, monkeypatch)
     install(monkeypatch)
-    races, accessed = run_threaded(_scenario, 1, case, timeout=60)[0]
-    comm = "all_gather" if case.startswith("gather") else "reduce_scatter"
-    assert accessed == {"compute", comm}, accessed  # the work ran on the streams it should
-    if CASES[case]:
-        assert races, f"{case}: the model saw no race where one was planted"
-    else:
-        assert races == [], races
+    world = 2 if case.startswith("reduce-hook") else 1
+    for races, accessed in run_threaded(_scenario, world, case, give_back, timeout=60):
+        planted_reuse, planted_give_back, streams_used = CASES[case]
+        planted = planted_give_back if give_back else planted_reuse
+        assert accessed == streams_used, accessed  # the work ran on the streams it should
+        if planted:
+            assert races, f"{case}: the model saw no race where one was planted"
+        else:
+            assert races == [], races
+
+
+def test_deferred_frees_race_only_when_memory_is_given_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 24, defect 2: the old protocol (reshard records an event, the all-gather stream
+    waits on it at the next all-gather) is safe while freed blocks are only reused by their own
+    stream, and a race once the allocator may give a block back to the device, which FSDP2's
+    rule (and ours now: the owner waits before the free) rules out."""
+    plant_deferred_hand_back(monkeypatch)
+    install(monkeypatch)
+    races, _ = run_threaded(_scenario, 1, "gather-deferred", True, timeout=60)[0]
+    assert any("given back" in race for race in races), races
 
 
 def _pools(case: str) -> list[str]:

@@ -12,10 +12,12 @@ from importlib.metadata import PackageNotFoundError, version
 
 from dbuffer._private.agreement import LayoutMismatchError
 from dbuffer._private.buffer import DBuffer
-from dbuffer._private.collectives import Handle, ReduceOp
+from dbuffer._private.collectives import AllGatherComm, Handle, ReduceScatterComm
 from dbuffer._private.layout import BufferLayout, ContiguousLayout, contiguous_layout
 from dbuffer._private.measure import CopiedBytes, LiveBytes
 from dbuffer._private.packed import PackedAllGather, PackedLayout, packed_layout
+from dbuffer._private.reduction import Op as ReduceOp
+from dbuffer._private.reduction import ReduceSpec, avg_supported, reduce_spec
 
 try:
     __version__ = version("dbuffer")
@@ -27,6 +29,11 @@ __all__ = [
     "DBuffer",
     "Handle",
     "ReduceOp",
+    "ReduceSpec",
+    "reduce_spec",
+    "avg_supported",
+    "AllGatherComm",
+    "ReduceScatterComm",
     "LayoutMismatchError",
     # packed (byte) all-gathers: quantized codes and scales in one collective
     "PackedAllGather",

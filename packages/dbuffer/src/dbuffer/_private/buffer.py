@@ -1,73 +1,37 @@
 """``DBuffer``: one flat sharded storage per group, zero-copy views, one collective per group.
 
-[Note: storage lifetime]
-A DBuffer allocates, once and for the whole group, a shard storage of S elements (persistent)
-and an unsharded tensor of m * S elements whose storage is empty except between ``unshard`` and
-``reshard``. Freeing is ``untyped_storage().resize_(0)`` and re-allocation ``resize_(nbytes)``: the
-storage *object* never changes, so every view made once (full tensors, autograd's saved tensors,
-``.grad`` views) keeps pointing at it across release and re-allocation, and the memory is returned
-when ``reshard`` returns -- deterministically, not when a caching allocator decides. Views are
-made once and reused every step.
-
-[Note: version counters]
-The all-gather refills memory that autograd may have saved (a weight saved for backward, freed
-after forward, gathered again before backward). The values are the same parameters, so the
-refill is done under ``_unsafe_preserve_version_counter`` exactly like FSDP2's copy-out; the
-tensors' version counters do not move and backward accepts the saved views.
+The shard storage is persistent; the unsharded storages exist only between ``unshard`` (or
+``alloc_unsharded``) and ``reshard`` ([Note: storage lifetime] in storage.py). The collectives
+are in ``buffer_comm.py`` ([Note: version counters]) and ``collectives.py``; the stream rules
+in ``streams.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import weakref
-from collections.abc import Iterable, Sequence
-from typing import Literal
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement
 
+from dbuffer._private import buffer_comm, storage
 from dbuffer._private.agreement import check_agreement
-from dbuffer._private.collectives import (
-    Handle,
-    ReduceOp,
-    all_gather_flat,
-    note_free,
-    order_all_gather,
-    reduce_scatter_flat,
-)
-from dbuffer._private.layout import BufferLayout, TensorSlot, slots_for
+from dbuffer._private.collectives import AllGatherComm, Handle, ReduceScatterComm
+from dbuffer._private.fused import FusedOps
+from dbuffer._private.geometry import BufferGeometry
+from dbuffer._private.layout import BufferLayout
+from dbuffer._private.loading import check_tensors
+from dbuffer._private.reduction import Op as ReduceOp
+from dbuffer._private.reduction import ReduceSpec
 from dbuffer._private.refs import Claim
+from dbuffer._private.storage import Unsharded
 
 __all__ = ["DBuffer"]
-
-Part = Literal["shard", "unsharded"]
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """This rank's device on ``mesh``: its device type, the current index for accelerators."""
-    kind = mesh.device_type
-    if kind == "cpu":
-        return torch.device(kind)
-    return torch.device(kind, torch.get_device_module(kind).current_device())
-
-
-def _spec(
-    mesh: DeviceMesh, placements: tuple[Placement, ...], slot: TensorSlot, dtype: torch.dtype
-) -> DTensorSpec:
-    """The DTensor spec of tensor ``slot``'s shard view, built once per buffer layout and dtype.
-
-    ``slots_for`` has already checked everything ``DTensor.from_local`` would check for a
-    RaggedShard (units per rank, the unit dividing the tensor, this rank's share), so the spec is
-    built directly: ``from_local``'s checks cost a Python step per rank (thousands at scale).
-    """
-    meta = TensorMeta(torch.Size(slot.shape), slot.stride, dtype)
-    return DTensorSpec(mesh, placements, tensor_meta=meta)
 
 
 def _dtensor_view(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
@@ -76,52 +40,7 @@ def _dtensor_view(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
 
-def _on(stream: torch.Stream | None) -> contextlib.AbstractContextManager[object]:
-    """``stream`` as the current stream for the block (nothing on CPU)."""
-    return contextlib.nullcontext() if stream is None else stream
-
-
-def _free(tensor: torch.Tensor) -> None:
-    storage = tensor.untyped_storage()
-    if storage.nbytes() != 0:
-        storage.resize_(0)
-
-
-def _allocate(tensor: torch.Tensor) -> bool:
-    """Give ``tensor``'s storage its full size again; True if it had been freed."""
-    storage = tensor.untyped_storage()
-    nbytes = tensor.numel() * tensor.element_size()
-    if storage.nbytes() == nbytes:
-        return False
-    storage.resize_(nbytes)
-    return True
-
-
-class _Unsharded:
-    """An unsharded flat tensor of one dtype with its full views, made once."""
-
-    def __init__(self, buffer: DBuffer, dtype: torch.dtype) -> None:
-        size = buffer.shard_size * buffer.world_size
-        self.flat = torch.empty(size, dtype=dtype, device=buffer.device)
-        self.views = tuple(
-            self.flat[s.offset : s.offset + s.numel].view(s.shape) for s in buffer.slots
-        )
-        # A low-precision shard: the shard cast once, the all-gather's input (released after use).
-        self.cast_shard = (
-            None
-            if dtype == buffer.dtype
-            else torch.empty(buffer.shard_size, dtype=dtype, device=buffer.device)
-        )
-        _free(self.flat)
-        if self.cast_shard is not None:
-            _free(self.cast_shard)
-
-    @property
-    def allocated(self) -> bool:
-        return self.flat.untyped_storage().nbytes() != 0
-
-
-class DBuffer:
+class DBuffer(FusedOps):
     """A distributed flat buffer: a group of tensors laid out in one flat storage, sharded over
     one mesh axis.
 
@@ -152,118 +71,48 @@ class DBuffer:
         names: Sequence[str] | None = None,
         shard_axis: int = -1,
         check: bool = True,
+        device: torch.device | None = None,
     ) -> None:
-        if not isinstance(layout, BufferLayout):
-            raise TypeError(
-                f"layout {type(layout).__name__} does not satisfy dbuffer.BufferLayout "
-                f"(shard_size, world_size, offsets, numels, fingerprint, "
-                f"local_units(i))"
-            )
-        self.layout = layout
-        self.mesh = mesh
-        self.dtype = dtype
-        self.device = mesh_device(mesh)
-        axis = shard_axis % mesh.ndim if -mesh.ndim <= shard_axis < mesh.ndim else None
-        if axis is None:
-            raise ValueError(f"shard_axis {shard_axis} is not an axis of the {mesh.ndim}-D mesh")
-        self.shard_axis = axis
-        self.replicate_axes = tuple(a for a in range(mesh.ndim) if a != axis)
-        self.world_size = mesh.size(axis)
-        if int(layout.world_size) != self.world_size:
-            raise ValueError(
-                f"layout is for world_size {layout.world_size} but mesh axis {axis} "
-                f"has {self.world_size} ranks"
-            )
-        self.rank = mesh.get_local_rank(axis)
-        self.shard_size = int(layout.shard_size)
-        self.names = (
-            tuple(names) if names is not None else tuple(f"tensor[{i}]" for i in range(len(shapes)))
+        geometry = BufferGeometry(
+            layout, shapes, mesh, names=names, shard_axis=shard_axis, device=device
         )
-        self.slots: tuple[TensorSlot, ...] = slots_for(layout, shapes, self.names, self.rank)
-        self.shapes = tuple(s.shape for s in self.slots)
-        self._placements = tuple(self._placements_of(slot) for slot in self.slots)
-        self._specs: dict[torch.dtype, tuple[DTensorSpec, ...]] = {}
         if check:
-            check_agreement(mesh, self._record(), what="DBuffer")
-        self._make_storage()
+            check_agreement(mesh, geometry.record(dtype), what="DBuffer")
+        self._init(geometry, dtype)
 
-    def _make_storage(self) -> None:
+    def _init(self, geometry: BufferGeometry, dtype: torch.dtype) -> None:
         """The per-buffer state: shard storage (zeroed), its views, nothing unsharded yet."""
-        self.shard = torch.zeros(self.shard_size, dtype=self.dtype, device=self.device)
+        self.geometry = geometry
+        g = geometry
+        self.layout, self.mesh, self.device, self.names = g.layout, g.mesh, g.device, g.names
+        self.shard_axis, self.replicate_axes = g.shard_axis, g.replicate_axes
+        self.world_size, self.rank, self.shard_size = g.world_size, g.rank, g.shard_size
+        self.slots, self.shapes = g.slots, g.shapes
+        self.dtype = dtype
+        self.shard = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
         # made on first use: a buffer that only ever holds a shard (e.g. sharded gradients)
         # never touches m * S elements
-        self._unsharded: dict[torch.dtype, _Unsharded] = {}
+        self._unsharded: dict[torch.dtype, Unsharded] = {}
         self._local_views = tuple(self.shard[s.local_start : s.local_stop] for s in self.slots)
         self._sharded_views: tuple[DTensor, ...] | None = None
         self._grad_owners: list[tuple[weakref.ref[torch.Tensor], torch.Tensor]] = []
         self._inflight: list[Handle] = []
         self._claim: Claim | None = None
 
-    # -- identity -------------------------------------------------------------------------------
-    def _record(self) -> dict[str, str]:
-        shapes = hashlib.sha256(repr(self.shapes).encode()).hexdigest()[:16]
-        return {
-            "layout fingerprint": str(self.layout.fingerprint),
-            "shard_size": str(self.shard_size),
-            "dtype": str(self.dtype),
-            "shapes digest": shapes,
-            "number of tensors": str(len(self.slots)),
-        }
-
-    def same_layout(self, other: DBuffer) -> bool:
-        """True if ``other`` lays out the same tensors the same way on the same mesh."""
-        return (
-            self.mesh == other.mesh
-            and self.shard_axis == other.shard_axis
-            and self.shard_size == other.shard_size
-            and self.shapes == other.shapes
-            and [s.offset for s in self.slots] == [s.offset for s in other.slots]
-        )
-
-    def _require_same(self, other: DBuffer, op: str) -> None:
-        if not self.same_layout(other):
-            raise ValueError(
-                f"DBuffer.{op}: the other buffer has a different layout, shapes or "
-                f"mesh (shard size {other.shard_size} vs {self.shard_size})"
-            )
-
     def new_like(self, dtype: torch.dtype | None = None) -> DBuffer:
         """A zeroed buffer with the same layout (gradients, optimizer states); no re-check.
-
-        The layout's derived geometry (slots, placements, specs) is shared, not derived again:
-        making one costs one allocation and a view per tensor, whatever the world size."""
+        The geometry (slots, placements, specs) is shared: making one costs one allocation
+        and a view per tensor, whatever the world size."""
         out = DBuffer.__new__(DBuffer)
-        for name in (
-            "layout",
-            "mesh",
-            "device",
-            "shard_axis",
-            "replicate_axes",
-            "world_size",
-            "rank",
-            "shard_size",
-            "names",
-            "slots",
-            "shapes",
-            "_placements",
-            "_specs",  # shared dict: specs per dtype, built once for the layout
-        ):
-            setattr(out, name, getattr(self, name))
-        out.dtype = dtype or self.dtype
-        out._make_storage()
+        out._init(self.geometry, dtype or self.dtype)
         return out
 
     # -- views ----------------------------------------------------------------------------------
-    def _placements_of(self, slot: TensorSlot) -> tuple[Placement, ...]:
-        placements: list[Placement] = [Replicate()] * self.mesh.ndim
-        placements[self.shard_axis] = slot.placement
-        return tuple(placements)
-
     @property
     def placements(self) -> list[tuple[Placement, ...]]:
         """Each tensor's DTensor placements (Replicate on other axes, RaggedShard on the shard
         axis)."""
-        return list(self._placements)
+        return list(self.geometry.placements)
 
     def local_views(self) -> tuple[torch.Tensor, ...]:
         """This rank's share of each tensor: a 1-D view of ``shard`` (possibly empty)."""
@@ -271,14 +120,7 @@ class DBuffer:
 
     def specs(self) -> tuple[DTensorSpec, ...]:
         """Each tensor's DTensor spec for this buffer's dtype (shared by buffers of the layout)."""
-        specs = self._specs.get(self.dtype)
-        if specs is None:
-            specs = tuple(
-                _spec(self.mesh, placements, slot, self.dtype)
-                for slot, placements in zip(self.slots, self._placements, strict=True)
-            )
-            self._specs[self.dtype] = specs
-        return specs
+        return self.geometry.specs(self.dtype)
 
     def sharded_views(self) -> tuple[DTensor, ...]:
         """Each tensor as a ``RaggedShard`` DTensor whose local tensor is a view of ``shard``.
@@ -290,11 +132,18 @@ class DBuffer:
             )
         return self._sharded_views
 
-    def _unsharded_of(self, dtype: torch.dtype | None) -> _Unsharded:
+    def _unsharded_of(self, dtype: torch.dtype | None) -> Unsharded:
         dtype = dtype or self.dtype
         entry = self._unsharded.get(dtype)
         if entry is None:
-            entry = self._unsharded[dtype] = _Unsharded(self, dtype)
+            entry = self._unsharded[dtype] = Unsharded(
+                self.shard_size * self.world_size,
+                self.shard_size,
+                self.slots,
+                dtype,
+                self.device,
+                cast=dtype != self.dtype,
+            )
         return entry
 
     @property
@@ -337,7 +186,7 @@ class DBuffer:
         the group) without gathering, e.g. for gradients; ``zero`` fills it with zeros (one
         kernel). Returns ``full_views(dtype)``."""
         entry = self._unsharded_of(dtype)
-        _allocate(entry.flat)
+        entry.allocate()
         if zero:
             with _unsafe_preserve_version_counter(entry.flat):
                 entry.flat.zero_()
@@ -348,13 +197,8 @@ class DBuffer:
         released now and re-allocated by the next ``unshard``/``alloc_unsharded``. A collective
         still in flight on this buffer is waited for first (never free memory under it)."""
         self.wait()
-        if any(entry.allocated for entry in self._unsharded.values()):
-            # the all-gather stream's next allocation waits for every read issued so far
-            note_free(self.device)
         for entry in self._unsharded.values():
-            _free(entry.flat)
-            if entry.cast_shard is not None:
-                _free(entry.cast_shard)
+            entry.release()  # its pool's stream waits for our reads first (streams.py)
         self._detach_grads()
 
     def _detach_grads(self) -> None:
@@ -392,13 +236,13 @@ class DBuffer:
         if self.views_held_elsewhere():
             return False
         self.wait()
-        _free(self.shard)
+        storage.free_storage(self.shard)
         return True
 
     def alloc_shard(self, *, zero: bool = False) -> None:
         """Give the shard storage its memory back after ``release_shard`` (a no-op if it has
         it); ``zero`` fills it with zeros."""
-        if _allocate(self.shard) and zero:
+        if storage.allocate_storage(self.shard) and zero:
             with _unsafe_preserve_version_counter(self.shard):
                 self.shard.zero_()
 
@@ -412,16 +256,14 @@ class DBuffer:
                 f"DBuffer.{op}: the shard storage is released (call alloc_shard() first)"
             )
 
-    # -- collectives ----------------------------------------------------------------------------
-    def _group(self, axis: int) -> dist.ProcessGroup:
-        return self.mesh.get_group(axis)
-
+    # -- collectives (buffer_comm.py) -----------------------------------------------------------
     def unshard(
         self,
         *,
         dtype: torch.dtype | None = None,
         async_op: bool = False,
         ready: torch.Event | None = None,
+        comm: AllGatherComm | None = None,
     ) -> Handle:
         """All-gather the shard into the unsharded storage: one collective for the group.
 
@@ -430,46 +272,10 @@ class DBuffer:
         gathered into a low-precision unsharded storage; ``full_views(dtype)`` read it.
         On an accelerator the output is allocated and the cast run on the all-gather stream,
         which waits for ``ready`` (the event marking the shard's last write; default: the
-        caller's stream now) and for the last free ([Note: streams and frees without
-        record_stream] in collectives.py).
+        caller's stream now) ([Note: streams and frees without record_stream] in streams.py).
+        ``comm``: a user all-gather run in place of the backend's.
         """
-        if dtype is not None and dtype.is_floating_point != self.dtype.is_floating_point:
-            raise ValueError(
-                f"DBuffer.unshard: dtype {dtype} for a {self.dtype} buffer would "
-                f"truncate values; mixed precision needs a floating dtype"
-            )
-        self._require_shard("unshard")
-        self.wait()
-        entry = self._unsharded_of(dtype)
-        stream = order_all_gather(self.device, ready)
-        cast = entry.cast_shard
-        with _on(stream):
-            _allocate(entry.flat)
-            source = self.shard
-            if cast is not None:
-                _allocate(cast)
-                cast.copy_(self.shard)
-                source = cast
-        # An async gloo all-gather bumps its output's version counter when it completes, in the
-        # background (seen on real processes): the counter is put back when the handle is
-        # waited, not only around the issue (see [Note: version counters]).
-        guard = _unsafe_preserve_version_counter(entry.flat)
-
-        def finish() -> None:
-            if cast is not None:
-                _free(cast)
-            guard.__exit__(None, None, None)
-
-        with guard:
-            handle = all_gather_flat(
-                entry.flat,
-                source,
-                self._group(self.shard_axis),
-                async_op=async_op,
-                finish=finish,
-                ordered=stream is not None,
-            )
-        return self._track(handle)
+        return buffer_comm.unshard(self, dtype=dtype, async_op=async_op, ready=ready, comm=comm)
 
     def gather_into(
         self,
@@ -485,31 +291,9 @@ class DBuffer:
         sub-group. Like ``unshard``: output allocated on the all-gather stream after ``ready``
         (the event marking ``source``'s last write); ``source`` is held until the handle
         completes."""
-        self.wait()
-        entry = self._unsharded_of(dtype)
-        if source.dtype != entry.flat.dtype:
-            raise ValueError(
-                f"DBuffer.gather_into: source is {source.dtype}, the storage {entry.flat.dtype}"
-            )
-        stream = order_all_gather(self.device, ready)
-        with _on(stream):
-            _allocate(entry.flat)
-        guard = _unsafe_preserve_version_counter(entry.flat)
-
-        def finish() -> None:
-            guard.__exit__(None, None, None)
-
-        with guard:
-            handle = all_gather_flat(
-                entry.flat,
-                source,
-                group,
-                async_op=async_op,
-                finish=finish,
-                keep=(source,),
-                ordered=stream is not None,
-            )
-        return self._track(handle)
+        return buffer_comm.gather_into(
+            self, source, group, dtype=dtype, async_op=async_op, ready=ready
+        )
 
     def _track(self, handle: Handle) -> Handle:
         if not handle.done:
@@ -522,6 +306,26 @@ class DBuffer:
         for handle in pending:
             handle.wait()
 
+    def reduce_spec(
+        self,
+        op: ReduceOp = "avg",
+        reduce_dtype: torch.dtype | None = None,
+        *,
+        divide_factor: float | None = None,
+        force_sum: bool = False,
+    ) -> ReduceSpec:
+        """The arithmetic ``reduce_scatter`` uses for ``op`` in ``reduce_dtype`` on this buffer's
+        mesh and device, FSDP2's ([Note: dividing a mean of gradients] in reduction.py):
+        ``divide_factor`` divides by that instead of the number of ranks, ``force_sum`` makes
+        every collective a SUM (the division is done before/after)."""
+        return buffer_comm.spec_for(
+            self,
+            op,
+            reduce_dtype or self.dtype,
+            divide_factor=divide_factor,
+            force_sum=force_sum,
+        )
+
     def reduce_scatter(
         self,
         *,
@@ -531,113 +335,44 @@ class DBuffer:
         into: DBuffer | None = None,
         free_unsharded: bool = True,
         async_op: bool = False,
+        spec: ReduceSpec | None = None,
+        hook: Callable[[torch.Tensor], None] | None = None,
+        hook_stream: torch.Stream | None = None,
+        comm: ReduceScatterComm | None = None,
+        allocate: Callable[..., torch.Tensor] | None = None,
     ) -> Handle:
         """Reduce the unsharded storage over the mesh into the shard: one reduce-scatter over the
-        shard axis, then (HSDP) one all-reduce over each replicate axis.
+        shard axis (none when it has one rank), then (HSDP) one all-reduce over each replicate
+        axis.
 
         Writes ``into.shard`` (default: this buffer's ``shard``); ``accumulate`` adds to it.
-        ``op="avg"`` divides by the number of ranks of the whole mesh. ``reduce_dtype`` runs the
-        collectives in that dtype. ``free_unsharded`` releases the unsharded storage when the
-        handle completes.
+        ``op="avg"``: the mean over every rank of the mesh; ``spec`` (from ``reduce_spec``)
+        gives the arithmetic explicitly instead. ``reduce_dtype`` runs the collectives in that
+        dtype. ``free_unsharded`` releases the unsharded storage when the handle completes.
+        ``hook(reduced)`` runs on the reduced shard (reduce dtype) after the replica all-reduce,
+        on ``hook_stream`` if given; ``comm`` / ``allocate`` replace the backend's
+        reduce-scatter and the receive buffer's allocation (FSDP2's custom reduce-scatter).
         """
-        target = self if into is None else into
-        if into is not None:
-            self._require_same(into, "reduce_scatter")
-        target._require_shard("reduce_scatter")
-        if not self.is_unsharded():
-            raise RuntimeError(
-                "DBuffer.reduce_scatter: the unsharded storage is not allocated "
-                "(call alloc_unsharded() and let autograd write the gradients)"
-            )
-        flat = self._unsharded_of(self.dtype).flat
-
-        def release() -> None:
-            _free(flat)
-            self._detach_grads()
-
-        finish = release if free_unsharded else None
-        self.wait()
-        if target is not self:
-            target.wait()
-        return self._track(
-            reduce_scatter_flat(
-                target.shard,
-                flat,
-                self._group(self.shard_axis),
-                [self._group(a) for a in self.replicate_axes],
-                op=op,
-                reduce_dtype=reduce_dtype,
-                accumulate=accumulate,
-                async_op=async_op,
-                finish=finish,
-            )
+        rdtype = reduce_dtype or self.dtype
+        return buffer_comm.reduce_scatter(
+            self,
+            spec=spec if spec is not None else self.reduce_spec(op, rdtype),
+            reduce_dtype=reduce_dtype,
+            accumulate=accumulate,
+            into=into,
+            free_unsharded=free_unsharded,
+            async_op=async_op,
+            hook=hook,
+            hook_stream=hook_stream,
+            comm=comm,
+            allocate=allocate,
         )
 
-    # -- fused group ops (one kernel over the whole group) --------------------------------------
-    def _flat(self, part: Part) -> torch.Tensor:
-        self.wait()  # a collective in flight may be writing the storage
-        if part == "shard":
-            self._require_shard("shard op")
-            return self.shard
-        if part == "unsharded":
-            if not self.is_unsharded():
-                raise RuntimeError("DBuffer: the unsharded storage is not allocated")
-            return self.unsharded
-        raise ValueError(f"part must be 'shard' or 'unsharded', got {part!r}")
-
-    def zero_(self, part: Part = "shard") -> DBuffer:
-        self._flat(part).zero_()
-        return self
-
-    def scale_(self, factor: float, part: Part = "shard") -> DBuffer:
-        self._flat(part).mul_(factor)
-        return self
-
-    def add_(self, other: DBuffer, *, alpha: float = 1.0, part: Part = "shard") -> DBuffer:
-        self._require_same(other, "add_")
-        self._flat(part).add_(other._flat(part), alpha=alpha)
-        return self
-
-    def copy_(self, other: DBuffer, part: Part = "shard") -> DBuffer:
-        """Copy (and cast, if dtypes differ) ``other`` into this buffer."""
-        self._require_same(other, "copy_")
-        self._flat(part).copy_(other._flat(part))
-        return self
-
-    def to(self, dtype: torch.dtype) -> DBuffer:
-        """A new buffer holding this one's shard cast to ``dtype`` (one kernel)."""
-        out = self.new_like(dtype)
-        out.shard.copy_(self.shard)
-        return out
-
-    # -- loading and checking tensors -----------------------------------------------------------
-    def check_tensors(
-        self, tensors: Sequence[torch.Tensor], *, full: bool = True, what: str = "tensor"
-    ) -> None:
-        """Raise ``ValueError`` naming the first tensor whose numel, dtype or device does not
-        match the layout (``full``: whole tensors; else this rank's local shares)."""
-        if len(tensors) != len(self.slots):
-            raise ValueError(f"DBuffer: got {len(tensors)} {what}s for {len(self.slots)} slots")
-        for slot, tensor in zip(self.slots, tensors, strict=True):
-            expected = slot.numel if full else slot.local_numel
-            where = f"{what} {slot.name!r} (index {slot.index})"
-            if tensor.numel() != expected:
-                raise ValueError(
-                    f"{where}: has {tensor.numel()} elements (shape "
-                    f"{tuple(tensor.shape)}), the layout expects {expected}"
-                    f"{'' if full else ' on rank ' + str(self.rank)}"
-                )
-            if tensor.dtype != self.dtype:
-                raise ValueError(f"{where}: dtype {tensor.dtype}, the buffer holds {self.dtype}")
-            if tensor.device != self.device:
-                raise ValueError(
-                    f"{where}: on device {tensor.device}, the buffer lives on {self.device}"
-                )
-
+    # -- loading tensors ---------------------------------------------------------------------
     @torch.no_grad()
     def load_full_(self, tensors: Sequence[torch.Tensor]) -> DBuffer:
         """Copy this rank's share of each full tensor into the shard (initialisation)."""
-        self.check_tensors(tensors, full=True)
+        check_tensors(self, tensors, full=True)
         self.wait()
         for slot, local, tensor in zip(self.slots, self._local_views, tensors, strict=True):
             flat = tensor.reshape(-1)
@@ -649,7 +384,7 @@ class DBuffer:
         autograd accumulates gradients in place into the unsharded storage. The storage must be
         allocated (``alloc_unsharded(zero=True)``). When the storage is released (``reshard`` or
         a ``reduce_scatter`` that frees it), those ``.grad`` are reset to None."""
-        self.check_tensors(params, full=True, what="parameter")
+        check_tensors(self, params, full=True, what="parameter")
         if not self.is_unsharded():
             raise RuntimeError("DBuffer.attach_grads: allocate the unsharded storage first")
         for param, view in zip(params, self.full_views(), strict=True):

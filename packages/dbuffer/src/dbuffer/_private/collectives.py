@@ -4,110 +4,60 @@
 The all-gather sends the shard storage itself and receives straight into the unsharded storage,
 whose slices already are the full tensors: no copy-in, no copy-out. The reduce-scatter sends the
 unsharded gradient storage itself (autograd wrote the gradients into its slices) and receives
-straight into the sharded gradient storage. Only a dtype change (mixed precision) or an
-accumulation adds one fused kernel over the whole group.
+straight into the sharded gradient storage. Only a dtype change (mixed precision), a division
+or an accumulation adds one fused kernel over the whole group.
 
-[Note: streams and frees without record_stream]
-On an accelerator, all-gathers run on one all-gather stream per device and reduce-scatters (with
-the HSDP all-reduce and their epilogue) on one reduce-scatter stream, both high priority, so a
-reduction never queues behind a prefetch and neither waits for compute it does not need. Each
-collective waits only on the events its data depends on:
-
-- an all-gather on ``ready``, the event marking the last write of its input (the caller's: the
-  engine records one when an iteration starts, after the optimizer step), or, without one, on
-  the caller's stream at issue time; and on the last event ``note_free`` recorded on each
-  stream that freed, since its output storage is allocated *on the all-gather stream* and may
-  reuse a block the caller's stream was still reading when it was freed (``DBuffer.reshard``
-  records that event before each free). The low-precision cast of the shard runs there too, off
-  the compute stream;
-- a reduce-scatter on the caller's stream at issue time (the gradients it reduces were just
-  computed there); its temporaries (the reduce-dtype cast, the receive buffer) are allocated and
-  written on the reduce-scatter stream.
-
-After the collective and its epilogue an event is recorded on its stream and ``Handle.wait``
-makes the caller's stream wait on it. Memory the caller's stream owns is freed in ``wait``, after
-that ordering; memory a communication stream owns is only ever reused by that stream after it
-has waited for the caller's last use. So no ``record_stream``, and frees happen exactly when
-``wait`` (or the synchronous call, or ``reshard``) returns. On CPU (gloo) there are no streams;
-``async_op`` uses the process group's own asynchronous work objects. The protocol is checked on
-CPU against a model of streams, events and the caching allocator's reuse rule
-(``tests/test_dbuffer_streams.py``, and the engine's use of it in the repository's
-``tests/test_integration_streams.py``).
+Streams and frees: [Note: streams and frees without record_stream] (streams.py). Arithmetic of
+means: [Note: dividing a mean of gradients] (reduction.py).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from dbuffer._private import streams
+from dbuffer._private.reduction import ReduceSpec
+
 __all__ = [
+    "AllGatherComm",
     "Handle",
-    "ReduceOp",
+    "ReduceScatterComm",
     "all_gather_flat",
-    "comm_stream_for",
-    "note_free",
-    "order_all_gather",
     "reduce_scatter_flat",
 ]
 
-ReduceOp = Literal["sum", "avg"]
-StreamKind = Literal["all_gather", "reduce_scatter"]
-
-_COMM_STREAMS: dict[tuple[torch.device, str], torch.Stream] = {}
-# device -> (stream id -> the last ``note_free`` event recorded on that stream)
-_LAST_FREE: dict[torch.device, dict[int, torch.Event]] = {}
-_HIGH_PRIORITY = -1  # accelerators' streams: 0 is normal, negative is higher
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
 
 
-def comm_stream_for(device: torch.device, kind: StreamKind = "all_gather") -> torch.Stream | None:
-    """The ``kind`` communication stream of ``device`` (one per device and kind, shared by all
-    buffers, high priority), or None for devices without streams (CPU)."""
-    if device.type in {"cpu", "meta"}:
-        return None
-    stream = _COMM_STREAMS.get((device, kind))
-    if stream is None:
-        stream = torch.Stream(device=device, priority=_HIGH_PRIORITY)
-        _COMM_STREAMS[(device, kind)] = stream
-    return stream
+class AllGatherComm(Protocol):
+    """A user all-gather (FSDP2's ``set_custom_all_gather`` signature)."""
+
+    def __call__(
+        self,
+        *,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ) -> Any: ...
 
 
-def _current(device: torch.device) -> torch.Stream:
-    return torch.accelerator.current_stream(device)
+class ReduceScatterComm(Protocol):
+    """A user reduce-scatter (FSDP2's ``set_custom_reduce_scatter`` signature)."""
 
-
-def note_free(device: torch.device) -> None:
-    """Before freeing memory an all-gather stream allocated: mark how far the caller's stream
-    has got (every read of that memory issued so far). The next all-gather waits on it.
-
-    One event per caller stream: a later event on the same stream covers the earlier ones
-    (stream order), but not another stream's (e.g. a forward run under a side stream), so the
-    last event of every stream that freed is kept."""
-    if comm_stream_for(device) is None:
-        return
-    stream = _current(device)
-    event = torch.Event(device=device)
-    event.record(stream)
-    _LAST_FREE.setdefault(device, {})[stream.stream_id] = event
-
-
-def order_all_gather(device: torch.device, ready: torch.Event | None) -> torch.Stream | None:
-    """Make ``device``'s all-gather stream wait for what the next all-gather depends on: its
-    input's last write (``ready``, else the caller's stream now) and the last ``note_free``.
-    Returns the stream (None on CPU); allocate the all-gather's output under it."""
-    stream = comm_stream_for(device, "all_gather")
-    if stream is None:
-        return None
-    if ready is None:
-        ready = torch.Event(device=device)
-        ready.record(_current(device))
-    stream.wait_event(ready)
-    for freed in _LAST_FREE.get(device, {}).values():
-        stream.wait_event(freed)
-    return stream
+    def __call__(
+        self,
+        *,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any,
+        async_op: bool = False,
+    ) -> Any: ...
 
 
 class Handle:
@@ -115,7 +65,8 @@ class Handle:
 
     Until ``wait()`` returns, the destination storage must not be read and the source must not be
     written. On an accelerator ``wait()`` does not block the host: it orders the caller's stream
-    after the collective.
+    after the collective, then hands the temporaries back to the streams that allocated them
+    (``streams.hand_back``) before releasing them.
     """
 
     def __init__(
@@ -125,11 +76,15 @@ class Handle:
         event: torch.Event | None = None,
         finish: Callable[[], None] | None = None,
         keep: Sequence[torch.Tensor] = (),
+        owners: Sequence[torch.Stream] = (),
+        device: torch.device | None = None,
     ) -> None:
         self._works = list(works)
         self._event = event
         self._finish = finish
         self._keep = list(keep)
+        self._owners = tuple(owners)
+        self._device = device
         self._done = False
 
     @property
@@ -143,54 +98,21 @@ class Handle:
         for work in self._works:
             work.wait()
         if self._event is not None:
-            torch.accelerator.current_stream(self._event.device).wait_event(self._event)
+            device = self._event.device if self._device is None else self._device
+            assert device is not None
+            streams.current_stream(device).wait_event(self._event)
         finish, self._finish = self._finish, None
-        self._works, self._keep, self._done = [], [], True
         if finish is not None:
             finish()
+        if self._device is not None:
+            for owner in self._owners:
+                streams.hand_back(owner, self._device)
+        self._works, self._keep, self._done = [], [], True
 
 
-@contextlib.contextmanager
-def _on_comm_stream(
-    device: torch.device, kind: StreamKind, *, ordered: bool = False
-) -> Iterator[list[torch.Event]]:
-    """Run the body on ``device``'s ``kind`` stream (after the caller's stream now, unless
-    ``ordered``: the caller made it wait already); yields a list that receives the event
-    marking the end of the body (empty on CPU)."""
-    stream = comm_stream_for(device, kind)
-    done: list[torch.Event] = []
-    if stream is None:
-        yield done
-        return
-    if not ordered:
-        ready = torch.Event(device=device)
-        ready.record(_current(device))
-        stream.wait_event(ready)
-    with stream:
-        yield done
-        end = torch.Event(device=device)
-        end.record(stream)
-    done.append(end)
-
-
-def _supports_avg(group: dist.ProcessGroup) -> bool:
-    return dist.get_backend(group) == "nccl"
-
-
-def predivide_factor(dtype: torch.dtype, ranks: int) -> int:
-    """[Note: dividing a mean of gradients]
-    A mean over ``ranks`` of gradients in a dtype of small range (anything but fp32 and bf16,
-    e.g. fp16) is computed as ``sum(g / p) / (ranks / p)`` with ``p`` the power of two nearest
-    below ``sqrt(ranks)`` that divides it: summing ``ranks`` fp16 gradients first can overflow
-    at scale, dividing each by ``ranks`` first can underflow. fp32 and bf16 sum first and
-    divide once. This is FSDP2's rule (``_get_gradient_divide_factors``), so the two engines
-    round alike."""
-    if dtype in (torch.float32, torch.bfloat16):
-        return 1
-    pre = 1
-    while ranks % pre == 0 and ranks / pre > pre:
-        pre *= 2
-    return pre
+def _wait_work(work: Any) -> None:
+    if work is not None and hasattr(work, "wait"):
+        work.wait()
 
 
 def all_gather_flat(
@@ -202,28 +124,60 @@ def all_gather_flat(
     finish: Callable[[], None] | None = None,
     keep: Sequence[torch.Tensor] = (),
     ordered: bool = False,
+    comm: AllGatherComm | None = None,
 ) -> Handle:
     """One all-gather of the flat ``inp`` (S elements) into the flat ``out`` (m * S elements).
 
     ``finish`` runs when the handle completes (frees temporaries); ``keep`` holds tensors alive
-    until then. ``ordered``: the all-gather stream already waits for what it must
-    (``order_all_gather``), else it waits for the caller's stream now.
+    until then. ``ordered``: the all-gather stream already waits for what it must, else it waits
+    for the caller's stream now. ``comm``: a user all-gather run in place of the backend's (on
+    the all-gather stream, like it).
     """
     if out.numel() != inp.numel() * dist.get_world_size(group):
         raise ValueError(
             f"all-gather output has {out.numel()} elements, expected "
             f"{dist.get_world_size(group)} x {inp.numel()}"
         )
-    works: list[dist.Work] = []
-    cpu_async = async_op and comm_stream_for(inp.device) is None
-    with _on_comm_stream(inp.device, "all_gather", ordered=ordered) as done:
-        work = dist.all_gather_single(out, inp, group=group, async_op=cpu_async)
+    device = inp.device
+    stream = streams.comm_stream_for(device, "all_gather")
+    if not ordered:
+        streams.ordered_after(stream, device, None)
+    works: list[Any] = []
+    cpu_async = async_op and stream is None
+    with streams.on_stream(stream):
+        if comm is None:
+            work = dist.all_gather_single(out, inp, group=group, async_op=cpu_async)
+        else:
+            work = comm(output_tensor=out, input_tensor=inp, group=group, async_op=cpu_async)
+            if not cpu_async:
+                _wait_work(work)  # a user collective may return work even when synchronous
+                work = None
         if cpu_async and work is not None:
             works.append(work)
-    handle = Handle(works, event=done[0] if done else None, finish=finish, keep=(out, inp, *keep))
+        end = None if stream is None else streams.event_after(stream, device)
+    handle = Handle(
+        works, event=end, finish=finish, keep=(out, inp, *keep), owners=(), device=device
+    )
     if not async_op:
         handle.wait()
     return handle
+
+
+def _send_buffer(
+    inp: torch.Tensor, rdtype: torch.dtype, spec: ReduceSpec, shard: int
+) -> torch.Tensor:
+    """The reduce-scatter's input in the reduce dtype with the pre-division or pre-multiplication
+    applied: ``inp`` itself when nothing changes it, else one temporary (the caller's stream is
+    the reduce-scatter stream here, so the temporary is its memory)."""
+    send = inp if rdtype == inp.dtype else inp.to(rdtype)
+    scale = None
+    if spec.premul_factor is not None and shard > 1:
+        scale = 1.0 / spec.premul_factor
+    if spec.pre_divide is not None:
+        send = send.div_(spec.pre_divide) if send is not inp else inp.div(spec.pre_divide)
+    if scale is not None:
+        send = send.mul_(scale) if send is not inp else inp.mul(scale)
+    return send
 
 
 def reduce_scatter_flat(
@@ -232,72 +186,101 @@ def reduce_scatter_flat(
     shard_group: dist.ProcessGroup,
     replicate_groups: Sequence[dist.ProcessGroup] = (),
     *,
-    op: ReduceOp = "sum",
+    spec: ReduceSpec,
     reduce_dtype: torch.dtype | None = None,
     accumulate: bool = False,
     async_op: bool = False,
     finish: Callable[[], None] | None = None,
+    hook: Callable[[torch.Tensor], None] | None = None,
+    hook_stream: torch.Stream | None = None,
+    comm: ReduceScatterComm | None = None,
+    allocate: Callable[..., torch.Tensor] | None = None,
 ) -> Handle:
     """Reduce-scatter the flat ``inp`` (m * S) over ``shard_group`` into the flat ``out`` (S),
-    then all-reduce the result over each of ``replicate_groups`` (HSDP).
+    then all-reduce the result over each of ``replicate_groups`` (HSDP), with ``spec``'s
+    arithmetic ([Note: dividing a mean of gradients]); a shard group of one rank copies instead
+    of reducing (no collective, as in FSDP2).
 
-    The result is the sum over every rank of the groups (or the mean for ``op="avg"``: the sum
-    divided by the product of the group sizes, done once after the last collective, fused with
-    the accumulation or the cast). ``reduce_dtype`` runs the collectives in that dtype (one cast
-    of the whole input before, one cast back fused with the write). ``accumulate`` adds the
-    result into ``out`` instead of overwriting it.
+    ``reduce_dtype`` runs the collectives in that dtype (one cast of the whole input before, one
+    cast back fused with the write); ``accumulate`` adds the result into ``out``. ``hook(result)``
+    runs on the reduced shard in the reduce dtype after the all-reduce and before the
+    post-division (FSDP2's all-reduce hook), on ``hook_stream`` (default: the all-reduce stream)
+    ordered after the reduction; ``comm`` replaces the backend's reduce-scatter and
+    ``allocate(shape, dtype=, device=)`` (its allocator) makes the receive buffer.
+
+    Streams: the reduce-scatter (and the casts, pre-division and receive buffer) on the
+    reduce-scatter stream after the caller's stream; the all-reduce on the all-reduce stream;
+    the hook and the epilogue on the last of them; the handle's event after the epilogue.
     """
     world = dist.get_world_size(shard_group)
     if inp.numel() != out.numel() * world:
         raise ValueError(
             f"reduce-scatter input has {inp.numel()} elements, expected {world} x {out.numel()}"
         )
-    if op not in ("sum", "avg"):
-        raise ValueError(f"reduce op must be 'sum' or 'avg', got {op!r}")
-    divisor = world
-    for group in replicate_groups:
-        divisor *= dist.get_world_size(group)
+    device = inp.device
     rdtype = reduce_dtype or inp.dtype
-    pre = predivide_factor(rdtype, divisor) if op == "avg" else 1
-    native_avg = (
-        op == "avg" and pre == 1 and all(_supports_avg(g) for g in (shard_group, *replicate_groups))
-    )
-    red = dist.ReduceOp.AVG if native_avg else dist.ReduceOp.SUM
-    direct = not accumulate and rdtype == out.dtype
-    works: list[dist.Work] = []
-    stream = comm_stream_for(inp.device, "reduce_scatter")
-    # Without a comm stream, async work can be chained only for the reduce-scatter; the
-    # all-reduce over replicas and the epilogue run in wait().
-    defer = async_op and stream is None
-
-    def epilogue() -> None:
-        for group in replicate_groups:
-            dist.all_reduce(recv, op=red, group=group)
-        # [Note: dividing a mean of gradients]: a division (what FSDP2 and gloo's AVG do),
-        # not a multiplication by the reciprocal, which rounds differently for odd counts
-        post = divisor // pre if op == "avg" and not native_avg else 1
+    direct = not accumulate and rdtype == out.dtype and hook is None
+    rs_stream = streams.comm_stream_for(device, "reduce_scatter")
+    ar_stream = streams.comm_stream_for(device, "all_reduce")
+    # Without streams (gloo) async work can be chained only for the reduce-scatter; the
+    # all-reduce over replicas, the hook and the epilogue run in wait().
+    defer = async_op and rs_stream is None
+    streams.ordered_after(rs_stream, device, None)
+    works: list[Any] = []
+    with streams.on_stream(rs_stream):
+        send = _send_buffer(inp, rdtype, spec, world)
         if direct:
-            if post != 1:
-                out.div_(post)
-        elif accumulate:
-            out.add_(recv.div_(post) if post != 1 else recv)
-        elif post != 1:
-            torch.div(recv, post, out=out)
+            recv = out
+        elif allocate is not None:
+            recv = allocate((out.numel(),), dtype=rdtype, device=device)
         else:
-            out.copy_(recv)
+            recv = torch.empty(out.numel(), dtype=rdtype, device=device)
+        if world == 1:
+            if spec.premul_factor is not None:
+                torch.div(send, spec.premul_factor, out=recv)
+            elif recv is not send:
+                recv.copy_(send)
+        elif comm is not None:
+            work = comm(
+                output_tensor=recv,
+                input_tensor=send,
+                group=shard_group,
+                op=_OPS[spec.scatter_op],
+                async_op=defer,
+            )
+            if defer and work is not None:
+                works.append(work)
+            elif not defer:
+                _wait_work(work)
+        else:
+            work = dist.reduce_scatter_single(
+                recv, send, op=_OPS[spec.scatter_op], group=shard_group, async_op=defer
+            )
+            if defer and work is not None:
+                works.append(work)
+        last = rs_stream
 
-    with _on_comm_stream(inp.device, "reduce_scatter") as done:
-        # Temporaries made (and the cast run) on the reduce-scatter stream: see [Note: streams
-        # and frees without record_stream]
-        send = inp if rdtype == inp.dtype else inp.to(rdtype)
-        if pre != 1:  # a temporary when inp is already in the reduce dtype
-            send = send.div_(pre) if send is not inp else inp.div(pre)
-        recv = out if direct else torch.empty(out.numel(), dtype=rdtype, device=out.device)
-        work = dist.reduce_scatter_single(recv, send, op=red, group=shard_group, async_op=defer)
-        if defer and work is not None:
-            works.append(work)
-        if not defer:
-            epilogue()
+    def epilogue() -> torch.Stream | None:
+        """The all-reduce, the hook and the write into ``out``; returns the stream it ended on."""
+        stream = last
+        if replicate_groups:
+            stream = _follow(stream, ar_stream, device)
+            with streams.on_stream(stream):
+                for group in replicate_groups:
+                    dist.all_reduce(recv, op=_OPS[spec.all_reduce_op], group=group)
+        if hook is not None:
+            target = hook_stream if hook_stream is not None else ar_stream
+            stream = _follow(stream, target, device)
+            with streams.on_stream(stream):
+                hook(recv)
+        with streams.on_stream(stream):
+            _write(out, recv, spec.post_divide, direct=direct, accumulate=accumulate)
+        return stream
+
+    end: torch.Event | None = None
+    if not defer:
+        final = epilogue()
+        end = None if final is None else streams.event_after(final, device)
 
     def complete() -> None:
         if defer:
@@ -305,9 +288,46 @@ def reduce_scatter_flat(
         if finish is not None:
             finish()
 
+    owners = () if rs_stream is None else (rs_stream,)
     handle = Handle(
-        works, event=done[0] if done else None, finish=complete, keep=(send, recv, inp, out)
+        works,
+        event=end,
+        finish=complete,
+        keep=(send, recv, inp, out),
+        owners=owners,
+        device=device,
     )
     if not async_op:
         handle.wait()
     return handle
+
+
+def _follow(
+    previous: torch.Stream | None, stream: torch.Stream | None, device: torch.device
+) -> torch.Stream | None:
+    """Continue on ``stream`` after everything ``previous`` has issued (no streams: None)."""
+    if stream is None or previous is None or stream == previous:
+        return stream if stream is not None else previous
+    stream.wait_event(streams.event_after(previous, device))
+    return stream
+
+
+def _write(
+    out: torch.Tensor,
+    recv: torch.Tensor,
+    post: float | None,
+    *,
+    direct: bool,
+    accumulate: bool,
+) -> None:
+    """The reduced shard into ``out``: post-division (a division, as FSDP2's, not a
+    multiplication by the reciprocal, which rounds differently), cast, accumulation."""
+    if direct:
+        if post is not None:
+            out.div_(post)
+    elif accumulate:
+        out.add_(recv.div_(post) if post is not None else recv)
+    elif post is not None:
+        torch.div(recv, post, out=out)
+    else:
+        out.copy_(recv)

@@ -33,10 +33,10 @@ import torch
 import torch.distributed as dist
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
-from dbuffer._private import buffer as _buffer
+from dbuffer._private import streams
 from dbuffer._private.agreement import check_agreement
 from dbuffer._private.buffer import DBuffer
-from dbuffer._private.collectives import Handle, _on_comm_stream, note_free, order_all_gather
+from dbuffer._private.collectives import Handle
 
 __all__ = ["PackedAllGather", "PackedLayout", "packed_layout"]
 
@@ -170,16 +170,18 @@ class PackedAllGather:
         buffer._require_shard("unshard")
         buffer.wait()  # the shard may still be written by a collective of this buffer
         world = buffer.world_size
-        out = buffer.unsharded_flat(dtype)
+        device = buffer.device
+        entry = buffer._unsharded_of(dtype)
+        out = entry.flat
         section = self.layout.section_bytes
-        stream = order_all_gather(buffer.device, ready)
-        # through the module: the stream-protocol tests route allocations to their model
-        with _buffer._on(stream):
-            _buffer._allocate(out)
-            send = torch.empty(section, dtype=torch.uint8, device=buffer.device)
+        stream = streams.comm_stream_for(device, "all_gather")
+        streams.ordered_after(stream, device, ready)
+        with streams.on_stream(stream):
+            entry.allocate()
+            send = torch.empty(section, dtype=torch.uint8, device=device)
             recv = send
             if world > 1:
-                recv = torch.empty(section * world, dtype=torch.uint8, device=buffer.device)
+                recv = torch.empty(section * world, dtype=torch.uint8, device=device)
             with torch.no_grad():
                 encode(send)
         defer = async_op and stream is None and world > 1  # gloo: decode once the work is done
@@ -192,7 +194,7 @@ class PackedAllGather:
         # the version counter is put back when the handle is waited (see [Note: version
         # counters]): an async gloo gather bumps it in the background
         guard = _unsafe_preserve_version_counter(out)
-        with guard, _on_comm_stream(buffer.device, "all_gather", ordered=True) as done:
+        with guard, streams.on_stream(stream):
             if world > 1:
                 group = buffer.mesh.get_group(buffer.shard_axis)
                 work = dist.all_gather_single(recv, send, group=group, async_op=defer)
@@ -200,17 +202,23 @@ class PackedAllGather:
                     works.append(work)
             if not defer:
                 run_decode()
+            end = None if stream is None else streams.event_after(stream, device)
 
         def finish() -> None:
             if defer:
                 run_decode()
             guard.__exit__(None, None, None)
             if after is not None:
-                after(recv)
-                note_free(buffer.device)  # recv (all-gather stream memory) was read here
+                after(recv)  # reads recv (the all-gather stream's memory) on the caller's stream
 
+        # recv and send go back to the all-gather stream's pool after the caller's reads
         handle = Handle(
-            works, event=done[0] if done else None, finish=finish, keep=(send, recv, out)
+            works,
+            event=end,
+            finish=finish,
+            keep=(send, recv, out),
+            owners=() if stream is None else (stream,),
+            device=device,
         )
         if not async_op:
             handle.wait()

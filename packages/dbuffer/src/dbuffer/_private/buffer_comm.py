@@ -1,0 +1,217 @@
+"""The collectives of a DBuffer: all-gather into its unsharded storage, reduce-scatter out of it.
+
+[Note: version counters]
+The all-gather refills memory that autograd may have saved (a weight saved for backward, freed
+after forward, gathered again before backward). The values are the same parameters, so the
+refill is done under ``_unsafe_preserve_version_counter`` exactly like FSDP2's copy-out; the
+tensors' version counters do not move and backward accepts the saved views. An async gloo
+all-gather bumps its output's counter when it completes, in the background (seen on real
+processes), so the counter is put back when the handle is waited, not only around the issue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+
+from dbuffer._private import streams
+from dbuffer._private.collectives import (
+    AllGatherComm,
+    Handle,
+    ReduceScatterComm,
+    all_gather_flat,
+    reduce_scatter_flat,
+)
+from dbuffer._private.reduction import ReduceSpec, avg_supported, reduce_spec
+from dbuffer._private.storage import Unsharded
+
+if TYPE_CHECKING:
+    from dbuffer._private.buffer import DBuffer
+
+__all__ = ["gather_into", "reduce_scatter", "spec_for", "unshard"]
+
+
+def _gather_into_entry(
+    buffer: DBuffer,
+    entry: Unsharded,
+    source: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    async_op: bool,
+    ready: torch.Event | None,
+    prepare: Callable[[], torch.Tensor] | None = None,
+    after: Callable[[], None] | None = None,
+    keep: Sequence[torch.Tensor] = (),
+    comm: AllGatherComm | None = None,
+) -> Handle:
+    """Allocate ``entry`` on the all-gather stream (after ``ready``), optionally ``prepare`` the
+    input there, and gather into it with the version counter kept."""
+    device = buffer.device
+    stream = streams.comm_stream_for(device, "all_gather")
+    streams.ordered_after(stream, device, ready)
+    with streams.on_stream(stream):
+        entry.allocate(cast=prepare is not None)
+        if prepare is not None:
+            source = prepare()
+    guard = _unsafe_preserve_version_counter(entry.flat)
+
+    def finish() -> None:
+        if after is not None:
+            after()
+        guard.__exit__(None, None, None)
+
+    with guard:
+        handle = all_gather_flat(
+            entry.flat,
+            source,
+            group,
+            async_op=async_op,
+            finish=finish,
+            keep=keep,
+            ordered=True,
+            comm=comm,
+        )
+    return buffer._track(handle)
+
+
+def unshard(
+    buffer: DBuffer,
+    *,
+    dtype: torch.dtype | None,
+    async_op: bool,
+    ready: torch.Event | None,
+    comm: AllGatherComm | None = None,
+) -> Handle:
+    """``DBuffer.unshard``: one all-gather of the shard (cast once to ``dtype`` on the
+    all-gather stream when it differs) into the unsharded storage of ``dtype``."""
+    if dtype is not None and dtype.is_floating_point != buffer.dtype.is_floating_point:
+        raise ValueError(
+            f"DBuffer.unshard: dtype {dtype} for a {buffer.dtype} buffer would "
+            f"truncate values; mixed precision needs a floating dtype"
+        )
+    buffer._require_shard("unshard")
+    buffer.wait()
+    entry = buffer._unsharded_of(dtype)
+    cast = entry.cast_shard
+
+    def prepare() -> torch.Tensor:
+        assert cast is not None
+        cast.copy_(buffer.shard)
+        return cast
+
+    return _gather_into_entry(
+        buffer,
+        entry,
+        buffer.shard,
+        buffer.mesh.get_group(buffer.shard_axis),
+        async_op=async_op,
+        ready=ready,
+        prepare=prepare if cast is not None else None,
+        after=entry.release_cast,
+        comm=comm,
+    )
+
+
+def gather_into(
+    buffer: DBuffer,
+    source: torch.Tensor,
+    group: dist.ProcessGroup,
+    *,
+    dtype: torch.dtype | None,
+    async_op: bool,
+    ready: torch.Event | None,
+) -> Handle:
+    """``DBuffer.gather_into``: ``source`` over ``group`` into the unsharded storage."""
+    buffer.wait()
+    entry = buffer._unsharded_of(dtype)
+    if source.dtype != entry.flat.dtype:
+        raise ValueError(
+            f"DBuffer.gather_into: source is {source.dtype}, the storage {entry.flat.dtype}"
+        )
+    return _gather_into_entry(
+        buffer, entry, source, group, async_op=async_op, ready=ready, keep=(source,)
+    )
+
+
+def spec_for(
+    buffer: DBuffer,
+    op: str,
+    reduce_dtype: torch.dtype,
+    *,
+    divide_factor: float | None = None,
+    force_sum: bool = False,
+) -> ReduceSpec:
+    """The arithmetic of a reduction of ``buffer`` ([Note: dividing a mean of gradients]):
+    ``op`` "sum" or "avg", the backend's ``AVG`` capability read for the buffer's device on
+    every group the reduction uses."""
+    if op not in ("sum", "avg"):
+        raise ValueError(f"reduce op must be 'sum' or 'avg', got {op!r}")
+    groups = [buffer.mesh.get_group(a) for a in (buffer.shard_axis, *buffer.replicate_axes)]
+    replicas = 1
+    for axis in buffer.replicate_axes:
+        replicas *= buffer.mesh.size(axis)
+    return reduce_spec(
+        reduce_dtype,
+        buffer.world_size,
+        replicas,
+        mean=op == "avg",
+        divide_factor=divide_factor,
+        force_sum=force_sum,
+        avg=all(avg_supported(g, buffer.device) for g in groups),
+    )
+
+
+def reduce_scatter(
+    buffer: DBuffer,
+    *,
+    spec: ReduceSpec,
+    reduce_dtype: torch.dtype | None,
+    accumulate: bool,
+    into: DBuffer | None,
+    free_unsharded: bool,
+    async_op: bool,
+    hook: Callable[[torch.Tensor], None] | None = None,
+    hook_stream: torch.Stream | None = None,
+    comm: ReduceScatterComm | None = None,
+    allocate: Callable[..., torch.Tensor] | None = None,
+) -> Handle:
+    """``DBuffer.reduce_scatter``: the unsharded storage reduced into ``into``'s shard."""
+    target = buffer if into is None else into
+    if into is not None:
+        buffer._require_same(into, "reduce_scatter")
+    target._require_shard("reduce_scatter")
+    if not buffer.is_unsharded():
+        raise RuntimeError(
+            "DBuffer.reduce_scatter: the unsharded storage is not allocated "
+            "(call alloc_unsharded() and let autograd write the gradients)"
+        )
+    entry = buffer._unsharded_of(buffer.dtype)
+
+    def release() -> None:
+        entry.release()
+        buffer._detach_grads()
+
+    buffer.wait()
+    if target is not buffer:
+        target.wait()
+    return buffer._track(
+        reduce_scatter_flat(
+            target.shard,
+            entry.flat,
+            buffer.mesh.get_group(buffer.shard_axis),
+            [buffer.mesh.get_group(a) for a in buffer.replicate_axes],
+            spec=spec,
+            reduce_dtype=reduce_dtype,
+            accumulate=accumulate,
+            async_op=async_op,
+            finish=release if free_unsharded else None,
+            hook=hook,
+            hook_stream=hook_stream,
+            comm=comm,
+            allocate=allocate,
+        )
+    )
