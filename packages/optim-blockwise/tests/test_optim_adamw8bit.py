@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_optim_support import (
+from optim_support import (
     assert_records_equal,
     check_against_single,
     dist_run_flat_steps,
@@ -295,7 +295,7 @@ def test_empty_shards_with_unaligned_blocks(units: tuple[int, ...]) -> None:
 
 
 def _disagree(rank: int, world: int) -> None:
-    from test_optim_support import shard
+    from optim_support import shard
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -375,7 +375,7 @@ def test_step_transient_memory_is_at_most_4_bytes_per_element() -> None:
     """Beyond the stored state, ``step()`` allocates at most 4 bytes per parameter element
     (measured: every allocation, kernel temporaries included), for tensors in one storage and
     for separate ones, against ~40 bytes per element for whole-tensor dequantize/quantize."""
-    from test_optim_support import flat_views, one_thread
+    from optim_support import flat_views, one_thread
 
     gen = torch.Generator().manual_seed(0)
     shapes = [(512, 512), (256, 1024), (1024, 300), (300, 301), (4096,), (2048, 64)]
@@ -398,7 +398,7 @@ def test_step_transient_memory_is_at_most_4_bytes_per_element() -> None:
 
 
 def _kernels_per_parameter(flat: bool) -> float:
-    from test_optim_support import flat_views, one_thread
+    from optim_support import flat_views, one_thread
     from torch.utils._python_dispatch import TorchDispatchMode
 
     count = [0]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_optim_support import (
+from optim_support import (
     check_against_single,
     dist_run_steps,
     ragged_spec,
@@ -226,7 +226,7 @@ def test_expert_weights_equal_separate_matrices() -> None:
     difference is the NS rounding: per step at most ``lr' * 15 GEMMs * K * a^steps * 2^-53``
     (K = 24 the inner dimension, a = 3.4445 the NS iteration's largest slope, 5 steps), so
     after 4 steps ``|dW| <= 4 * lr' * 15 * 24 * 3.4445**5 * 2**-53``."""
-    from test_optim_support import one_thread
+    from optim_support import one_thread
 
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(5, 24, 16, generator=gen, dtype=torch.float64)
@@ -550,7 +550,7 @@ def test_hsdp_two_dim_mesh_equals_single_device(kind: str) -> None:
 
 
 def _sharded_state_dict_round_trip(rank: int, world: int, kind: str) -> bool:
-    from test_optim_support import make_optimizer
+    from optim_support import make_optimizer
 
     mesh = init_device_mesh("cpu", (world,))
     shapes = [(64, 96), (33,)]

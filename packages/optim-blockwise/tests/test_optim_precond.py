@@ -1,7 +1,7 @@
 """Shampoo and SOAP: tiles, pieces, owners, roots, the block policy, sharded == one device.
 
 Equality tests are of the *same arithmetic* kind: one thread set explicitly on every side
-(``test_optim_precond_support.run``), the same data, the same ops in the same order on a fresh
+(``optim_precond_support.run``), the same data, the same ops in the same order on a fresh
 contiguous copy of each tile, so they compare bit for bit.
 """
 
@@ -17,8 +17,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_optim_precond_support import check_equal_to_single, dist_run, run
-from test_optim_support import ragged_spec, shard
+from optim_precond_support import check_equal_to_single, dist_run, run
+from optim_support import ragged_spec, shard
 from torch.distributed.device_mesh import init_device_mesh
 
 import optim_blockwise as ob
@@ -259,7 +259,7 @@ def test_fsdp2_shard0_equals_single_device(kind: str, world: int) -> None:
 
 
 def _gloo_cases(rank: int, world: int) -> bytes:
-    from test_optim_support import to_bytes
+    from optim_support import to_bytes
 
     specs = [ragged_spec(s, world, 1, seed=world * 7 + i) for i, s in enumerate(SHAPES)]
     return to_bytes([dist_run(rank, world, k, SHAPES, specs, 4, KWARGS[k]) for k in KWARGS])
@@ -268,7 +268,7 @@ def _gloo_cases(rank: int, world: int) -> bytes:
 @pytest.mark.multiprocess
 def test_gloo_processes_equal_single_device() -> None:
     """Real gloo processes, 4 ranks, uneven layouts with cut tiles: bit-identical."""
-    from test_optim_support import from_bytes
+    from optim_support import from_bytes
 
     world = 4
     per_rank = [from_bytes(b) for b in run_processes(_gloo_cases, world, timeout=240)]
