@@ -46,7 +46,7 @@ steps before ``step()`` (``torch.amp.GradScaler`` does).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, cast
 
 import attrs
@@ -67,7 +67,6 @@ from optim_blockwise._private.runs import (
     local_of,
     slot_of,
 )
-from optim_blockwise._private.state import restore_state_dtypes, sharded_state_dict
 from optim_blockwise._private.validate import check_betas, check_nonnegative
 
 __all__ = ["AdamW8bit", "adamw8bit_block_policy"]
@@ -179,11 +178,10 @@ class AdamW8bit(ShardedOptimizer):
         super().__init__(params, defaults)
         self.block_size = block_size
         self.min_8bit_size = min_8bit_size
-        self._layouts: dict[torch.Tensor, ParamLayout] = {}
         self._places: dict[int, _Place] = {}
         self._places_key: tuple[object, ...] | None = None
         self._buffers: dict[tuple[object, str], torch.Tensor] = {}
-        self._counts: dict[int, float] = {}
+        self._exchanged: set[torch.Tensor] = set()
         self.last_step_stats: dict[str, int] = {}
         """Runs and chunks of the last step, and its scratch size (for benchmarks)."""
 
@@ -192,12 +190,11 @@ class AdamW8bit(ShardedOptimizer):
         """The block policy (engine protocol ``(name, param) -> int``) for these settings."""
         return AdamW8bitBlockPolicy(block_size, min_8bit_size)
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch's format; state of DTensor params as DTensors (see the state module note)."""
-        return sharded_state_dict(self, super().state_dict(), self.block_size)
+    def _absmax_block(self) -> int:
+        return self.block_size
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        restore_state_dtypes(self, state_dict, super().load_state_dict)
+        super().load_state_dict(state_dict)
         self._adopt()
 
     # -- where state lives -------------------------------------------------------------------
@@ -273,32 +270,27 @@ class AdamW8bit(ShardedOptimizer):
         assert buf.numel() >= length
         return buf
 
-    def _views(self, place: _Place) -> dict[str, torch.Tensor]:
-        n, b = place.slot.numel, place.blocks
-        out = {}
-        if place.eight_bit:
-            for key in _EIGHT_BIT_KEYS:
-                if key.endswith("_absmax"):
-                    lo = place.block_offset
-                    out[key] = self._buffer(place, key, lo + b)[lo : lo + b]
-                else:
-                    out[key] = self._buffer(place, key, place.offset + n)[
-                        place.offset : place.offset + n
-                    ]
+    def _views(self, place: _Place, numel: int | None = None) -> dict[str, torch.Tensor]:
+        """Flat state slices from ``place``: its own, or with ``numel`` those of a run of
+        ``numel`` elements that starts there (absmaxes: the blocks the elements touch)."""
+        if numel is None:
+            numel, blocks = place.slot.numel, place.blocks
         else:
-            for key in _FP32_KEYS:
-                out[key] = self._buffer(place, key, place.offset + n)[
-                    place.offset : place.offset + n
-                ]
+            blocks = -(-(place.head + numel) // self.block_size)
+        out = {}
+        for key in _EIGHT_BIT_KEYS if place.eight_bit else _FP32_KEYS:
+            lo, n = (
+                (place.block_offset, blocks) if key.endswith("_absmax") else (place.offset, numel)
+            )
+            out[key] = self._buffer(place, key, lo + n)[lo : lo + n]
         return out
 
     def _init_state(self, item: _Item, place: _Place) -> dict[str, Any]:
         state = cast(dict[str, Any], self.state[item.param])
         if state:
             return state
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        self._new_step_count(item.param, state)
         state.update(self._views(place))
-        self._counts[id(item.param)] = 0.0
         return state
 
     def _adopt(self) -> None:
@@ -306,7 +298,6 @@ class AdamW8bit(ShardedOptimizer):
         ``self.state`` at them (after a load, or when parameters moved)."""
         old = {p: dict(s) for p, s in self.state.items()}
         self._buffers = {}
-        self._counts = {}
         if self._places_key is None:
             self._places = self._make_places(self._all_params())
             self._places_key = tuple(
@@ -406,14 +397,6 @@ class AdamW8bit(ShardedOptimizer):
         return result
 
     # -- the step ----------------------------------------------------------------------------
-    def _count(self, param: torch.Tensor, state: dict[str, Any]) -> float:
-        """The step number before this step, kept on the host (read once after a load)."""
-        count = self._counts.get(id(param))
-        if count is None:
-            count = float(state["step"].item())
-            self._counts[id(param)] = count
-        return count
-
     def _runs(self, items: list[_Item], places: list[_Place]) -> list[_Run]:
         """Consecutive items (storage order) that one flat update can serve (module note)."""
         order = sorted(
@@ -436,7 +419,7 @@ class AdamW8bit(ShardedOptimizer):
                     and not prev.exchange
                     and item.group is prev.group
                     and place.eight_bit == prev_place.eight_bit
-                    and self._counts[id(item.param)] == self._counts[id(prev.param)]
+                    and self._step_counts[item.param] == self._step_counts[prev.param]
                     and follows(prev_place.slot, place.slot)
                     and grads_follow(
                         local_of(cast(torch.Tensor, prev.param.grad)),
@@ -460,12 +443,25 @@ class AdamW8bit(ShardedOptimizer):
             runs.append(_Run(tuple(current), numel))
         return runs
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _plan_inputs(self) -> tuple[object, ...]:
+        key: list[object] = [self.block_size, self.min_8bit_size]
+        for group in self.param_groups:
+            key.extend(id(p) for p in group["params"])
+        return tuple(key)
+
+    def _make_plan(self) -> None:
+        """Which parameters' shards cut quantization blocks (their edge absmaxes travel)."""
+        self._exchanged = set()
+        for _, name, param in self._all_params():
+            layout = self._layout(param, name)
+            if (
+                layout.numel >= self.min_8bit_size
+                and layout.is_sharded
+                and _cuts_blocks(layout, self.block_size)
+            ):
+                self._exchanged.add(param)
+
+    def _step(self) -> None:
         all_places = self._current_places()
         items: list[_Item] = []
         for group, name, param in self._params_with_grads():
@@ -477,15 +473,14 @@ class AdamW8bit(ShardedOptimizer):
                     f"differs from the parameter's {tuple(param.shape)}"
                 )
             eight_bit = layout.numel >= self.min_8bit_size
-            exchange = eight_bit and layout.is_sharded and _cuts_blocks(layout, self.block_size)
-            items.append(_Item(param, name, group, layout, eight_bit, exchange))
+            items.append(_Item(param, name, group, layout, eight_bit, param in self._exchanged))
             for t in (param, param.grad):  # checked like local_flat, without making a view
                 if not local_of(t).is_contiguous():
                     local_flat(t, name)
         places = [all_places[id(item.param)] for item in items]
         states = [self._init_state(item, place) for item, place in zip(items, places, strict=True)]
         for item, state in zip(items, states, strict=True):
-            self._count(item.param, state)
+            self._steps_done(item.param, state)  # read once after a load, before _runs
         edges = self._exchange_boundaries(items, states)
         runs = self._runs(items, places)
         total = sum(r.numel for r in runs)
@@ -501,17 +496,12 @@ class AdamW8bit(ShardedOptimizer):
                 device = local_of(items[run.items[0]].param).device
                 scratch = quant.Scratch(min(chunk, max(total, 1)) + 2 * block, device)
             chunks += self._update_run(run, items, places, states, edges, chunk, scratch)
-        steps = [s["step"] for s in states]
-        if steps:
-            torch._foreach_add_(steps, 1.0)
-        for item in items:
-            self._counts[id(item.param)] += 1.0
+        self._count_steps([(item.param, state) for item, state in zip(items, states, strict=True)])
         self.last_step_stats = {
             "runs": len(runs),
             "chunks": chunks,
             "scratch_elements": scratch.capacity if scratch is not None else 0,
         }
-        return loss
 
     def _update_run(
         self,
@@ -529,7 +519,7 @@ class AdamW8bit(ShardedOptimizer):
         group = first.group
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
-        step = self._counts[id(first.param)] + 1.0
+        step = self._step_counts[first.param] + 1.0
         bias1 = 1.0 - beta1**step
         bias2_sqrt = math.sqrt(1.0 - beta2**step)
         assert first.param.grad is not None
@@ -541,7 +531,7 @@ class AdamW8bit(ShardedOptimizer):
         else:
             p_all = flat_view(local_of(first.param), run.numel)
             g_all = flat_view(local_of(first.param.grad), run.numel)
-            views = self._run_views(place, run.numel)
+            views = self._views(place, run.numel)
         block = self.block_size
         head = place.head if place.eight_bit else 0
         edge = edges.get(run.items[0]) if len(run.items) == 1 else None
@@ -570,26 +560,6 @@ class AdamW8bit(ShardedOptimizer):
             lo = hi
             count += 1
         return count
-
-    def _run_views(self, place: _Place, numel: int) -> dict[str, torch.Tensor]:
-        """Flat state slices of a run that starts at ``place``."""
-        out = {}
-        if place.eight_bit:
-            blocks = -(-(place.head + numel) // self.block_size)
-            for key in _EIGHT_BIT_KEYS:
-                if key.endswith("_absmax"):
-                    lo = place.block_offset
-                    out[key] = self._buffer(place, key, lo + blocks)[lo : lo + blocks]
-                else:
-                    out[key] = self._buffer(place, key, place.offset + numel)[
-                        place.offset : place.offset + numel
-                    ]
-        else:
-            for key in _FP32_KEYS:
-                out[key] = self._buffer(place, key, place.offset + numel)[
-                    place.offset : place.offset + numel
-                ]
-        return out
 
     def _update_chunk(
         self,
