@@ -75,6 +75,10 @@ CASES = {
     # some units of a bucket present, others not: the presence flags are mixed
     "muon-mixed-presence": ("muon", (1, 5), {"all_to_all_single"}),
     "adamw8bit-aligned": ("adamw8bit", (), set()),
+    # a root / eigenbasis refresh in every step, on local and exchanged tiles
+    "shampoo": ("shampoo", (), {"all_to_all_single"}),
+    "soap": ("soap", (), {"all_to_all_single"}),
+    "shampoo-mixed-presence": ("shampoo", (1,), {"all_to_all_single"}),
 }
 
 

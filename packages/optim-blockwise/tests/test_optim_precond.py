@@ -180,6 +180,32 @@ def test_failed_root_keeps_the_previous_one_and_counts() -> None:
     assert torch.equal(opt.state[w]["block0_L_inv_root"], root)
 
 
+def test_soap_non_finite_basis_keeps_the_previous_one_and_counts() -> None:
+    """SOAP's guards, decided on the device: a first basis that is not finite is the identity
+    (plain Adam on that side); a refreshed one that is not finite keeps the previous basis."""
+    first = torch.nn.Parameter(torch.zeros(4, 6))
+    opt = ob.SOAP([first], precondition_frequency=1)
+    first.grad = torch.full((4, 6), float("nan"))
+    opt.step()
+    assert opt.root_fallbacks == 2 and opt.last_step_stats["root_fallbacks"] == 2
+    for side, n in (("L", 4), ("R", 6)):
+        basis = opt.state[first][f"block0_Q_{side}"]
+        assert torch.equal(basis, torch.eye(n)) and basis.stride() == (1, n)  # column-major
+
+    w = torch.nn.Parameter(torch.zeros(4, 6))
+    opt = ob.SOAP([w], precondition_frequency=1)
+    for _ in range(2):  # the first basis, then one refresh
+        w.grad = torch.randn(4, 6)
+        opt.step()
+    kept = {side: opt.state[w][f"block0_Q_{side}"].clone() for side in "LR"}
+    assert opt.root_fallbacks == 0
+    w.grad = torch.full((4, 6), float("inf"))
+    opt.step()
+    assert opt.last_step_stats["root_fallbacks"] == 2 and opt.root_fallbacks == 2
+    for side in "LR":
+        assert torch.equal(opt.state[w][f"block0_Q_{side}"], kept[side]), side
+
+
 def test_preconditioner_updates_every_frequency_steps() -> None:
     """Roots change only at steps start, start + f, start + 2f, ... (Shampoo); eigenbases at
     Adam steps f, 2f, ... (SOAP; step 1 takes the first basis)."""

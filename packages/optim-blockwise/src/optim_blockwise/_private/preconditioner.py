@@ -125,10 +125,10 @@ class BlockPreconditioner(ShardedOptimizer):
         """Payload of one bucket of the owner exchange (buckets pipeline against the math)."""
         self.in_flight = 2
         """Gathers kept ahead of the owners' compute."""
-        self.root_fallbacks = 0
-        """Root / eigenbasis computations that failed in float32 and float64 (previous kept)."""
-        self.last_step_stats: dict[str, int] = {}
-        """Collectives, bytes sent and tiles computed by this rank in the last step."""
+        self._fallbacks: dict[torch.device, torch.Tensor] = {}
+        """Per device: refreshes that kept the previous root / eigenbasis, counted there."""
+        self._fallbacks_before: dict[torch.device, torch.Tensor] = {}
+        self._stats: dict[str, int] = {}
         for gi, group in enumerate(self.param_groups):
             if group["use_preconditioner"] is True:
                 for index, p in enumerate(group["params"]):
@@ -154,6 +154,30 @@ class BlockPreconditioner(ShardedOptimizer):
     def block_policy(max_preconditioner_dim: int = 1024) -> PreconditionerBlockPolicy:
         """The engine's block policy keeping every tile whole on one rank (see tiles.py)."""
         return PreconditionerBlockPolicy(max_preconditioner_dim)
+
+    # -- root fallbacks (roots.py's numerical guards: decided and counted on the device) ----
+    def _note_fallback(self, failed: torch.Tensor) -> None:
+        """Count one refresh that kept the previous root or basis (``failed``: a 0-dim device
+        flag): a device-side add, never a host read."""
+        total = self._fallbacks.get(failed.device)
+        if total is None:
+            total = torch.zeros((), dtype=torch.int64, device=failed.device)
+            self._fallbacks[failed.device] = total
+        total.add_(failed)
+
+    @property
+    def root_fallbacks(self) -> int:
+        """Root / eigenbasis refreshes whose result was not finite (the previous one kept).
+
+        Counted on the device: reading this property reads the count (the step never does)."""
+        return sum(int(t.item()) for t in self._fallbacks.values())
+
+    @property
+    def last_step_stats(self) -> dict[str, int]:
+        """Collectives, bytes sent and tiles computed by this rank in the last step, and its
+        root fallbacks (read from the device when this property is read)."""
+        before = sum(int(t.item()) for t in self._fallbacks_before.values())
+        return {**self._stats, "root_fallbacks": self.root_fallbacks - before}
 
     # -- subclass hooks ----------------------------------------------------------------------
     def _block_spec(self, group: dict[str, Any], tile: Tile) -> StateSpec:
@@ -380,7 +404,7 @@ class BlockPreconditioner(ShardedOptimizer):
         items = self._items()
         steps = self._count_step(items)
         stats = {"collectives": 0, "bytes_sent": 0, "local_tiles": 0, "exchanged_tiles": 0}
-        fallbacks_before = self.root_fallbacks
+        self._fallbacks_before = {d: t.clone() for d, t in self._fallbacks.items()}
         updates: dict[torch.Tensor, torch.Tensor] = {}
         grads: dict[torch.Tensor, torch.Tensor] = {}
         for item in items:
@@ -417,8 +441,7 @@ class BlockPreconditioner(ShardedOptimizer):
         for item in items:
             if item.param in updates:
                 self._apply(item, updates[item.param], steps[item.param])
-        stats["root_fallbacks"] = self.root_fallbacks - fallbacks_before
-        self.last_step_stats = stats
+        self._stats = stats
 
     def _run_exchange(
         self,
