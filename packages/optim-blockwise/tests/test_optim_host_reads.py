@@ -75,6 +75,9 @@ CASES = {
     # some units of a bucket present, others not: the presence flags are mixed
     "muon-mixed-presence": ("muon", (1, 5), {"all_to_all_single"}),
     "adamw8bit-aligned": ("adamw8bit", (), set()),
+    # shards cut quantization blocks: the edge absmaxes travel, no agreement all-gather
+    "adamw8bit-cut": ("adamw8bit-cut", (), {"all_gather"}),
+    "adamw8bit-cut-mixed-presence": ("adamw8bit-cut", (0, 5), {"all_gather"}),
     # a root / eigenbasis refresh in every step, on local and exchanged tiles
     "shampoo": ("shampoo", (), {"all_to_all_single"}),
     "soap": ("soap", (), {"all_to_all_single"}),

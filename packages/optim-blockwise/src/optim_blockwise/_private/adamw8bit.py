@@ -13,11 +13,18 @@ With a block-aligned sharding (a block policy from ``AdamW8bit.block_policy``) n
 cuts a block and the step issues no collective. Otherwise (e.g. FSDP2's ``Shard(0)`` with a row
 length that is not a multiple of the block) at most the first and last local blocks of a rank
 are shared with neighbours; their absmax is the max of the neighbours' partial maxima. Those are
-computed first from just those elements, exchanged in one ``all_gather`` of 4 floats per
-parameter per step (batched over all parameters of a process group, after a 16-byte
-fingerprint all-gather that turns a disagreement between ranks into an error instead of a gloo
-abort), and every rank stores the whole block's absmax. Results stay bit-identical to single
-device; nothing else moves.
+computed first from just those elements, exchanged in one ``all_gather`` of 5 floats per
+parameter per step (the 4 partial maxima and a presence flag, batched over all such parameters
+of a process group), and every rank stores the whole block's absmax. Results stay bit-identical
+to single device; nothing else moves.
+
+Which parameters take part is decided once per layout (``_make_plan``), for every parameter
+whose shards cut blocks whether or not it has a gradient in a given step, and only then do the
+ranks check with the fingerprint all-gather every package shares (``agree``) that they planned
+the same exchange: a disagreement is an error instead of a gloo abort, and a steady-state step
+runs no agreement collective and reads nothing on the host. A gradient present on some ranks
+only travels as its presence flag and raises on every rank (``exchange.check_presence``, a
+device-side assert), as in Muon's exchange.
 
 [Note: runs, chunks and memory]
 Parameters that lie next to each other in one storage (a ``fully_shard`` group's flat shard) and
@@ -56,6 +63,7 @@ import torch.distributed as dist
 from optim_blockwise._private import quant
 from optim_blockwise._private.agree import check_agreement, fingerprint
 from optim_blockwise._private.base import ShardedOptimizer
+from optim_blockwise._private.exchange import PresenceFlags, check_presence, presence_status
 from optim_blockwise._private.layout import ParamLayout, local_flat
 from optim_blockwise._private.policy import AdamW8bitBlockPolicy
 from optim_blockwise._private.runs import (
@@ -181,7 +189,10 @@ class AdamW8bit(ShardedOptimizer):
         self._places: dict[int, _Place] = {}
         self._places_key: tuple[object, ...] | None = None
         self._buffers: dict[tuple[object, str], torch.Tensor] = {}
+        self._boundaries: dict[dist.ProcessGroup, list[tuple[torch.Tensor, str, ParamLayout]]] = {}
+        """Per process group, the parameters whose edge absmaxes travel (once per layout)."""
         self._exchanged: set[torch.Tensor] = set()
+        self._presence = PresenceFlags()
         self.last_step_stats: dict[str, int] = {}
         """Runs and chunks of the last step, and its scratch size (for benchmarks)."""
 
@@ -350,49 +361,53 @@ class AdamW8bit(ShardedOptimizer):
     def _exchange_boundaries(
         self, items: list[_Item], states: list[dict[str, Any]]
     ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Global absmax of each exchanged param's first and last local block (m and v)."""
-        by_group: dict[dist.ProcessGroup, list[int]] = {}
-        for i, item in enumerate(items):
-            if item.exchange:
-                assert item.layout.group is not None
-                by_group.setdefault(item.layout.group, []).append(i)
+        """Global absmax of each exchanged item's first and last local block (m and v): one
+        all-gather per process group of every planned parameter's partials and presence."""
+        index = {item.param: i for i, item in enumerate(items)}
         result: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         block = self.block_size
-        for group, indices in by_group.items():
-            mine = torch.cat([self._boundary_partials(items[i], states[i]) for i in indices])
-            digest = fingerprint(
-                [(items[i].layout.global_shape, items[i].layout.ranges) for i in indices]
-            )
-            check_agreement(
-                group,
-                digest,
-                len(indices),
-                mine.device,
-                "AdamW8bit",
-                [items[i].name for i in indices],
-            )
+        for group, members in self._boundaries.items():
+            device = local_of(members[0][0]).device
+            present = [param in index for param, _, _ in members]
+            absent = torch.zeros(4, dtype=torch.float32, device=device)
+            parts = [
+                self._boundary_partials(items[index[param]], states[index[param]])
+                if param in index
+                else absent
+                for param, _, _ in members
+            ]
+            n = len(members)
+            flags = self._presence(present, n, torch.float32, device)
+            mine = torch.cat([*parts, flags])
             world = dist.get_world_size(group)
             gathered = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(gathered, mine, group=group)
-            table = torch.stack(gathered).view(world, len(indices), 4)
-            for j, i in enumerate(indices):
-                layout = items[i].layout
-                if layout.local_numel == 0:
-                    continue  # nothing to quantize here
+            table = torch.stack(gathered)
+            check_presence(
+                presence_status(table[:, 4 * n :].sum(0), world),
+                range(n),
+                "AdamW8bit",
+                [name for _, name, _ in members].__getitem__,
+            )
+            partials = table[:, : 4 * n].view(world, n, 4)
+            for j, (param, _, layout) in enumerate(members):
+                i = index.get(param)
+                if i is None or layout.local_numel == 0:
+                    continue  # no gradient (on every rank), or nothing to quantize here
                 head_block = layout.start // block
                 tail_block = (layout.stop - 1) // block
                 # Global absmax of a block = max of every rank's partial max over that block.
                 edges = []
                 for target in (head_block, tail_block):
-                    parts = []
+                    edge_parts = []
                     for k, (lo, hi) in enumerate(layout.ranges):
                         if hi <= lo:
                             continue
                         if lo // block == target:
-                            parts.append(table[k, j, 0:2])
+                            edge_parts.append(partials[k, j, 0:2])
                         if (hi - 1) // block == target:
-                            parts.append(table[k, j, 2:4])
-                    edges.append(torch.stack(parts).amax(dim=0))
+                            edge_parts.append(partials[k, j, 2:4])
+                    edges.append(torch.stack(edge_parts).amax(dim=0))
                 result[i] = (edges[0], edges[1])
         return result
 
@@ -450,8 +465,9 @@ class AdamW8bit(ShardedOptimizer):
         return tuple(key)
 
     def _make_plan(self) -> None:
-        """Which parameters' shards cut quantization blocks (their edge absmaxes travel)."""
-        self._exchanged = set()
+        """The boundary exchange (module note): every 8-bit parameter whose shards cut
+        quantization blocks, per process group, and the ranks' agreement on it."""
+        by_group: dict[dist.ProcessGroup, list[tuple[torch.Tensor, str, ParamLayout]]] = {}
         for _, name, param in self._all_params():
             layout = self._layout(param, name)
             if (
@@ -459,7 +475,19 @@ class AdamW8bit(ShardedOptimizer):
                 and layout.is_sharded
                 and _cuts_blocks(layout, self.block_size)
             ):
-                self._exchanged.add(param)
+                assert layout.group is not None
+                by_group.setdefault(layout.group, []).append((param, name, layout))
+        for group, members in by_group.items():
+            check_agreement(
+                group,
+                fingerprint([(layout.global_shape, layout.ranges) for _, _, layout in members]),
+                len(members),
+                local_of(members[0][0]).device,
+                "AdamW8bit",
+                [name for _, name, _ in members],
+            )
+        self._boundaries = by_group
+        self._exchanged = {param for members in by_group.values() for param, _, _ in members}
 
     def _step(self) -> None:
         all_places = self._current_places()
