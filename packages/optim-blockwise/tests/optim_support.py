@@ -23,6 +23,10 @@ from ragged_dtensor import RaggedShard
 
 DEVICE_TYPE = "cpu"  # tests run on the CPU process groups (gloo / threaded)
 
+UNALIGNED = "ignore:AdamW8bit. parameter .* is sharded with a rank boundary:UserWarning"
+"""``filterwarnings`` for tests that shard on purpose without AdamW8bit's block policy: the
+construction-time warning about it is expected there (and tested in the agreement tests)."""
+
 # A sharding spec (picklable): ("ragged", dims, units) | ("chunk",) | ("plain",)
 Spec = tuple[Any, ...]
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from optim_support import (
+    UNALIGNED,
     assert_records_equal,
     check_against_single,
     dist_run_flat_steps,
@@ -25,7 +26,7 @@ from optim_support import (
 import optim_blockwise as ob
 from ragged_dtensor.testing import run_threaded
 
-pytestmark = pytest.mark.numerics
+pytestmark = [pytest.mark.numerics, pytest.mark.filterwarnings(UNALIGNED)]
 
 SHAPES = [(64, 96), (40, 50), (7,), (128, 33), (1, 4096)]
 PLAIN = [("plain",)] * len(SHAPES)

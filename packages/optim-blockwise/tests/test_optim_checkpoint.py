@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-from optim_support import local_of, make_optimizer, ragged_spec, shard
+from optim_support import UNALIGNED, local_of, make_optimizer, ragged_spec, shard
 from torch.distributed.device_mesh import init_device_mesh
 
 from ragged_dtensor.testing import DistributedFailure, run_threaded
 
-pytestmark = pytest.mark.numerics
+pytestmark = [pytest.mark.numerics, pytest.mark.filterwarnings(UNALIGNED)]
 
 SHAPES = [(64, 96), (33,), (100, 48)]
 

@@ -14,11 +14,13 @@ from typing import Any
 
 import pytest
 import torch
-from optim_support import HostReads, ragged_spec, shard
+from optim_support import UNALIGNED, HostReads, ragged_spec, shard
 from torch.distributed.device_mesh import init_device_mesh
 
 import optim_blockwise as ob
 from ragged_dtensor.testing import count_collectives, run_threaded
+
+pytestmark = pytest.mark.filterwarnings(UNALIGNED)
 
 WARMUP, STEPS = 2, 3
 

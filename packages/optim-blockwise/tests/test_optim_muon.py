@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from optim_support import (
+    UNALIGNED,
     check_against_single,
     dist_run_steps,
     ragged_spec,
@@ -27,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import optim_blockwise as ob
 from ragged_dtensor.testing import DistributedFailure, run_threaded
 
-pytestmark = pytest.mark.numerics
+pytestmark = [pytest.mark.numerics, pytest.mark.filterwarnings(UNALIGNED)]
 
 SHAPES = [(64, 96), (40, 50), (7,), (128, 33), (16, 8), (1, 30)]
 PLAIN = [("plain",)] * len(SHAPES)

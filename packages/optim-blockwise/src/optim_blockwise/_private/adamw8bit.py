@@ -53,19 +53,26 @@ steps before ``step()`` (``torch.amp.GradScaler`` does).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable
 from typing import Any, cast
 
 import attrs
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 from optim_blockwise._private import quant
 from optim_blockwise._private.agree import check_agreement, fingerprint
 from optim_blockwise._private.base import ShardedOptimizer
 from optim_blockwise._private.exchange import PresenceFlags, check_presence, presence_status
 from optim_blockwise._private.layout import ParamLayout, local_flat
-from optim_blockwise._private.policy import AdamW8bitBlockPolicy
+from optim_blockwise._private.policy import (
+    AdamW8bitBlockPolicy,
+    BlockPolicy,
+    adamw8bit_settings,
+    check_adamw8bit_blocks,
+)
 from optim_blockwise._private.runs import (
     Slot,
     compact,
@@ -76,6 +83,7 @@ from optim_blockwise._private.runs import (
     slot_of,
 )
 from optim_blockwise._private.validate import check_betas, check_nonnegative
+from ragged_dtensor import RaggedShard
 
 __all__ = ["AdamW8bit", "adamw8bit_block_policy"]
 
@@ -147,6 +155,10 @@ def _cuts_blocks(layout: ParamLayout, block: int) -> bool:
     return any(lo % block for lo, hi in layout.ranges if hi > lo)
 
 
+def _replicated(param: DTensor) -> bool:
+    return all(isinstance(p, Replicate) for p in param.placements)
+
+
 class AdamW8bit(ShardedOptimizer):
     """AdamW whose moments are stored in 8 bits with blockwise dynamic quantization.
 
@@ -162,6 +174,12 @@ class AdamW8bit(ShardedOptimizer):
     note). ``state_dict()`` holds each rank's local state (codes ``uint8``, absmaxes ``fp32``)
     as DTensors for sharded parameters (resharded by distributed checkpointing).
 
+    ``block_policy``: the block policy the parameters were sharded with (give the engine and the
+    optimizer the same ``AdamW8bit.block_policy(...)``). The optimizer then takes ``block_size``
+    and ``min_8bit_size`` from it, and refuses at construction settings that disagree with it
+    and layouts that cut its blocks; without it, a ``RaggedShard`` layout that cuts them is
+    reported with a warning (the policy module's agreement note).
+
     State memory: 2 bytes per element plus ``8 / block_size`` bytes of absmax (2.03 at 256).
     """
 
@@ -173,19 +191,30 @@ class AdamW8bit(ShardedOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         *,
-        block_size: int = 256,
-        min_8bit_size: int = 4096,
+        block_size: int | None = None,
+        min_8bit_size: int | None = None,
+        block_policy: BlockPolicy | None = None,
     ) -> None:
         check_nonnegative("lr", lr)
         check_betas("betas", betas)
         check_nonnegative("eps", eps)
         check_nonnegative("weight_decay", weight_decay)
-        if block_size < 1:
+        if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if block_policy is not None and not callable(block_policy):
+            raise TypeError(
+                f"block_policy must be a block policy (name, param) -> elements, such as "
+                f"AdamW8bit.block_policy(...), got {type(block_policy).__name__}"
+            )
+        self.block_size, self.min_8bit_size = adamw8bit_settings(
+            block_size, min_8bit_size, block_policy
+        )
+        self._block_policy = block_policy
+        self._unaligned: list[str] | None = []  # warnings of the groups given at construction
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
-        self.block_size = block_size
-        self.min_8bit_size = min_8bit_size
+        self._warn_unaligned(self._unaligned, stacklevel=3)
+        self._unaligned = None
         self._places: dict[int, _Place] = {}
         self._places_key: tuple[object, ...] | None = None
         self._buffers: dict[tuple[object, str], torch.Tensor] = {}
@@ -203,6 +232,40 @@ class AdamW8bit(ShardedOptimizer):
 
     def _absmax_block(self) -> int:
         return self.block_size
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        found = self._check_blocks(self.param_groups[-1])
+        if self._unaligned is not None:  # in __init__: warned once, at the caller's line
+            self._unaligned.extend(found)
+        else:
+            self._warn_unaligned(found, stacklevel=3)
+
+    @staticmethod
+    def _warn_unaligned(found: list[str], stacklevel: int) -> None:
+        if found:
+            more = f" ({len(found) - 1} more parameters alike)" if len(found) > 1 else ""
+            warnings.warn(found[0] + more, UserWarning, stacklevel=stacklevel)
+
+    def _check_blocks(self, group: dict[str, Any]) -> list[str]:
+        """The block policy's agreement with these settings and the layouts (policy module
+        note), for the parameters of a new group, at construction (never in a step): raises,
+        or returns the warnings' texts."""
+        warned = []
+        for index, param in enumerate(group["params"]):
+            name = self._name(group, index, param)
+            layout = None
+            if isinstance(param, DTensor) and (
+                any(isinstance(p, RaggedShard) for p in param.placements)
+                or (self._block_policy is not None and not _replicated(param))
+            ):
+                layout = self._layout(param, name)
+            text = check_adamw8bit_blocks(
+                name, param, layout, self.block_size, self.min_8bit_size, self._block_policy
+            )
+            if text is not None:
+                warned.append(text)
+        return warned
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
