@@ -12,12 +12,12 @@ both sides): compared bitwise.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from optim_engine_model import LOCK, Net, init_state
 from torch import nn
 from torch.distributed.tensor import DTensor, init_device_mesh
 
@@ -28,30 +28,6 @@ from ragged_dtensor.testing import run_processes, run_threaded
 pytestmark = pytest.mark.numerics
 
 STEPS = 5
-# threads share torch's global generator: every construction holds this lock
-_LOCK = threading.RLock()
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(64, 96)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(96, 160), nn.GELU(), nn.Linear(160, 96)) for _ in range(2)
-        )
-        self.head = nn.Linear(96, 64)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
-
-
-def _init() -> dict[str, torch.Tensor]:
-    with _LOCK, torch.random.fork_rng():  # threads share torch's global generator
-        torch.manual_seed(0)
-        return {k: v.clone() for k, v in Net().state_dict().items()}
 
 
 def _data(world: int) -> list[torch.Tensor]:
@@ -76,9 +52,9 @@ def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
 
 def _single(kind: str, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)  # the ranks run with one intra-op thread too
-    with _LOCK:
+    with LOCK:
         model = Net()
-    model.load_state_dict(_init())
+    model.load_state_dict(init_state())
     opt = _optimizer(kind, model)
     for tokens in _data(world):
         _loss(model, tokens).backward()
@@ -90,9 +66,9 @@ def _single(kind: str, world: int) -> dict[str, Any]:
 def _sharded(rank: int, world: int, kind: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
-    with _LOCK:
+    with LOCK:
         model = Net()
-    model.load_state_dict(_init())
+    model.load_state_dict(init_state())
     policy = (
         ob.AdamW8bit.block_policy(block_size=256)
         if kind == "adamw8bit"

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from test_integration_optim_engine import _LOCK, Net, _init  # the same model and init
+from optim_engine_model import LOCK, Net, init_state
 from torch import nn
 from torch.distributed.tensor import DTensor, init_device_mesh
 
@@ -54,9 +54,9 @@ def _train(model: nn.Module, opt: Any, world: int) -> list[dict[str, int]]:
 
 def _single(kind: str, world: int) -> dict[str, torch.Tensor]:
     torch.set_num_threads(1)
-    with _LOCK:
+    with LOCK:
         model = Net()
-    model.load_state_dict(_init())
+    model.load_state_dict(init_state())
     _train(model, _optimizer(kind, model), world)
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -64,9 +64,9 @@ def _single(kind: str, world: int) -> dict[str, torch.Tensor]:
 def _sharded(rank: int, world: int, kind: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
-    with _LOCK:
+    with LOCK:
         model = Net()
-    model.load_state_dict(_init())
+    model.load_state_dict(init_state())
     policy = ob.Shampoo.block_policy(MAX_DIM)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, block_policy=policy)

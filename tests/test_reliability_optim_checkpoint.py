@@ -14,6 +14,8 @@ Numerics: round trips move bits and resumed runs repeat the same arithmetic: bit
 
 from __future__ import annotations
 
+import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,11 @@ import optim_blockwise as ob
 from fsdp_engine import CheckpointError, fully_shard, load_checkpoint, save_checkpoint
 from ragged_dtensor.testing import run_threaded
 
-pytestmark = pytest.mark.numerics
+pytestmark = [
+    pytest.mark.numerics,
+    # "adamw8bit-cut" shards without AdamW8bit's block policy on purpose (its warning is tested)
+    pytest.mark.filterwarnings("ignore:AdamW8bit. parameter .* rank boundary:UserWarning"),
+]
 
 VOCAB, DIM = 64, 32
 BLOCK = 32  # AdamW8bit block; the small model needs small blocks to have 8-bit state at all
@@ -73,7 +79,9 @@ def _build(world: int, kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
         fully_shard(block, mesh=mesh, block_policy=policy)
     fully_shard(model, mesh=mesh, block_policy=policy)
     opt: torch.optim.Optimizer
-    if kind.startswith("adamw8bit"):
+    if kind == "adamw8bit":  # the optimizer's settings from the same policy
+        opt = ob.AdamW8bit(model.parameters(), lr=1e-2, block_policy=policy)
+    elif kind == "adamw8bit-cut":
         opt = ob.AdamW8bit(model.parameters(), lr=1e-2, block_size=BLOCK, min_8bit_size=2 * BLOCK)
     else:
         opt = ob.Muon(model.parameters(), lr=1e-2, ns_dtype=torch.float32)
@@ -215,3 +223,39 @@ def test_8bit_state_of_block_cutting_shards_refuses_another_layout(tmp_path: Pat
     for message in run_threaded(_load_cut, 4, str(tmp_path), timeout=120):
         # load_checkpoint compares global shapes before any rank reads data (strict loading)
         assert "exp_avg_absmax': shape (" in message and "in the checkpoint" in message, message
+
+
+_LOCK = threading.Lock()  # warnings' filters are process-wide: one rank records at a time
+
+
+def _mismatched(rank: int, world: int, policy_to_optimizer: bool) -> list[str]:
+    """Issue 28's case: fully_shard given AdamW8bit.block_policy(block_size=BLOCK) (so
+    min_8bit_size=4096: every tensor of this model unconstrained), the optimizer
+    min_8bit_size=2 * BLOCK (most of them kept in 8 bits)."""
+    model = Tiny()
+    mesh = init_device_mesh("cpu", (world,))
+    policy = ob.AdamW8bit.block_policy(block_size=BLOCK)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, block_policy=policy)
+    fully_shard(model, mesh=mesh, block_policy=policy)
+    kwargs: dict[str, Any] = {"block_policy": policy} if policy_to_optimizer else {}
+    try:
+        with _LOCK, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ob.AdamW8bit(model.parameters(), block_size=BLOCK, min_8bit_size=2 * BLOCK, **kwargs)
+    except ValueError as exc:
+        return [f"ValueError: {exc}"]
+    return [str(w.message) for w in caught if "AdamW8bit" in str(w.message)]
+
+
+def test_adamw8bit_settings_disagreeing_with_the_engines_block_policy_are_named() -> None:
+    """Used to train, then fail to resume at another world size with only a shape mismatch of
+    an absmax vector. Now named at construction: refused, with both values, when the optimizer
+    is given the policy; otherwise a warning naming a parameter whose shards cut its blocks and
+    the policy fully_shard needs."""
+    for out in run_threaded(_mismatched, 2, True, timeout=120):
+        assert len(out) == 1 and out[0].startswith("ValueError: AdamW8bit(min_8bit_size=64)"), out
+        assert "block_policy=AdamW8bitBlockPolicy(block_size=32, min_8bit_size=4096)" in out[0]
+    for out in run_threaded(_mismatched, 2, False, timeout=120):
+        assert len(out) == 1 and "is sharded with a rank boundary at element" in out[0], out
+        assert "AdamW8bit.block_policy(block_size=32, min_8bit_size=64)" in out[0], out

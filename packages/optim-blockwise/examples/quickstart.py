@@ -32,3 +32,14 @@ assert policy("w", model[1].weight) == 256  # a shard boundary never cuts a quan
 assert policy("bias", model[1].bias) == 1  # < 4096 elements: fp32 state, no constraint
 assert policy("emb", torch.empty(100, 65)) == 4  # 25 blocks + a short one: gcd(6500, 256)
 assert ob.Muon.block_policy()("w", model[1].weight) == 1  # the root gathers any flat ranges
+
+# Give the engine and AdamW8bit the same policy: the optimizer takes its settings from it, and
+# refuses at construction settings that disagree (shards would cut its quantization blocks).
+sharded_opt = ob.AdamW8bit(model.parameters(), lr=1e-3, block_policy=policy)
+assert (sharded_opt.block_size, sharded_opt.min_8bit_size) == (256, 4096)
+try:
+    ob.AdamW8bit(model.parameters(), block_policy=policy, min_8bit_size=256)
+except ValueError as exc:
+    assert "AdamW8bit(min_8bit_size=256) disagrees with its block_policy" in str(exc)
+else:
+    raise AssertionError("settings that disagree with the block policy must be refused")

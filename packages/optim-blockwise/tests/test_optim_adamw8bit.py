@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_optim_support import (
+from optim_support import (
+    UNALIGNED,
     assert_records_equal,
     check_against_single,
     dist_run_flat_steps,
@@ -25,7 +26,7 @@ from test_optim_support import (
 import optim_blockwise as ob
 from ragged_dtensor.testing import run_threaded
 
-pytestmark = pytest.mark.numerics
+pytestmark = [pytest.mark.numerics, pytest.mark.filterwarnings(UNALIGNED)]
 
 SHAPES = [(64, 96), (40, 50), (7,), (128, 33), (1, 4096)]
 PLAIN = [("plain",)] * len(SHAPES)
@@ -259,9 +260,10 @@ def test_aligned_shards_issue_no_collective(monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.setattr(dist, name, counting(getattr(dist, name)))
     run_threaded(_three_steps, 2, True)
     assert calls == []
-    # Unaligned: per step and rank, one fingerprint all-gather and one batched edge all-gather.
+    # Unaligned: per rank, one fingerprint all-gather when the layout is first seen (not per
+    # step: issue 24 defect 8), and one batched edge all-gather per step.
     run_threaded(_three_steps, 2, False)
-    assert len(calls) == 2 * 3 * 2
+    assert len(calls) == (1 + 3) * 2
 
 
 def _shard1(rank: int, world: int) -> str:
@@ -295,7 +297,7 @@ def test_empty_shards_with_unaligned_blocks(units: tuple[int, ...]) -> None:
 
 
 def _disagree(rank: int, world: int) -> None:
-    from test_optim_support import shard
+    from optim_support import shard
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
@@ -313,6 +315,43 @@ def test_ranks_disagreeing_on_grads_raise_instead_of_aborting() -> None:
 
     with pytest.raises(DistributedFailure, match="AdamW8bit: ranks of a process group disagree"):
         run_threaded(_disagree, 2, timeout=30)
+
+
+def _gradient_missing(rank: int, world: int, where: str) -> list[torch.Tensor]:
+    """Two 8-bit parameters on shards that cut blocks; in step 3 the second has no gradient
+    (on rank 0 only, or on every rank)."""
+    from optim_support import shard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    spec = ("ragged", (0, 1), (3, 5) if world == 2 else (8,))
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(shard(torch.randn(50, 96, generator=gen), mesh, spec))]
+    params.append(torch.nn.Parameter(shard(torch.randn(50, 96, generator=gen), mesh, spec)))
+    opt = ob.AdamW8bit([{"params": params, "param_names": ["a", "b"]}], lr=1e-2)
+    for step in range(4):
+        for p in params:
+            p.grad = shard(torch.randn(50, 96, generator=gen), mesh, spec)
+        if step == 2 and (where == "everywhere" or rank == 0):
+            params[1].grad = None
+        opt.step()
+    return [p.detach().to_local().clone() for p in params]
+
+
+def test_gradient_missing_on_one_rank_in_a_later_step_raises_on_every_rank() -> None:
+    """The exchange was agreed on in step 1; in step 3 rank 0 has no gradient for 'b': its
+    presence flag travels with the edge absmaxes and every rank raises, naming it."""
+    from ragged_dtensor.testing import DistributedFailure
+
+    with pytest.raises(DistributedFailure, match=r"AdamW8bit: ranks .* disagree.*mixed: \['b'\]"):
+        run_threaded(_gradient_missing, 2, "one rank", timeout=30)
+
+
+def test_gradient_missing_on_every_rank_skips_the_parameter_like_one_device() -> None:
+    out = run_threaded(_gradient_missing, 2, "everywhere", timeout=30)
+    (single,) = run_threaded(_gradient_missing, 1, "everywhere", timeout=30)
+    for i in range(2):
+        assert torch.equal(torch.cat([o[i] for o in out]), single[i]), i
 
 
 # -- flat runs, bounded memory, kernels ---------------------------------------------------------
@@ -375,7 +414,7 @@ def test_step_transient_memory_is_at_most_4_bytes_per_element() -> None:
     """Beyond the stored state, ``step()`` allocates at most 4 bytes per parameter element
     (measured: every allocation, kernel temporaries included), for tensors in one storage and
     for separate ones, against ~40 bytes per element for whole-tensor dequantize/quantize."""
-    from test_optim_support import flat_views, one_thread
+    from optim_support import flat_views, one_thread
 
     gen = torch.Generator().manual_seed(0)
     shapes = [(512, 512), (256, 1024), (1024, 300), (300, 301), (4096,), (2048, 64)]
@@ -398,7 +437,7 @@ def test_step_transient_memory_is_at_most_4_bytes_per_element() -> None:
 
 
 def _kernels_per_parameter(flat: bool) -> float:
-    from test_optim_support import flat_views, one_thread
+    from optim_support import flat_views, one_thread
     from torch.utils._python_dispatch import TorchDispatchMode
 
     count = [0]

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 import torch
-from test_optim_support import local_of, make_optimizer, ragged_spec, shard
+from optim_support import UNALIGNED, local_of, make_optimizer, ragged_spec, shard
 from torch.distributed.device_mesh import init_device_mesh
 
 from ragged_dtensor.testing import DistributedFailure, run_threaded
 
-pytestmark = pytest.mark.numerics
+pytestmark = [pytest.mark.numerics, pytest.mark.filterwarnings(UNALIGNED)]
 
 SHAPES = [(64, 96), (33,), (100, 48)]
 
@@ -156,7 +156,7 @@ def _load_only(
 def test_dcp_reshards_state_from_two_to_three_ranks(kind: str, tmp_path: Any) -> None:
     """Saved at world size 2, loaded at 3 (block-aligned layouts): every rank holds exactly the
     single-device state's slice for its new range."""
-    from test_optim_support import check_against_single
+    from optim_support import check_against_single
 
     shapes = [(64, 96), (33,), (64, 64)]  # 8-bit ones are whole 256-blocks: aligned layouts
     path = str(tmp_path / "ckpt")

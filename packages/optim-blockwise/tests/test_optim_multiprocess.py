@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_optim_support import (
+from optim_support import (
     check_against_single,
     dist_run_steps,
     from_bytes,

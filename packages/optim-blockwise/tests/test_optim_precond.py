@@ -1,7 +1,7 @@
 """Shampoo and SOAP: tiles, pieces, owners, roots, the block policy, sharded == one device.
 
 Equality tests are of the *same arithmetic* kind: one thread set explicitly on every side
-(``test_optim_precond_support.run``), the same data, the same ops in the same order on a fresh
+(``optim_precond_support.run``), the same data, the same ops in the same order on a fresh
 contiguous copy of each tile, so they compare bit for bit.
 """
 
@@ -17,8 +17,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_optim_precond_support import check_equal_to_single, dist_run, run
-from test_optim_support import ragged_spec, shard
+from optim_precond_support import check_equal_to_single, dist_run, run
+from optim_support import ragged_spec, shard
 from torch.distributed.device_mesh import init_device_mesh
 
 import optim_blockwise as ob
@@ -180,6 +180,32 @@ def test_failed_root_keeps_the_previous_one_and_counts() -> None:
     assert torch.equal(opt.state[w]["block0_L_inv_root"], root)
 
 
+def test_soap_non_finite_basis_keeps_the_previous_one_and_counts() -> None:
+    """SOAP's guards, decided on the device: a first basis that is not finite is the identity
+    (plain Adam on that side); a refreshed one that is not finite keeps the previous basis."""
+    first = torch.nn.Parameter(torch.zeros(4, 6))
+    opt = ob.SOAP([first], precondition_frequency=1)
+    first.grad = torch.full((4, 6), float("nan"))
+    opt.step()
+    assert opt.root_fallbacks == 2 and opt.last_step_stats["root_fallbacks"] == 2
+    for side, n in (("L", 4), ("R", 6)):
+        basis = opt.state[first][f"block0_Q_{side}"]
+        assert torch.equal(basis, torch.eye(n)) and basis.stride() == (1, n)  # column-major
+
+    w = torch.nn.Parameter(torch.zeros(4, 6))
+    opt = ob.SOAP([w], precondition_frequency=1)
+    for _ in range(2):  # the first basis, then one refresh
+        w.grad = torch.randn(4, 6)
+        opt.step()
+    kept = {side: opt.state[w][f"block0_Q_{side}"].clone() for side in "LR"}
+    assert opt.root_fallbacks == 0
+    w.grad = torch.full((4, 6), float("inf"))
+    opt.step()
+    assert opt.last_step_stats["root_fallbacks"] == 2 and opt.root_fallbacks == 2
+    for side in "LR":
+        assert torch.equal(opt.state[w][f"block0_Q_{side}"], kept[side]), side
+
+
 def test_preconditioner_updates_every_frequency_steps() -> None:
     """Roots change only at steps start, start + f, start + 2f, ... (Shampoo); eigenbases at
     Adam steps f, 2f, ... (SOAP; step 1 takes the first basis)."""
@@ -259,7 +285,7 @@ def test_fsdp2_shard0_equals_single_device(kind: str, world: int) -> None:
 
 
 def _gloo_cases(rank: int, world: int) -> bytes:
-    from test_optim_support import to_bytes
+    from optim_support import to_bytes
 
     specs = [ragged_spec(s, world, 1, seed=world * 7 + i) for i, s in enumerate(SHAPES)]
     return to_bytes([dist_run(rank, world, k, SHAPES, specs, 4, KWARGS[k]) for k in KWARGS])
@@ -268,7 +294,7 @@ def _gloo_cases(rank: int, world: int) -> bytes:
 @pytest.mark.multiprocess
 def test_gloo_processes_equal_single_device() -> None:
     """Real gloo processes, 4 ranks, uneven layouts with cut tiles: bit-identical."""
-    from test_optim_support import from_bytes
+    from optim_support import from_bytes
 
     world = 4
     per_rank = [from_bytes(b) for b in run_processes(_gloo_cases, world, timeout=240)]

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_optim_precond_support import check_equal_to_single, make
-from test_optim_support import local_of, ragged_spec, shard
+from optim_precond_support import check_equal_to_single, make
+from optim_support import local_of, ragged_spec, shard
 from torch.distributed.device_mesh import init_device_mesh
 
 from ragged_dtensor.testing import run_threaded

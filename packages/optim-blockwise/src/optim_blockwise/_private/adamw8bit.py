@@ -13,11 +13,18 @@ With a block-aligned sharding (a block policy from ``AdamW8bit.block_policy``) n
 cuts a block and the step issues no collective. Otherwise (e.g. FSDP2's ``Shard(0)`` with a row
 length that is not a multiple of the block) at most the first and last local blocks of a rank
 are shared with neighbours; their absmax is the max of the neighbours' partial maxima. Those are
-computed first from just those elements, exchanged in one ``all_gather`` of 4 floats per
-parameter per step (batched over all parameters of a process group, after a 16-byte
-fingerprint all-gather that turns a disagreement between ranks into an error instead of a gloo
-abort), and every rank stores the whole block's absmax. Results stay bit-identical to single
-device; nothing else moves.
+computed first from just those elements, exchanged in one ``all_gather`` of 5 floats per
+parameter per step (the 4 partial maxima and a presence flag, batched over all such parameters
+of a process group), and every rank stores the whole block's absmax. Results stay bit-identical
+to single device; nothing else moves.
+
+Which parameters take part is decided once per layout (``_make_plan``), for every parameter
+whose shards cut blocks whether or not it has a gradient in a given step, and only then do the
+ranks check with the fingerprint all-gather every package shares (``agree``) that they planned
+the same exchange: a disagreement is an error instead of a gloo abort, and a steady-state step
+runs no agreement collective and reads nothing on the host. A gradient present on some ranks
+only travels as its presence flag and raises on every rank (``exchange.check_presence``, a
+device-side assert), as in Muon's exchange.
 
 [Note: runs, chunks and memory]
 Parameters that lie next to each other in one storage (a ``fully_shard`` group's flat shard) and
@@ -46,18 +53,26 @@ steps before ``step()`` (``torch.amp.GradScaler`` does).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+import warnings
+from collections.abc import Iterable
 from typing import Any, cast
 
 import attrs
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 from optim_blockwise._private import quant
 from optim_blockwise._private.agree import check_agreement, fingerprint
 from optim_blockwise._private.base import ShardedOptimizer
+from optim_blockwise._private.exchange import PresenceFlags, check_presence, presence_status
 from optim_blockwise._private.layout import ParamLayout, local_flat
-from optim_blockwise._private.policy import AdamW8bitBlockPolicy
+from optim_blockwise._private.policy import (
+    AdamW8bitBlockPolicy,
+    BlockPolicy,
+    adamw8bit_settings,
+    check_adamw8bit_blocks,
+)
 from optim_blockwise._private.runs import (
     Slot,
     compact,
@@ -67,8 +82,8 @@ from optim_blockwise._private.runs import (
     local_of,
     slot_of,
 )
-from optim_blockwise._private.state import restore_state_dtypes, sharded_state_dict
 from optim_blockwise._private.validate import check_betas, check_nonnegative
+from ragged_dtensor import RaggedShard
 
 __all__ = ["AdamW8bit", "adamw8bit_block_policy"]
 
@@ -140,6 +155,10 @@ def _cuts_blocks(layout: ParamLayout, block: int) -> bool:
     return any(lo % block for lo, hi in layout.ranges if hi > lo)
 
 
+def _replicated(param: DTensor) -> bool:
+    return all(isinstance(p, Replicate) for p in param.placements)
+
+
 class AdamW8bit(ShardedOptimizer):
     """AdamW whose moments are stored in 8 bits with blockwise dynamic quantization.
 
@@ -155,6 +174,12 @@ class AdamW8bit(ShardedOptimizer):
     note). ``state_dict()`` holds each rank's local state (codes ``uint8``, absmaxes ``fp32``)
     as DTensors for sharded parameters (resharded by distributed checkpointing).
 
+    ``block_policy``: the block policy the parameters were sharded with (give the engine and the
+    optimizer the same ``AdamW8bit.block_policy(...)``). The optimizer then takes ``block_size``
+    and ``min_8bit_size`` from it, and refuses at construction settings that disagree with it
+    and layouts that cut its blocks; without it, a ``RaggedShard`` layout that cuts them is
+    reported with a warning (the policy module's agreement note).
+
     State memory: 2 bytes per element plus ``8 / block_size`` bytes of absmax (2.03 at 256).
     """
 
@@ -166,24 +191,37 @@ class AdamW8bit(ShardedOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         *,
-        block_size: int = 256,
-        min_8bit_size: int = 4096,
+        block_size: int | None = None,
+        min_8bit_size: int | None = None,
+        block_policy: BlockPolicy | None = None,
     ) -> None:
         check_nonnegative("lr", lr)
         check_betas("betas", betas)
         check_nonnegative("eps", eps)
         check_nonnegative("weight_decay", weight_decay)
-        if block_size < 1:
+        if block_size is not None and block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if block_policy is not None and not callable(block_policy):
+            raise TypeError(
+                f"block_policy must be a block policy (name, param) -> elements, such as "
+                f"AdamW8bit.block_policy(...), got {type(block_policy).__name__}"
+            )
+        self.block_size, self.min_8bit_size = adamw8bit_settings(
+            block_size, min_8bit_size, block_policy
+        )
+        self._block_policy = block_policy
+        self._unaligned: list[str] | None = []  # warnings of the groups given at construction
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
-        self.block_size = block_size
-        self.min_8bit_size = min_8bit_size
-        self._layouts: dict[torch.Tensor, ParamLayout] = {}
+        self._warn_unaligned(self._unaligned, stacklevel=3)
+        self._unaligned = None
         self._places: dict[int, _Place] = {}
         self._places_key: tuple[object, ...] | None = None
         self._buffers: dict[tuple[object, str], torch.Tensor] = {}
-        self._counts: dict[int, float] = {}
+        self._boundaries: dict[dist.ProcessGroup, list[tuple[torch.Tensor, str, ParamLayout]]] = {}
+        """Per process group, the parameters whose edge absmaxes travel (once per layout)."""
+        self._exchanged: set[torch.Tensor] = set()
+        self._presence = PresenceFlags()
         self.last_step_stats: dict[str, int] = {}
         """Runs and chunks of the last step, and its scratch size (for benchmarks)."""
 
@@ -192,12 +230,45 @@ class AdamW8bit(ShardedOptimizer):
         """The block policy (engine protocol ``(name, param) -> int``) for these settings."""
         return AdamW8bitBlockPolicy(block_size, min_8bit_size)
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch's format; state of DTensor params as DTensors (see the state module note)."""
-        return sharded_state_dict(self, super().state_dict(), self.block_size)
+    def _absmax_block(self) -> int:
+        return self.block_size
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        found = self._check_blocks(self.param_groups[-1])
+        if self._unaligned is not None:  # in __init__: warned once, at the caller's line
+            self._unaligned.extend(found)
+        else:
+            self._warn_unaligned(found, stacklevel=3)
+
+    @staticmethod
+    def _warn_unaligned(found: list[str], stacklevel: int) -> None:
+        if found:
+            more = f" ({len(found) - 1} more parameters alike)" if len(found) > 1 else ""
+            warnings.warn(found[0] + more, UserWarning, stacklevel=stacklevel)
+
+    def _check_blocks(self, group: dict[str, Any]) -> list[str]:
+        """The block policy's agreement with these settings and the layouts (policy module
+        note), for the parameters of a new group, at construction (never in a step): raises,
+        or returns the warnings' texts."""
+        warned = []
+        for index, param in enumerate(group["params"]):
+            name = self._name(group, index, param)
+            layout = None
+            if isinstance(param, DTensor) and (
+                any(isinstance(p, RaggedShard) for p in param.placements)
+                or (self._block_policy is not None and not _replicated(param))
+            ):
+                layout = self._layout(param, name)
+            text = check_adamw8bit_blocks(
+                name, param, layout, self.block_size, self.min_8bit_size, self._block_policy
+            )
+            if text is not None:
+                warned.append(text)
+        return warned
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        restore_state_dtypes(self, state_dict, super().load_state_dict)
+        super().load_state_dict(state_dict)
         self._adopt()
 
     # -- where state lives -------------------------------------------------------------------
@@ -273,32 +344,27 @@ class AdamW8bit(ShardedOptimizer):
         assert buf.numel() >= length
         return buf
 
-    def _views(self, place: _Place) -> dict[str, torch.Tensor]:
-        n, b = place.slot.numel, place.blocks
-        out = {}
-        if place.eight_bit:
-            for key in _EIGHT_BIT_KEYS:
-                if key.endswith("_absmax"):
-                    lo = place.block_offset
-                    out[key] = self._buffer(place, key, lo + b)[lo : lo + b]
-                else:
-                    out[key] = self._buffer(place, key, place.offset + n)[
-                        place.offset : place.offset + n
-                    ]
+    def _views(self, place: _Place, numel: int | None = None) -> dict[str, torch.Tensor]:
+        """Flat state slices from ``place``: its own, or with ``numel`` those of a run of
+        ``numel`` elements that starts there (absmaxes: the blocks the elements touch)."""
+        if numel is None:
+            numel, blocks = place.slot.numel, place.blocks
         else:
-            for key in _FP32_KEYS:
-                out[key] = self._buffer(place, key, place.offset + n)[
-                    place.offset : place.offset + n
-                ]
+            blocks = -(-(place.head + numel) // self.block_size)
+        out = {}
+        for key in _EIGHT_BIT_KEYS if place.eight_bit else _FP32_KEYS:
+            lo, n = (
+                (place.block_offset, blocks) if key.endswith("_absmax") else (place.offset, numel)
+            )
+            out[key] = self._buffer(place, key, lo + n)[lo : lo + n]
         return out
 
     def _init_state(self, item: _Item, place: _Place) -> dict[str, Any]:
         state = cast(dict[str, Any], self.state[item.param])
         if state:
             return state
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        self._new_step_count(item.param, state)
         state.update(self._views(place))
-        self._counts[id(item.param)] = 0.0
         return state
 
     def _adopt(self) -> None:
@@ -306,7 +372,6 @@ class AdamW8bit(ShardedOptimizer):
         ``self.state`` at them (after a load, or when parameters moved)."""
         old = {p: dict(s) for p, s in self.state.items()}
         self._buffers = {}
-        self._counts = {}
         if self._places_key is None:
             self._places = self._make_places(self._all_params())
             self._places_key = tuple(
@@ -359,61 +424,57 @@ class AdamW8bit(ShardedOptimizer):
     def _exchange_boundaries(
         self, items: list[_Item], states: list[dict[str, Any]]
     ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """Global absmax of each exchanged param's first and last local block (m and v)."""
-        by_group: dict[dist.ProcessGroup, list[int]] = {}
-        for i, item in enumerate(items):
-            if item.exchange:
-                assert item.layout.group is not None
-                by_group.setdefault(item.layout.group, []).append(i)
+        """Global absmax of each exchanged item's first and last local block (m and v): one
+        all-gather per process group of every planned parameter's partials and presence."""
+        index = {item.param: i for i, item in enumerate(items)}
         result: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         block = self.block_size
-        for group, indices in by_group.items():
-            mine = torch.cat([self._boundary_partials(items[i], states[i]) for i in indices])
-            digest = fingerprint(
-                [(items[i].layout.global_shape, items[i].layout.ranges) for i in indices]
-            )
-            check_agreement(
-                group,
-                digest,
-                len(indices),
-                mine.device,
-                "AdamW8bit",
-                [items[i].name for i in indices],
-            )
+        for group, members in self._boundaries.items():
+            device = local_of(members[0][0]).device
+            present = [param in index for param, _, _ in members]
+            absent = torch.zeros(4, dtype=torch.float32, device=device)
+            parts = [
+                self._boundary_partials(items[index[param]], states[index[param]])
+                if param in index
+                else absent
+                for param, _, _ in members
+            ]
+            n = len(members)
+            flags = self._presence(present, n, torch.float32, device)
+            mine = torch.cat([*parts, flags])
             world = dist.get_world_size(group)
             gathered = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(gathered, mine, group=group)
-            table = torch.stack(gathered).view(world, len(indices), 4)
-            for j, i in enumerate(indices):
-                layout = items[i].layout
-                if layout.local_numel == 0:
-                    continue  # nothing to quantize here
+            table = torch.stack(gathered)
+            check_presence(
+                presence_status(table[:, 4 * n :].sum(0), world),
+                range(n),
+                "AdamW8bit",
+                [name for _, name, _ in members].__getitem__,
+            )
+            partials = table[:, : 4 * n].view(world, n, 4)
+            for j, (param, _, layout) in enumerate(members):
+                i = index.get(param)
+                if i is None or layout.local_numel == 0:
+                    continue  # no gradient (on every rank), or nothing to quantize here
                 head_block = layout.start // block
                 tail_block = (layout.stop - 1) // block
                 # Global absmax of a block = max of every rank's partial max over that block.
                 edges = []
                 for target in (head_block, tail_block):
-                    parts = []
+                    edge_parts = []
                     for k, (lo, hi) in enumerate(layout.ranges):
                         if hi <= lo:
                             continue
                         if lo // block == target:
-                            parts.append(table[k, j, 0:2])
+                            edge_parts.append(partials[k, j, 0:2])
                         if (hi - 1) // block == target:
-                            parts.append(table[k, j, 2:4])
-                    edges.append(torch.stack(parts).amax(dim=0))
+                            edge_parts.append(partials[k, j, 2:4])
+                    edges.append(torch.stack(edge_parts).amax(dim=0))
                 result[i] = (edges[0], edges[1])
         return result
 
     # -- the step ----------------------------------------------------------------------------
-    def _count(self, param: torch.Tensor, state: dict[str, Any]) -> float:
-        """The step number before this step, kept on the host (read once after a load)."""
-        count = self._counts.get(id(param))
-        if count is None:
-            count = float(state["step"].item())
-            self._counts[id(param)] = count
-        return count
-
     def _runs(self, items: list[_Item], places: list[_Place]) -> list[_Run]:
         """Consecutive items (storage order) that one flat update can serve (module note)."""
         order = sorted(
@@ -436,7 +497,7 @@ class AdamW8bit(ShardedOptimizer):
                     and not prev.exchange
                     and item.group is prev.group
                     and place.eight_bit == prev_place.eight_bit
-                    and self._counts[id(item.param)] == self._counts[id(prev.param)]
+                    and self._step_counts[item.param] == self._step_counts[prev.param]
                     and follows(prev_place.slot, place.slot)
                     and grads_follow(
                         local_of(cast(torch.Tensor, prev.param.grad)),
@@ -460,12 +521,38 @@ class AdamW8bit(ShardedOptimizer):
             runs.append(_Run(tuple(current), numel))
         return runs
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _plan_inputs(self) -> tuple[object, ...]:
+        key: list[object] = [self.block_size, self.min_8bit_size]
+        for group in self.param_groups:
+            key.extend(id(p) for p in group["params"])
+        return tuple(key)
+
+    def _make_plan(self) -> None:
+        """The boundary exchange (module note): every 8-bit parameter whose shards cut
+        quantization blocks, per process group, and the ranks' agreement on it."""
+        by_group: dict[dist.ProcessGroup, list[tuple[torch.Tensor, str, ParamLayout]]] = {}
+        for _, name, param in self._all_params():
+            layout = self._layout(param, name)
+            if (
+                layout.numel >= self.min_8bit_size
+                and layout.is_sharded
+                and _cuts_blocks(layout, self.block_size)
+            ):
+                assert layout.group is not None
+                by_group.setdefault(layout.group, []).append((param, name, layout))
+        for group, members in by_group.items():
+            check_agreement(
+                group,
+                fingerprint([(layout.global_shape, layout.ranges) for _, _, layout in members]),
+                len(members),
+                local_of(members[0][0]).device,
+                "AdamW8bit",
+                [name for _, name, _ in members],
+            )
+        self._boundaries = by_group
+        self._exchanged = {param for members in by_group.values() for param, _, _ in members}
+
+    def _step(self) -> None:
         all_places = self._current_places()
         items: list[_Item] = []
         for group, name, param in self._params_with_grads():
@@ -477,15 +564,14 @@ class AdamW8bit(ShardedOptimizer):
                     f"differs from the parameter's {tuple(param.shape)}"
                 )
             eight_bit = layout.numel >= self.min_8bit_size
-            exchange = eight_bit and layout.is_sharded and _cuts_blocks(layout, self.block_size)
-            items.append(_Item(param, name, group, layout, eight_bit, exchange))
+            items.append(_Item(param, name, group, layout, eight_bit, param in self._exchanged))
             for t in (param, param.grad):  # checked like local_flat, without making a view
                 if not local_of(t).is_contiguous():
                     local_flat(t, name)
         places = [all_places[id(item.param)] for item in items]
         states = [self._init_state(item, place) for item, place in zip(items, places, strict=True)]
         for item, state in zip(items, states, strict=True):
-            self._count(item.param, state)
+            self._steps_done(item.param, state)  # read once after a load, before _runs
         edges = self._exchange_boundaries(items, states)
         runs = self._runs(items, places)
         total = sum(r.numel for r in runs)
@@ -501,17 +587,12 @@ class AdamW8bit(ShardedOptimizer):
                 device = local_of(items[run.items[0]].param).device
                 scratch = quant.Scratch(min(chunk, max(total, 1)) + 2 * block, device)
             chunks += self._update_run(run, items, places, states, edges, chunk, scratch)
-        steps = [s["step"] for s in states]
-        if steps:
-            torch._foreach_add_(steps, 1.0)
-        for item in items:
-            self._counts[id(item.param)] += 1.0
+        self._count_steps([(item.param, state) for item, state in zip(items, states, strict=True)])
         self.last_step_stats = {
             "runs": len(runs),
             "chunks": chunks,
             "scratch_elements": scratch.capacity if scratch is not None else 0,
         }
-        return loss
 
     def _update_run(
         self,
@@ -529,7 +610,7 @@ class AdamW8bit(ShardedOptimizer):
         group = first.group
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
-        step = self._counts[id(first.param)] + 1.0
+        step = self._step_counts[first.param] + 1.0
         bias1 = 1.0 - beta1**step
         bias2_sqrt = math.sqrt(1.0 - beta2**step)
         assert first.param.grad is not None
@@ -541,7 +622,7 @@ class AdamW8bit(ShardedOptimizer):
         else:
             p_all = flat_view(local_of(first.param), run.numel)
             g_all = flat_view(local_of(first.param.grad), run.numel)
-            views = self._run_views(place, run.numel)
+            views = self._views(place, run.numel)
         block = self.block_size
         head = place.head if place.eight_bit else 0
         edge = edges.get(run.items[0]) if len(run.items) == 1 else None
@@ -570,26 +651,6 @@ class AdamW8bit(ShardedOptimizer):
             lo = hi
             count += 1
         return count
-
-    def _run_views(self, place: _Place, numel: int) -> dict[str, torch.Tensor]:
-        """Flat state slices of a run that starts at ``place``."""
-        out = {}
-        if place.eight_bit:
-            blocks = -(-(place.head + numel) // self.block_size)
-            for key in _EIGHT_BIT_KEYS:
-                if key.endswith("_absmax"):
-                    lo = place.block_offset
-                    out[key] = self._buffer(place, key, lo + blocks)[lo : lo + blocks]
-                else:
-                    out[key] = self._buffer(place, key, place.offset + numel)[
-                        place.offset : place.offset + numel
-                    ]
-        else:
-            for key in _FP32_KEYS:
-                out[key] = self._buffer(place, key, place.offset + numel)[
-                    place.offset : place.offset + numel
-                ]
-        return out
 
     def _update_chunk(
         self,

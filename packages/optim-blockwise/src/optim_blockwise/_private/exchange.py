@@ -22,7 +22,8 @@ travel as raw bytes (``uint8`` views), so any dtype works on any backend (gloo h
 all-to-all).
 
 [Note: the pipeline]
-``run`` keeps ``in_flight`` gathers ahead of the compute (two, like torchtitan's DistMuon):
+``OwnerExchange.run`` keeps ``in_flight`` gathers ahead of the compute (two, like torchtitan's
+DistMuon):
 
     start gather 0, 1;  overlap()            # e.g. the elementwise work of other parameters
     for b: wait gather b; compute b; start scatter b; start gather b + 2;
@@ -45,13 +46,18 @@ mixed) and sends every unit's status to every rank with the results. Each rank t
 statuses with ``torch._assert_async`` (device-side on accelerators, no host read; on CPU it
 raises at once): a mixed unit raises on every rank at the same point instead of applying a
 result computed from a partial gradient. Sizes never depend on the flags, so the collectives
-always match.
+always match. The flag bytes are made on the device by fills (never copied from host memory)
+and kept per presence pattern (``PresenceFlags``): a steady-state step, whose pattern repeats,
+reuses them and issues no kernel for them at all.
 
-Plan (pure, cached by the caller per layout) then execute, like DTensor's redistribution.
+Plan (pure) then execute, like DTensor's redistribution: ``plan_owner_exchange`` makes an
+``OwnerExchange`` once per layout (the plan, the ranks' agreement on it, every bucket's byte
+layout), and its ``run`` executes it in every step.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -59,17 +65,25 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from optim_blockwise._private.agree import check_agreement, fingerprint
+
 __all__ = [
     "Bucket",
     "BucketLayout",
     "ExchangePlan",
     "ExchangeStats",
     "MixedPresenceError",
+    "OwnerExchange",
+    "PresenceFlags",
+    "bucket_count",
+    "check_presence",
     "plan_exchange",
-    "run",
+    "plan_owner_exchange",
+    "presence_status",
 ]
 
 _ALIGN = 16  # bytes: flag segments are padded so the next data segment stays aligned
+_PATTERNS = 64  # presence patterns kept per PresenceFlags (a steady state repeats one)
 
 
 @attrs.frozen
@@ -188,13 +202,53 @@ def plan_exchange(
     )
 
 
+def bucket_count(total_bytes: int, owners: Sequence[int], cap_mb: float) -> int:
+    """Buckets of about ``cap_mb`` of payload: at least one, at most as many as the most units
+    one rank owns (a bucket holds a chunk of every owner's units)."""
+    most = max((list(owners).count(k) for k in set(owners)), default=1)
+    return max(1, min(most, math.ceil(total_bytes / max(cap_mb * 2**20, 1.0))))
+
+
 def _pad(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+class PresenceFlags:
+    """Flag tensors (1: present, 0: absent) made on the device without host data, kept per
+    pattern: ``flags(values, length, dtype, device)``.
+
+    Copying a list of booleans to an accelerator is a pageable host-to-device copy (the host
+    waits for it). Here a pattern's tensor is zeros with one fill per run of present entries,
+    made the first time the pattern occurs and reused afterwards (the cached tensor is only
+    ever read); at most ``_PATTERNS`` patterns are kept, then the cache starts over."""
+
+    def __init__(self) -> None:
+        self._made: dict[tuple[object, ...], torch.Tensor] = {}
+
+    def __call__(
+        self, values: Sequence[bool], length: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        pattern = tuple(bool(v) for v in values)
+        key = (pattern, length, dtype, device)
+        out = self._made.get(key)
+        if out is None:
+            out = torch.zeros(length, dtype=dtype, device=device)
+            start = None
+            for i, present in enumerate((*pattern, False)):
+                if present and start is None:
+                    start = i
+                elif not present and start is not None:
+                    out[start:i].fill_(1)
+                    start = None
+            if len(self._made) >= _PATTERNS:
+                self._made.clear()
+            self._made[key] = out
+        return out
+
+
 class BucketLayout:
     """Byte layout of one bucket's two all-to-alls on this rank, for one element size; the pure
-    packing and unpacking of the buffers (the collectives are ``run``'s).
+    packing and unpacking of the buffers (the collectives are ``OwnerExchange.run``'s).
 
     Gather, to each rank ``d``: ``[data of d's units][one flag per unit d owns, padded]``.
     Scatter, from each owner ``d``: ``[this rank's pieces of d's results][statuses, padded]``.
@@ -202,6 +256,7 @@ class BucketLayout:
 
     def __init__(self, plan: ExchangePlan, bucket: Bucket, size: int, flags: bool) -> None:
         self.plan, self.bucket, self.size, self.flags = plan, bucket, size, flags
+        self._presence = PresenceFlags()
         w, me = plan.world, plan.coord
         self.flag_bytes = [(_pad(len(bucket.owned[d])) if flags else 0) for d in range(w)]
         own = self.flag_bytes[me]
@@ -226,7 +281,7 @@ class BucketLayout:
             if self.flags:
                 assert present is not None
                 values = [present[i] for i in self.bucket.owned[d]]
-                parts.append(_flags_tensor(values, self.flag_bytes[d], device))
+                parts.append(self._presence(values, self.flag_bytes[d], torch.uint8, device))
         return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
 
     def unpack_gather(
@@ -249,9 +304,7 @@ class BucketLayout:
         fulls = {i: torch.cat(p).view(dtype) for i, p in parts.items()}
         status = None
         if self.flags and mine:
-            count = torch.stack(rows).to(torch.int32).sum(0)
-            mixed = (count > 0) & (count < plan.world)
-            status = (count == plan.world).to(torch.uint8) + 2 * mixed.to(torch.uint8)
+            status = presence_status(torch.stack(rows).to(torch.int32).sum(0), plan.world)
         return fulls, status
 
     def pack_scatter(
@@ -305,111 +358,164 @@ def _a2a(
     return work
 
 
-def _flags_tensor(values: Sequence[bool], padded: int, device: torch.device) -> torch.Tensor:
-    out = torch.zeros(padded, dtype=torch.uint8, device=device)
-    if any(values):
-        if all(values):
-            out[: len(values)] = 1  # a fill: nothing travels from the host
-        else:
-            out[: len(values)] = torch.tensor(values, dtype=torch.uint8).to(device)
+class OwnerExchange:
+    """An owner exchange made for one layout (by ``plan_owner_exchange``): the plan over
+    ``group``, the byte layout of every bucket, and, with ``flags``, the presence flags of the
+    module note; ``run`` executes it in every step."""
+
+    def __init__(
+        self,
+        plan: ExchangePlan,
+        group: dist.ProcessGroup,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        flags: bool,
+        what: str,
+        names: Callable[[int], str],
+    ) -> None:
+        self.plan, self.group, self.dtype, self.device = plan, group, dtype, device
+        self.flags, self.what, self.names = flags, what, names
+        self.layouts = [BucketLayout(plan, b, dtype.itemsize, flags) for b in plan.buckets]
+
+    def run(
+        self,
+        *,
+        piece: Callable[[int], torch.Tensor],
+        compute: Callable[[Bucket, dict[int, torch.Tensor]], dict[int, torch.Tensor]],
+        apply: Callable[[Bucket, dict[int, torch.Tensor]], None],
+        present: Sequence[bool],
+        overlap: Callable[[], None] | None = None,
+        in_flight: int = 2,
+    ) -> ExchangeStats:
+        """Run every bucket through the pipeline of the module note.
+
+        - ``piece(i)``: this rank's flat piece of unit ``i`` (``dtype``, ``local_numel(i)``
+          elements), called just before unit ``i``'s bucket is sent (for empty pieces too);
+        - ``compute(bucket, fulls)``: on the owner, ``fulls[i]`` is unit ``i``'s whole flat data
+          for every unit of the bucket owned here; returns the flat results (same dtype, numel);
+        - ``apply(bucket, pieces)``: ``pieces[i]`` is this rank's piece of unit ``i``'s result
+          for every unit of the bucket (views of a receive buffer, valid during the call);
+        - ``present[i]``: this rank has data for unit ``i`` this step (the presence note; used
+          with ``flags``): a unit present on some ranks only raises ``MixedPresenceError`` on
+          every rank (on CPU; a device-side assert elsewhere), named by ``names(i)``;
+        - ``overlap()``: called once the first gathers are in flight.
+        """
+        plan, group, dtype, device = self.plan, self.group, self.dtype, self.device
+        layouts = self.layouts
+        flagged = present if self.flags else None
+        stats = ExchangeStats()
+        me = plan.coord
+        gathers: dict[int, tuple[dist.Work | None, torch.Tensor]] = {}
+        scatters: deque[tuple[int, dist.Work | None, torch.Tensor]] = deque()
+
+        def start_gather(b: int) -> None:
+            lay = layouts[b]
+            pieces = {i: piece(i) for i in plan.buckets[b].units}
+            send = lay.pack_gather(pieces, flagged, device)
+            recv = torch.empty(sum(lay.gather_recv), dtype=torch.uint8, device=device)
+            gathers[b] = (_a2a(recv, send, lay.gather_recv, lay.gather_send, group), recv)
+            stats.collectives += 1
+            stats.bytes_sent += sum(n for d, n in enumerate(lay.gather_send) if d != me)
+
+        def owner_side(b: int) -> None:
+            lay = layouts[b]
+            work, recv = gathers.pop(b)
+            if work is not None:
+                work.wait()
+            fulls, status = lay.unpack_gather(recv, dtype)
+            results = compute(plan.buckets[b], fulls) if lay.mine else {}
+            send = lay.pack_scatter(results, status, device)
+            back = torch.empty(sum(lay.scatter_recv), dtype=torch.uint8, device=device)
+            scatters.append((b, _a2a(back, send, lay.scatter_recv, lay.scatter_send, group), back))
+            stats.collectives += 1
+            stats.bytes_sent += sum(n for k, n in enumerate(lay.scatter_send) if k != me)
+
+        def finish_scatter() -> None:
+            b, work, back = scatters.popleft()
+            if work is not None:
+                work.wait()
+            pieces, statuses = layouts[b].unpack_scatter(back, dtype)
+            if statuses is not None:
+                bucket = plan.buckets[b]
+                order = [i for owned in bucket.owned for i in owned]
+                check_presence(statuses, order, self.what, self.names)
+            apply(plan.buckets[b], pieces)
+
+        ahead = max(1, in_flight)
+        for b in range(min(ahead, len(plan.buckets))):
+            start_gather(b)
+        if overlap is not None:
+            overlap()
+        for b in range(len(plan.buckets)):
+            owner_side(b)
+            if b + ahead < len(plan.buckets):
+                start_gather(b + ahead)
+            while len(scatters) > 1:
+                finish_scatter()
+        while scatters:
+            finish_scatter()
+        return stats
+
+
+def plan_owner_exchange(
+    group: dist.ProcessGroup,
+    coord: int,
+    ranges: Sequence[Sequence[tuple[int, int]]],
+    owners: Sequence[int],
+    *,
+    weights: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    bucket_cap_mb: float,
+    check: bool,
+    what: str,
+    names: Callable[[int], str],
+    description: object,
+    tensors: Sequence[str],
+    count: int,
+) -> OwnerExchange:
+    """The owner exchange of units with ``ranges`` to ``owners`` over ``group`` (this rank at
+    ``coord``), in buckets of about ``bucket_cap_mb`` of ``dtype`` payload, each owner's
+    ``weights`` spread evenly over them.
+
+    With ``check``, presence flags travel with the data, and every rank must have planned the
+    same exchange: one agreement all-gather of ``fingerprint(description)`` and ``count``
+    (``agree``); a mismatch raises on every rank, naming this rank's ``tensors``. Both
+    optimizers with an owner exchange (Muon, Shampoo / SOAP) make theirs here, once per
+    layout.
+    """
+    total = dtype.itemsize * sum(r[-1][1] for r in ranges if r)
+    count_buckets = bucket_count(total, owners, bucket_cap_mb)
+    plan = plan_exchange(coord, ranges, owners, buckets=count_buckets, weights=weights)
+    if check:
+        check_agreement(group, fingerprint(description), count, device, what, list(tensors))
+    return OwnerExchange(
+        plan, group, dtype=dtype, device=device, flags=check, what=what, names=names
+    )
+
+
+def presence_status(counts: torch.Tensor, world: int) -> torch.Tensor:
+    """Per unit, from how many of ``world`` ranks had it: 0 none, 1 every rank, 2 mixed."""
+    mixed = (counts > 0) & (counts < world)
+    out: torch.Tensor = (counts == world).to(torch.uint8) + 2 * mixed.to(torch.uint8)
     return out
 
 
-def run(
-    plan: ExchangePlan,
-    group: dist.ProcessGroup,
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-    piece: Callable[[int], torch.Tensor],
-    compute: Callable[[Bucket, dict[int, torch.Tensor]], dict[int, torch.Tensor]],
-    apply: Callable[[Bucket, dict[int, torch.Tensor]], None],
-    present: Sequence[bool] | None = None,
-    overlap: Callable[[], None] | None = None,
-    in_flight: int = 2,
-    what: str = "exchange",
-    names: Callable[[int], str] | None = None,
-) -> ExchangeStats:
-    """Run every bucket of ``plan`` through the pipeline of the module note.
-
-    - ``piece(i)``: this rank's flat piece of unit ``i`` (``dtype``, ``local_numel(i)``
-      elements), called just before unit ``i``'s bucket is sent (for empty pieces too);
-    - ``compute(bucket, fulls)``: on the owner, ``fulls[i]`` is unit ``i``'s whole flat data for
-      every unit of the bucket owned here; returns the flat results (same dtype and numel);
-    - ``apply(bucket, pieces)``: ``pieces[i]`` is this rank's piece of unit ``i``'s result for
-      every unit of the bucket (views of a receive buffer, valid during the call);
-    - ``present[i]``: this rank has data for unit ``i`` this step (see the presence note);
-      a unit present on some ranks only raises ``MixedPresenceError`` on every rank (on CPU;
-      a device-side assert elsewhere); ``names(i)`` names it in the message;
-    - ``overlap()``: called once the first gathers are in flight.
-    """
-    size = torch.empty(0, dtype=dtype).element_size()
-    flags = present is not None
-    stats = ExchangeStats()
-    me = plan.coord
-    layouts = [BucketLayout(plan, b, size, flags) for b in plan.buckets]
-    gathers: dict[int, tuple[dist.Work | None, torch.Tensor]] = {}
-    scatters: deque[tuple[int, dist.Work | None, torch.Tensor]] = deque()
-
-    def start_gather(b: int) -> None:
-        lay = layouts[b]
-        pieces = {i: piece(i) for i in plan.buckets[b].units}
-        send = lay.pack_gather(pieces, present, device)
-        recv = torch.empty(sum(lay.gather_recv), dtype=torch.uint8, device=device)
-        gathers[b] = (_a2a(recv, send, lay.gather_recv, lay.gather_send, group), recv)
-        stats.collectives += 1
-        stats.bytes_sent += sum(n for d, n in enumerate(lay.gather_send) if d != me)
-
-    def owner_side(b: int) -> None:
-        lay = layouts[b]
-        work, recv = gathers.pop(b)
-        if work is not None:
-            work.wait()
-        fulls, status = lay.unpack_gather(recv, dtype)
-        results = compute(plan.buckets[b], fulls) if lay.mine else {}
-        send = lay.pack_scatter(results, status, device)
-        back = torch.empty(sum(lay.scatter_recv), dtype=torch.uint8, device=device)
-        scatters.append((b, _a2a(back, send, lay.scatter_recv, lay.scatter_send, group), back))
-        stats.collectives += 1
-        stats.bytes_sent += sum(n for k, n in enumerate(lay.scatter_send) if k != me)
-
-    def finish_scatter() -> None:
-        b, work, back = scatters.popleft()
-        if work is not None:
-            work.wait()
-        pieces, statuses = layouts[b].unpack_scatter(back, dtype)
-        if statuses is not None:
-            _check_statuses(plan.buckets[b], statuses, what, names)
-        apply(plan.buckets[b], pieces)
-
-    ahead = max(1, in_flight)
-    for b in range(min(ahead, len(plan.buckets))):
-        start_gather(b)
-    if overlap is not None:
-        overlap()
-    for b in range(len(plan.buckets)):
-        owner_side(b)
-        if b + ahead < len(plan.buckets):
-            start_gather(b + ahead)
-        while len(scatters) > 1:
-            finish_scatter()
-    while scatters:
-        finish_scatter()
-    return stats
-
-
-def _check_statuses(
-    bucket: Bucket, statuses: torch.Tensor, what: str, names: Callable[[int], str] | None
+def check_presence(
+    statuses: torch.Tensor, units: Sequence[int], what: str, names: Callable[[int], str] | None
 ) -> None:
-    """Raise on every rank when some unit was present on only some ranks (no host read)."""
+    """Raise on every rank when a unit was present on some ranks only (``statuses[j]`` is
+    unit ``units[j]``'s, see ``presence_status``), with a device-side assert: no host read.
+    On CPU the assert raises here, and the units are named (host reads are fine then)."""
     message = (
-        f"{what}: ranks disagree on which parameters have gradients this step (present on "
-        f"some ranks, None on others); every rank must step the same parameters"
+        f"{what}: ranks of a process group disagree on which parameters have gradients this "
+        f"step (present on some ranks, None on others); every rank must step the same "
+        f"parameters"
     )
     try:
         torch._assert_async((statuses != 2).all(), message)
-    except RuntimeError as exc:  # CPU: raised here; name the units (host reads are fine now)
-        order = [i for d in range(len(bucket.owned)) for i in bucket.owned[d]]
-        bad = [order[j] for j, s in enumerate(statuses.tolist()) if s == 2]
+    except RuntimeError as exc:
+        bad = [units[j] for j, s in enumerate(statuses.tolist()) if s == 2]
         label = [names(i) if names else f"unit {i}" for i in bad]
         raise MixedPresenceError(f"{message} (mixed: {label})") from exc

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
@@ -45,7 +45,6 @@ from optim_blockwise._private.newton_schulz import (
     newton_schulz,
 )
 from optim_blockwise._private.policy import MuonBlockPolicy
-from optim_blockwise._private.state import restore_state_dtypes, sharded_state_dict
 from optim_blockwise._private.validate import check_betas, check_nonnegative
 
 __all__ = ["Muon", "muon_block_policy"]
@@ -170,11 +169,8 @@ class Muon(ShardedOptimizer):
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.in_flight = in_flight
         self.expert_group_flops = expert_group_flops
-        self._layouts = {}
-        self._plan_key: tuple[object, ...] | None = None
         self._plans: list[GroupPlan] = []
         self._adamw_items: list[MuonItem] = []
-        self._counts: dict[torch.Tensor, float] = {}
         self.plans_made = 0
         """How many times the exchange plan was made (and agreed on): once per layout."""
         self.last_step_stats: dict[str, int] = {}
@@ -200,17 +196,9 @@ class Muon(ShardedOptimizer):
         """The block policy (engine protocol ``(name, param) -> int``); see muon_block_policy."""
         return MuonBlockPolicy(row_aligned)
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch's format; state of DTensor params as DTensors (see the state module note)."""
-        return sharded_state_dict(self, super().state_dict())
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        restore_state_dtypes(self, state_dict, super().load_state_dict)
-        self._counts.clear()
-
     # -- the plan ----------------------------------------------------------------------------
 
-    def _key(self) -> tuple[object, ...]:
+    def _plan_inputs(self) -> tuple[object, ...]:
         """Everything the plan depends on (see muon_plan's note); cheap, no device access."""
         key: list[object] = [self.bucket_cap_mb, self.check_consistency, self.expert_group_flops]
         for group in self.param_groups:
@@ -222,7 +210,7 @@ class Muon(ShardedOptimizer):
         use = group["use_muon"]
         return param.dim() in (2, 3) if use is None else bool(use)
 
-    def _make_plans(self) -> None:
+    def _make_plan(self) -> None:
         by_key: dict[tuple[dist.ProcessGroup | None, torch.dtype], list[MuonItem]] = {}
         adamw: list[MuonItem] = []
         for group in self.param_groups:
@@ -261,16 +249,7 @@ class Muon(ShardedOptimizer):
         self.plans_made += 1
 
     # -- the step ----------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        key = self._key()
-        if key != self._plan_key:
-            self._make_plans()
-            self._plan_key = key
+    def _step(self) -> None:
         updates: dict[int, torch.Tensor | None] = {}
         stats = {"collectives": 0, "bytes_sent": 0}
         sharded = [gp for gp in self._plans if gp.exchange is not None]
@@ -294,29 +273,18 @@ class Muon(ShardedOptimizer):
         if not sharded:
             overlap()
         for n, gp in enumerate(sharded):
-            assert gp.exchange is not None and gp.group is not None
-            run = exchange.run(
-                gp.exchange,
-                gp.group,
-                dtype=gp.dtype,
-                device=local_flat(gp.items[0].param, gp.items[0].name).device,
+            assert gp.exchange is not None
+            run = gp.exchange.run(
                 piece=functools.partial(self._piece, gp, updates=updates),
                 compute=functools.partial(self._compute_bucket, gp),
                 apply=functools.partial(self._apply_bucket, gp),
-                present=(
-                    [gp.items[u.item].param.grad is not None for u in gp.units]
-                    if self.check_consistency
-                    else None
-                ),
+                present=[gp.items[u.item].param.grad is not None for u in gp.units],
                 overlap=overlap if n == 0 else None,
                 in_flight=self.in_flight,
-                what="Muon",
-                names=functools.partial(_unit_name, gp),
             )
             stats["collectives"] += run.collectives
             stats["bytes_sent"] += run.bytes_sent
         self.last_step_stats = stats
-        return loss
 
     def _update(
         self, gp: GroupPlan, index: int, updates: dict[int, torch.Tensor | None]
@@ -342,7 +310,7 @@ class Muon(ShardedOptimizer):
                 f"parameter's {tuple(item.param.shape)}"
             )
         state = self._state(item, ("momentum_buffer",))
-        state["step"] += 1
+        self._count_steps([(item.param, state)])
         g = local_flat(grad, item.name).float()
         buf = state["momentum_buffer"]
         beta = item.group["momentum"]
@@ -423,29 +391,18 @@ class Muon(ShardedOptimizer):
         state = cast(dict[str, Any], self.state[item.param])
         if not state:
             device = local_flat(item.param, item.name).device
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            self._counts[item.param] = 0.0
+            self._new_step_count(item.param, state)
             for key in keys:
                 state[key] = torch.zeros(
                     item.layout.local_numel, dtype=torch.float32, device=device
                 )
         return state
 
-    def _count(self, param: torch.Tensor, state: dict[str, Any]) -> float:
-        """The step number after this step, kept on the host: ``state["step"]`` (a CPU tensor,
-        as torch keeps it) is read once after a load, never in a steady-state step."""
-        count = self._counts.get(param)
-        if count is None:
-            count = float(state["step"].item())
-        count += 1.0
-        self._counts[param] = count
-        state["step"] += 1
-        return count
-
     def _adamw(self, item: MuonItem) -> None:
         group = item.group
         state = self._state(item, ("exp_avg", "exp_avg_sq"))
-        step = self._count(item.param, state)
+        self._count_steps([(item.param, state)])
+        step = self._steps_done(item.param, state)
         lr = group.get("adamw_lr")
         lr = group["lr"] if lr is None else lr
         wd = group.get("adamw_weight_decay")
@@ -472,9 +429,3 @@ class Muon(ShardedOptimizer):
         p32.sub_(m.div(denom).mul_(lr / (1.0 - beta1**step)))
         if p32 is not p_local:
             p_local.copy_(p32)
-
-
-def _unit_name(gp: GroupPlan, i: int) -> str:
-    unit = gp.units[i]
-    name = gp.items[unit.item].name
-    return f"{name}[{unit.expert}:{unit.expert + unit.count}]" if unit.batched else name

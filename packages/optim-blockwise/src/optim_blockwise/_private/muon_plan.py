@@ -31,7 +31,6 @@ payload each (at least one, at most as many as the largest number of units a ran
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import attrs
@@ -39,7 +38,6 @@ import torch
 import torch.distributed as dist
 
 from optim_blockwise._private import exchange
-from optim_blockwise._private.agree import check_agreement, fingerprint
 from optim_blockwise._private.layout import ParamLayout
 from optim_blockwise._private.newton_schulz import ns_flops, ns_root_bytes
 from optim_blockwise._private.owners import assign_owners
@@ -97,7 +95,7 @@ class GroupPlan:
     units: tuple[Unit, ...]
     group: dist.ProcessGroup | None
     dtype: torch.dtype
-    exchange: exchange.ExchangePlan | None
+    exchange: exchange.OwnerExchange | None
     """``None`` for unsharded parameters: each rank orthogonalizes them itself."""
 
 
@@ -124,12 +122,6 @@ def make_units(items: tuple[MuonItem, ...], group_flops: int) -> tuple[Unit, ...
     return tuple(units)
 
 
-def _bucket_count(units: tuple[Unit, ...], owners: tuple[int, ...], size: int, cap: float) -> int:
-    total = sum(u.numel for u in units) * size
-    most = max((owners.count(k) for k in set(owners)), default=1)
-    return max(1, min(most, math.ceil(total / max(cap * 2**20, 1.0))))
-
-
 def plan_group(
     items: tuple[MuonItem, ...],
     group: dist.ProcessGroup | None,
@@ -151,32 +143,41 @@ def plan_group(
                 f"parameter {item.name!r} ({item.layout.placement}) shares a process group "
                 f"with {items[0].name!r} but has a different axis size/coordinate"
             )
-    size = torch.empty(0, dtype=dtype).element_size()
     costs = [
         (
             u.count * ns_flops(u.shape, items[u.item].group["ns_steps"]),
-            u.count * ns_root_bytes(u.shape, size),
+            u.count * ns_root_bytes(u.shape, dtype.itemsize),
         )
         for u in units
     ]
     shares = [[hi - lo for lo, hi in u.ranges] for u in units]
     owners = assign_owners(costs, shares)
-    count = _bucket_count(units, owners, size, bucket_cap_mb)
-    weights = [c[0] for c in costs]  # each owner's NS work spread evenly over the buckets
-    plan = exchange.plan_exchange(
-        first.coord, [u.ranges for u in units], owners, buckets=count, weights=weights
+
+    def name(i: int) -> str:
+        unit = units[i]
+        name = items[unit.item].name
+        return f"{name}[{unit.expert}:{unit.expert + unit.count}]" if unit.batched else name
+
+    owner_exchange = exchange.plan_owner_exchange(
+        group,
+        first.coord,
+        [u.ranges for u in units],
+        owners,
+        weights=[c[0] for c in costs],  # each owner's NS work spread evenly over the buckets
+        dtype=dtype,
+        device=_device_of(items[0].param),
+        bucket_cap_mb=bucket_cap_mb,
+        check=check,
+        what="Muon",
+        names=name,
+        description=[
+            (i.layout.global_shape, i.layout.ranges, str(dtype), i.group["ns_steps"]) for i in items
+        ]
+        + [bucket_cap_mb, expert_group_flops],
+        tensors=[i.name for i in items],
+        count=len(items),
     )
-    if check:
-        digest = fingerprint(
-            [
-                (i.layout.global_shape, i.layout.ranges, str(dtype), i.group["ns_steps"])
-                for i in items
-            ]
-            + [bucket_cap_mb, expert_group_flops]
-        )
-        device = _device_of(items[0].param)
-        check_agreement(group, digest, len(items), device, "Muon", [i.name for i in items])
-    return GroupPlan(items, units, group, dtype, plan)
+    return GroupPlan(items, units, group, dtype, owner_exchange)
 
 
 def _device_of(param: torch.Tensor) -> torch.device:

@@ -17,16 +17,50 @@ The values here satisfy it structurally (this package never imports the engine).
 - Muon: no constraint by default (1). Its root gathers a matrix from arbitrary flat ranges, so
   cutting rows costs nothing; ``row_aligned=True`` returns the row length (no row cut), for
   engines that want every shard to be a box of whole rows.
+
+[Note: AdamW8bit and the block policy must agree]
+The policy given to the engine and the optimizer's own settings describe one thing, the
+quantization blocks, in two places. If they differ (``block_policy(block_size=64)`` for the
+engine, ``AdamW8bit(block_size=128)``; or a policy ``min_8bit_size`` above the optimizer's, so
+tensors the optimizer keeps in 8 bits are unconstrained), shard boundaries cut quantization
+blocks: training stays exact (the edge absmaxes are exchanged) but a checkpoint of that 8-bit
+state loads only into the layout it was saved from. So, at construction:
+
+- ``AdamW8bit(..., block_policy=policy)`` takes its settings from an ``AdamW8bitBlockPolicy``;
+  a ``block_size`` / ``min_8bit_size`` also given that differs is refused, naming both values
+  (any difference, the harmless ones too: they are one setting written twice);
+- any other policy callable must give every tensor the optimizer keeps in 8 bits a multiple of
+  ``gcd(numel, block_size)`` (the block ``AdamW8bit.block_policy`` gives it), e.g. an LCM of
+  several optimizers' policies; otherwise it is refused, naming the tensor and both blocks;
+- with a policy given, a sharded parameter whose layout cuts those blocks anyway was sharded
+  with another policy: refused, naming the boundary;
+- with no policy given, the optimizer cannot see the one the engine used (the engine hands it
+  nothing but the parameters): a ``RaggedShard`` layout that cuts the blocks an agreeing policy
+  keeps whole is reported with a warning naming the parameter, the boundary and the policy to
+  use (an engine without a block policy, or FSDP2's ``Shard(0)``, cuts blocks by design).
 """
 
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Callable
 
 import attrs
 import torch
 
-__all__ = ["AdamW8bitBlockPolicy", "MuonBlockPolicy"]
+from optim_blockwise._private.layout import ParamLayout
+
+__all__ = [
+    "AdamW8bitBlockPolicy",
+    "MuonBlockPolicy",
+    "BlockPolicy",
+    "adamw8bit_settings",
+    "check_adamw8bit_blocks",
+]
+
+BlockPolicy = Callable[[str, torch.Tensor], int]
+"""The engine's protocol: ``(name, param) -> elements`` of a block no shard boundary cuts."""
 
 
 @attrs.frozen
@@ -57,3 +91,91 @@ class MuonBlockPolicy:
         if not self.row_aligned or param.dim() < 2 or math.prod(param.shape) == 0:
             return 1
         return math.prod(param.shape[1:])
+
+
+def adamw8bit_settings(
+    block_size: int | None, min_8bit_size: int | None, policy: BlockPolicy | None
+) -> tuple[int, int]:
+    """``AdamW8bit``'s ``(block_size, min_8bit_size)``: as given, else the ``policy``'s (an
+    ``AdamW8bitBlockPolicy``), else the defaults. A given setting that differs from the policy's
+    raises ``ValueError`` naming both values (the agreement note)."""
+    default = AdamW8bitBlockPolicy()
+    if not isinstance(policy, AdamW8bitBlockPolicy):
+        return (
+            default.block_size if block_size is None else block_size,
+            default.min_8bit_size if min_8bit_size is None else min_8bit_size,
+        )
+    given = {"block_size": block_size, "min_8bit_size": min_8bit_size}
+    differ = {k: v for k, v in given.items() if v is not None and v != getattr(policy, k)}
+    if differ:
+        ours = ", ".join(f"{k}={v}" for k, v in differ.items())
+        theirs = ", ".join(f"{k}={getattr(policy, k)}" for k in differ)
+        raise ValueError(
+            f"AdamW8bit({ours}) disagrees with its block_policy={policy!r} ({theirs}): the "
+            f"block policy given to fully_shard and the optimizer must use the same settings, "
+            f"or shard boundaries cut quantization blocks and a checkpoint of the 8-bit state "
+            f"loads only into the layout it was saved from. Pass the policy alone: "
+            f"AdamW8bit(..., block_policy=policy) takes its settings from it"
+        )
+    return policy.block_size, policy.min_8bit_size
+
+
+def _first_cut(layout: ParamLayout, block: int) -> int | None:
+    """The first rank boundary of ``layout`` strictly inside a block of ``block`` elements."""
+    for lo, hi in layout.ranges:
+        if hi > lo and lo % block:
+            return lo
+    return None
+
+
+def check_adamw8bit_blocks(
+    name: str,
+    param: torch.Tensor,
+    layout: ParamLayout | None,
+    block_size: int,
+    min_8bit_size: int,
+    policy: BlockPolicy | None,
+) -> str | None:
+    """Check one parameter against the agreement note. Raises ``ValueError`` when ``policy``
+    (given to the optimizer) disagrees with the optimizer's blocks for it, or its ``layout``
+    (``None``: not checked) cuts them despite the policy; returns a warning's text when no policy
+    was given and the layout cuts them; else ``None``."""
+    numel = math.prod(param.shape)
+    if numel == 0 or numel < min_8bit_size:
+        return None  # fp32 state: no block to keep whole
+    need = math.gcd(numel, block_size)  # what AdamW8bit.block_policy asks for
+    settings = f"AdamW8bit(block_size={block_size}, min_8bit_size={min_8bit_size})"
+    if policy is not None and not isinstance(policy, AdamW8bitBlockPolicy):
+        given = operator.index(policy(name, param))
+        if given < 1 or given % need:
+            raise ValueError(
+                f"parameter {name!r} ({numel} elements): block_policy={policy!r} gives it "
+                f"blocks of {given} elements, but {settings} keeps it in 8 bits in quantization "
+                f"blocks that need shard boundaries on multiples of {need}: the policy must "
+                f"give it a multiple of {need} (e.g. the math.lcm of the policies, one of them "
+                f"AdamW8bit.block_policy(block_size={block_size}, "
+                f"min_8bit_size={min_8bit_size}))"
+            )
+    if layout is None:
+        return None
+    cut = _first_cut(layout, need)
+    if cut is None:
+        return None
+    where = (
+        f"parameter {name!r} is sharded with a rank boundary at element {cut} "
+        f"({layout.placement}), inside one of its quantization blocks ({settings} keeps them "
+        f"whole with boundaries on multiples of {need})"
+    )
+    if policy is not None:
+        raise ValueError(
+            f"{where}, which block_policy={policy!r} keeps whole: the parameters were sharded "
+            f"with another block policy than the optimizer's; give fully_shard the same one"
+        )
+    return (
+        f"AdamW8bit: {where}. The step exchanges the edge absmaxes (exact), but a checkpoint "
+        f"of this 8-bit state loads only into this same layout. The parameters were sharded "
+        f"without a block policy or with one that disagrees with the optimizer: give fully_shard "
+        f"AdamW8bit.block_policy(block_size={block_size}, min_8bit_size={min_8bit_size}), and "
+        f"the same policy to AdamW8bit(..., block_policy=policy) to have any disagreement "
+        f"refused at construction"
+    )

@@ -42,10 +42,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from optim_blockwise._private import exchange
-from optim_blockwise._private.agree import check_agreement, fingerprint
 from optim_blockwise._private.base import ShardedOptimizer
 from optim_blockwise._private.layout import ParamLayout, local_flat
-from optim_blockwise._private.state import restore_state_dtypes, sharded_state_dict
+from optim_blockwise._private.state import sharded_state_dict
 from optim_blockwise._private.tiles import (
     Piece,
     PreconditionerBlockPolicy,
@@ -119,21 +118,17 @@ class BlockPreconditioner(ShardedOptimizer):
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
         self.check_consistency = True
-        self._layouts: dict[torch.Tensor, ParamLayout] = {}
         self._blocks: dict[torch.Tensor, _Blocks] = {}
         self._load: dict[object, list[int]] = {}
-        self._plan_key: tuple[object, ...] | None = None
-        self._exchanges: list[
-            tuple[dist.ProcessGroup, tuple[tuple[BlockItem, int], ...], exchange.ExchangePlan]
-        ] = []
+        self._exchanges: list[tuple[tuple[tuple[BlockItem, int], ...], exchange.OwnerExchange]] = []
         self.bucket_cap_mb = 1.0
         """Payload of one bucket of the owner exchange (buckets pipeline against the math)."""
         self.in_flight = 2
         """Gathers kept ahead of the owners' compute."""
-        self.root_fallbacks = 0
-        """Root / eigenbasis computations that failed in float32 and float64 (previous kept)."""
-        self.last_step_stats: dict[str, int] = {}
-        """Collectives, bytes sent and tiles computed by this rank in the last step."""
+        self._fallbacks: dict[torch.device, torch.Tensor] = {}
+        """Per device: refreshes that kept the previous root / eigenbasis, counted there."""
+        self._fallbacks_before: dict[torch.device, torch.Tensor] = {}
+        self._stats: dict[str, int] = {}
         for gi, group in enumerate(self.param_groups):
             if group["use_preconditioner"] is True:
                 for index, p in enumerate(group["params"]):
@@ -159,6 +154,30 @@ class BlockPreconditioner(ShardedOptimizer):
     def block_policy(max_preconditioner_dim: int = 1024) -> PreconditionerBlockPolicy:
         """The engine's block policy keeping every tile whole on one rank (see tiles.py)."""
         return PreconditionerBlockPolicy(max_preconditioner_dim)
+
+    # -- root fallbacks (roots.py's numerical guards: decided and counted on the device) ----
+    def _note_fallback(self, failed: torch.Tensor) -> None:
+        """Count one refresh that kept the previous root or basis (``failed``: a 0-dim device
+        flag): a device-side add, never a host read."""
+        total = self._fallbacks.get(failed.device)
+        if total is None:
+            total = torch.zeros((), dtype=torch.int64, device=failed.device)
+            self._fallbacks[failed.device] = total
+        total.add_(failed)
+
+    @property
+    def root_fallbacks(self) -> int:
+        """Root / eigenbasis refreshes whose result was not finite (the previous one kept).
+
+        Counted on the device: reading this property reads the count (the step never does)."""
+        return sum(int(t.item()) for t in self._fallbacks.values())
+
+    @property
+    def last_step_stats(self) -> dict[str, int]:
+        """Collectives, bytes sent and tiles computed by this rank in the last step, and its
+        root fallbacks (read from the device when this property is read)."""
+        before = sum(int(t.item()) for t in self._fallbacks_before.values())
+        return {**self._stats, "root_fallbacks": self.root_fallbacks - before}
 
     # -- subclass hooks ----------------------------------------------------------------------
     def _block_spec(self, group: dict[str, Any], tile: Tile) -> StateSpec:
@@ -283,12 +302,16 @@ class BlockPreconditioner(ShardedOptimizer):
             out.append(BlockItem(param, name, group, layout, self._blocks.get(param)))
         return out
 
-    def _step_count(self, item: BlockItem) -> int:
-        state = cast(dict[str, Any], self.state[item.param])
-        if "step" not in state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["step"] += 1
-        return int(state["step"].item())  # a CPU scalar: no device synchronization
+    def _count_step(self, items: list[BlockItem]) -> dict[torch.Tensor, int]:
+        """Each item's step number, this step included (host counts, no device read)."""
+        entries = []
+        for item in items:
+            state = cast(dict[str, Any], self.state[item.param])
+            if "step" not in state:
+                self._new_step_count(item.param, state)
+            entries.append((item.param, state))
+        self._count_steps(entries)
+        return {p: int(self._steps_done(p, state)) for p, state in entries}
 
     def _tile_state(self, item: BlockItem, t: int, device: torch.device) -> dict[str, Any]:
         state = cast(dict[str, Any], self.state[item.param])
@@ -313,7 +336,7 @@ class BlockPreconditioner(ShardedOptimizer):
         return out.reshape(-1)
 
     # -- the exchange plan ---------------------------------------------------------------------
-    def _key(self) -> tuple[object, ...]:
+    def _plan_inputs(self) -> tuple[object, ...]:
         """Everything the exchange plans depend on; cheap, reads nothing from the device."""
         key: list[object] = [self.bucket_cap_mb, self.check_consistency]
         for group in self.param_groups:
@@ -321,7 +344,7 @@ class BlockPreconditioner(ShardedOptimizer):
             key.extend((id(p), p.requires_grad) for p in group["params"])
         return tuple(key)
 
-    def _make_plans(self) -> None:
+    def _make_plan(self) -> None:
         """One exchange per process group over the cut tiles of every trainable preconditioned
         parameter (present or not in a given step, see exchange's presence note); the ranks
         check once, here, that they planned the same exchange."""
@@ -343,45 +366,45 @@ class BlockPreconditioner(ShardedOptimizer):
                         by_pg.setdefault(layout.group, []).append((item, t))
         plans = []
         for pg, units in by_pg.items():
-            coord = units[0][0].layout.coord
             ranges, owners, costs = [], [], []
             for item, t in units:
                 assert item.blocks is not None
                 ranges.append(item.blocks.ranges[t])
                 owners.append(item.blocks.owners[t])
                 costs.append(root_cost(item.blocks.tiles[t]))
-            total = 4 * sum(item.blocks.tiles[t].numel for item, t in units if item.blocks)
-            most = max(owners.count(k) for k in set(owners))
-            count = max(1, min(most, math.ceil(total / (self.bucket_cap_mb * 2**20))))
-            plan = exchange.plan_exchange(coord, ranges, owners, buckets=count, weights=costs)
-            if self.check_consistency:
-                digest = fingerprint(
-                    [
-                        (i.layout.global_shape, t, i.blocks.ranges[t] if i.blocks else ())
-                        for i, t in units
-                    ]
-                )
-                device = local_flat(units[0][0].param, units[0][0].name).device
-                names = sorted({i.name for i, _ in units})
-                check_agreement(pg, digest, len(units), device, type(self).__name__, names)
-            plans.append((pg, tuple(units), plan))
+            planned = tuple(units)
+
+            def unit_name(i: int, planned: tuple[tuple[BlockItem, int], ...] = planned) -> str:
+                return f"{planned[i][0].name} tile {planned[i][1]}"
+
+            owner_exchange = exchange.plan_owner_exchange(
+                pg,
+                units[0][0].layout.coord,
+                ranges,
+                owners,
+                weights=costs,
+                dtype=torch.float32,
+                device=local_flat(units[0][0].param, units[0][0].name).device,
+                bucket_cap_mb=self.bucket_cap_mb,
+                check=self.check_consistency,
+                what=type(self).__name__,
+                names=unit_name,
+                description=[
+                    (i.layout.global_shape, t, i.blocks.ranges[t] if i.blocks else ())
+                    for i, t in units
+                ],
+                tensors=sorted({i.name for i, _ in units}),
+                count=len(units),
+            )
+            plans.append((planned, owner_exchange))
         self._exchanges = plans
 
     # -- the step ------------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        key = self._key()
-        if key != self._plan_key:
-            self._make_plans()
-            self._plan_key = key
+    def _step(self) -> None:
         items = self._items()
-        steps = {item.param: self._step_count(item) for item in items}
+        steps = self._count_step(items)
         stats = {"collectives": 0, "bytes_sent": 0, "local_tiles": 0, "exchanged_tiles": 0}
-        fallbacks_before = self.root_fallbacks
+        self._fallbacks_before = {d: t.clone() for d, t in self._fallbacks.items()}
         updates: dict[torch.Tensor, torch.Tensor] = {}
         grads: dict[torch.Tensor, torch.Tensor] = {}
         for item in items:
@@ -409,24 +432,21 @@ class BlockPreconditioner(ShardedOptimizer):
 
         if not self._exchanges:
             overlap()
-        for n, (pg, units, plan) in enumerate(self._exchanges):
+        for n, (units, owner_exchange) in enumerate(self._exchanges):
             first = overlap if n == 0 else None  # runs once the first gathers are in flight
-            run = self._run_exchange(pg, units, plan, grads, steps, updates, first)
+            run = self._run_exchange(units, owner_exchange, grads, steps, updates, first)
             stats["collectives"] += run.collectives
             stats["bytes_sent"] += run.bytes_sent
-            stats["exchanged_tiles"] += len(plan.mine)
+            stats["exchanged_tiles"] += len(owner_exchange.plan.mine)
         for item in items:
             if item.param in updates:
                 self._apply(item, updates[item.param], steps[item.param])
-        stats["root_fallbacks"] = self.root_fallbacks - fallbacks_before
-        self.last_step_stats = stats
-        return loss
+        self._stats = stats
 
     def _run_exchange(
         self,
-        pg: dist.ProcessGroup,
         units: tuple[tuple[BlockItem, int], ...],
-        plan: exchange.ExchangePlan,
+        owner_exchange: exchange.OwnerExchange,
         grads: dict[torch.Tensor, torch.Tensor],
         steps: dict[torch.Tensor, int],
         updates: dict[torch.Tensor, torch.Tensor],
@@ -443,23 +463,13 @@ class BlockPreconditioner(ShardedOptimizer):
         def apply(bucket: exchange.Bucket, pieces: dict[int, torch.Tensor]) -> None:
             self._receive(units, pieces, updates)
 
-        def name(i: int) -> str:
-            return f"{units[i][0].name} tile {units[i][1]}"
-
-        present = [item.param.grad is not None for item, _ in units]
-        return exchange.run(
-            plan,
-            pg,
-            dtype=torch.float32,
-            device=local_flat(units[0][0].param, units[0][0].name).device,
+        return owner_exchange.run(
             piece=piece,
             compute=compute,
             apply=apply,
-            present=present if self.check_consistency else None,
+            present=[item.param.grad is not None for item, _ in units],
             overlap=overlap,
             in_flight=self.in_flight,
-            what=type(self).__name__,
-            names=name,
         )
 
     def _piece(
@@ -507,7 +517,7 @@ class BlockPreconditioner(ShardedOptimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch's format; DTensor params' state as DTensors (see the module notes)."""
         self._ensure_blocks()
-        raw = super().state_dict()
+        raw = torch.optim.Optimizer.state_dict(self)
         blocks_of: dict[Any, dict[str, torch.Tensor]] = {}
         plain: dict[Any, dict[str, Any]] = {}
         for pid, entry in raw["state"].items():
@@ -570,7 +580,7 @@ class BlockPreconditioner(ShardedOptimizer):
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        restore_state_dtypes(self, state_dict, super().load_state_dict)
+        super().load_state_dict(state_dict)
         self._ensure_blocks()
         for group in self.param_groups:
             for param in group["params"]:

@@ -38,7 +38,7 @@ from optim_blockwise._private.preconditioner import (
     as_dtype,
     dtype_name,
 )
-from optim_blockwise._private.roots import inverse_root
+from optim_blockwise._private.roots import refreshed_inverse_root
 from optim_blockwise._private.tiles import Tile
 from optim_blockwise._private.validate import check_nonnegative
 
@@ -169,11 +169,10 @@ class Shampoo(BlockPreconditioner):
             correction = 1.0 if beta2 == 1.0 else 1.0 - beta2**step
             for key in ("L", "R"):
                 stat = state[key] if correction == 1.0 else state[key] / correction
-                root = inverse_root(stat, 4.0, group["epsilon"], pd)
-                if root is None:
-                    self.root_fallbacks += 1
-                else:
-                    state[f"{key}_inv_root"] = root
+                state[f"{key}_inv_root"], failed = refreshed_inverse_root(
+                    stat, 4.0, group["epsilon"], pd, state[f"{key}_inv_root"]
+                )
+                self._note_fallback(failed)
         if step < start:
             return graft
         precond = (state["L_inv_root"] @ moment.to(pd) @ state["R_inv_root"]).to(torch.float32)

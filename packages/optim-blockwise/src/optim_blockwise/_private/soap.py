@@ -41,7 +41,12 @@ from optim_blockwise._private.preconditioner import (
     as_dtype,
     dtype_name,
 )
-from optim_blockwise._private.roots import eigenbasis, project, project_back, refresh_eigenbasis
+from optim_blockwise._private.roots import (
+    first_eigenbasis,
+    project,
+    project_back,
+    refresh_eigenbasis,
+)
 from optim_blockwise._private.tiles import Tile
 from optim_blockwise._private.validate import check_betas, check_nonnegative
 
@@ -132,12 +137,9 @@ class SOAP(BlockPreconditioner):
         if step == 1:
             self._statistics(group, state, grad)
             for side in ("L", "R"):
-                basis = eigenbasis(state[f"GG_{side}"])
-                if basis is None:  # keep the identity: plain Adam on this side
-                    self.root_fallbacks += 1
-                    n = state[f"GG_{side}"].shape[0]
-                    basis = torch.eye(n, dtype=pd, device=grad.device).t()  # column-major
-                state[f"Q_{side}"] = basis
+                # not finite: the identity, i.e. plain Adam on this side
+                state[f"Q_{side}"], failed = first_eigenbasis(state[f"GG_{side}"])
+                self._note_fallback(failed)
             return torch.zeros_like(grad)
         beta1, beta2 = group["betas"]
         left, right = state["Q_L"], state["Q_R"]
@@ -153,13 +155,10 @@ class SOAP(BlockPreconditioner):
         k = step - 1
         if k % group["precondition_frequency"] == 0:
             for side, dim in (("L", 0), ("R", 1)):
-                fresh = refresh_eigenbasis(
+                state[f"Q_{side}"], state["exp_avg_sq"], failed = refresh_eigenbasis(
                     state[f"GG_{side}"], state[f"Q_{side}"], state["exp_avg_sq"], dim
                 )
-                if fresh is None:
-                    self.root_fallbacks += 1
-                else:
-                    state[f"Q_{side}"], state["exp_avg_sq"] = fresh
+                self._note_fallback(failed)
         return update
 
     def _restore_layout(self, name: str, value: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 import torch
-from test_optim_support import Spec, local_of, ranges_of, shard
+from optim_support import Spec, local_of, ranges_of, shard
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import optim_blockwise as ob
@@ -61,7 +61,7 @@ def dist_run(rank: int, world: int, *args: Any) -> dict[str, Any]:
 
 
 def dist_run_bytes(rank: int, world: int, *args: Any) -> bytes:
-    from test_optim_support import to_bytes
+    from optim_support import to_bytes
 
     return to_bytes(dist_run(rank, world, *args))
 

@@ -8,17 +8,24 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import optim_blockwise as ob
 from ragged_dtensor import RaggedShard
 
 DEVICE_TYPE = "cpu"  # tests run on the CPU process groups (gloo / threaded)
+
+UNALIGNED = "ignore:AdamW8bit. parameter .* is sharded with a rank boundary:UserWarning"
+"""``filterwarnings`` for tests that shard on purpose without AdamW8bit's block policy: the
+construction-time warning about it is expected there (and tested in the agreement tests)."""
 
 # A sharding spec (picklable): ("ragged", dims, units) | ("chunk",) | ("plain",)
 Spec = tuple[Any, ...]
@@ -302,3 +309,89 @@ def run_flat_steps(
 def dist_run_flat_steps(rank: int, world: int, *args: Any) -> dict[str, Any]:
     mesh = init_device_mesh(DEVICE_TYPE, (world,))
     return run_flat_steps(mesh, *args)
+
+
+# -- host reads ---------------------------------------------------------------------------------
+
+_HOST_READ_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "item"}
+"""Ops that read device data on the host (``item``, ``bool``, ``float`` all dispatch to
+``_local_scalar_dense``) or whose output shape depends on device data."""
+_HOST_READ_METHODS = {"tolist", "numpy", "__array__"}
+"""Tensor methods that read the data on the host without a dispatched op on a CPU tensor."""
+
+
+def _in_test_backend() -> bool:
+    """Inside the threaded process group's own collective (a test backend that copies with
+    Python slicing): not the optimizer's work."""
+    frame: Any = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_filename.endswith("multi_threaded_pg.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class HostReads:
+    """``with HostReads() as reads: ...``: every host synchronization this thread causes.
+
+    ``reads`` lists, by op name:
+
+    - reads of device data on the host: ``_local_scalar_dense`` (what ``item()``, ``bool()``,
+      ``float()`` dispatch to), ops with data-dependent output shapes, ``Tensor.tolist`` /
+      ``numpy`` (no dispatched op on a CPU tensor: caught as a torch function);
+    - host data made into a tensor: ``lift_fresh`` (``torch.tensor(list)``: on an accelerator a
+      pageable host-to-device copy), and any copy between two devices (``_to_copy`` / ``copy_``).
+
+    On CPU nothing synchronizes, but the same code on CUDA would wait at each of these: counting
+    them on CPU is how the step's host syncs are tested without a GPU. Modes are thread-local,
+    so each threaded rank counts its own; the threaded process group's Python copies are left
+    out (``_in_test_backend``).
+    """
+
+    def __init__(self) -> None:
+        self.reads: list[str] = []
+        self._modes: list[Any] = []
+
+    def __enter__(self) -> list[str]:
+        reads = self.reads
+
+        class Dispatch(TorchDispatchMode):
+            def __torch_dispatch__(
+                self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+            ) -> Any:
+                kwargs = kwargs or {}
+                name = func.__name__.split(".")[0]
+                if (
+                    name in _HOST_READ_OPS
+                    or name.startswith("lift_fresh")
+                    or _crosses_devices(name, args, kwargs)
+                ) and not _in_test_backend():
+                    reads.append(name)
+                return func(*args, **kwargs)
+
+        class Function(TorchFunctionMode):
+            def __torch_function__(
+                self, func: Callable[..., Any], types: Any, args: Any = (), kwargs: Any = None
+            ) -> Any:
+                name = getattr(func, "__name__", "")
+                if name in _HOST_READ_METHODS and not _in_test_backend():
+                    reads.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self._modes = [Function(), Dispatch()]
+        for mode in self._modes:
+            mode.__enter__()
+        return reads
+
+    def __exit__(self, *exc: object) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+
+def _crosses_devices(name: str, args: Any, kwargs: dict[str, Any]) -> bool:
+    if name == "_to_copy":
+        target = kwargs.get("device")
+        return target is not None and torch.device(target) != args[0].device
+    if name == "copy_":
+        return bool(args[0].device != args[1].device)
+    return False
