@@ -35,8 +35,7 @@ import test_dbuffer_streams as streams
 
 import fsdp_engine
 from dbuffer._private import streams as streams_module
-from fsdp_engine._private import group as group_module
-from fsdp_engine._private import state as state_module
+from fsdp_engine._private import gather as gather_module
 from ragged_dtensor.testing import run_threaded
 
 _BUILD = threading.Lock()  # ranks are threads sharing torch's generator
@@ -83,8 +82,7 @@ def _check_streams(
     """Train under the simulated streams; ``planted``: frees no longer hand memory back to
     the stream that allocated it (a race the model must report)."""
     streams.install(monkeypatch)
-    monkeypatch.setattr(group_module, "_event_now", streams.event_now)
-    monkeypatch.setattr(state_module, "_event_now", streams.event_now)
+    monkeypatch.setattr(gather_module, "event_now", streams.event_now)
     if planted:
         monkeypatch.setattr(streams_module, "hand_back", lambda owner, device: None)
     world = 4 if reshard == 2 else 2

@@ -44,7 +44,7 @@ def _counts_and_zero_copy(rank: int, world: int) -> dict[str, Any]:
         assert isinstance(param.placements[0], RaggedShard)
         assert (
             param.to_local().untyped_storage().data_ptr()
-            == group.params.shard.untyped_storage().data_ptr()
+            == group.storage.buffer.shard.untyped_storage().data_ptr()
         )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = batches(2, world)
@@ -60,7 +60,7 @@ def _counts_and_zero_copy(rank: int, world: int) -> dict[str, Any]:
             assert param.grad is not None
             assert (
                 param.grad.to_local().untyped_storage().data_ptr()
-                == group.grads.shard.untyped_storage().data_ptr()
+                == group.reducer.grads.buffer.shard.untyped_storage().data_ptr()
             )
         opt.step()
         opt.zero_grad()
@@ -68,8 +68,8 @@ def _counts_and_zero_copy(rank: int, world: int) -> dict[str, Any]:
     for module in model.modules():
         st = module.__dict__.get("_fsdp_engine_state")
         if st is not None and st.group is not None:
-            assert not st.group.params.is_unsharded()
-            assert not st.group.unsharded_grads.is_unsharded()
+            assert not st.group.storage.buffer.is_unsharded()
+            assert not st.group.reducer.unsharded_grads.is_unsharded()
     return result
 
 
@@ -231,7 +231,7 @@ def _meta_init(rank: int, world: int) -> bool:
     for param in state.group.sharded:
         assert (
             param.to_local().untyped_storage().data_ptr()
-            == state.group.params.shard.untyped_storage().data_ptr()
+            == state.group.storage.buffer.shard.untyped_storage().data_ptr()
         )
     loss_fn(model, batches(1, world)[0].chunk(world)[rank]).backward()
     return bool(torch.isfinite(model.head.weight.grad.full_tensor()).all())

@@ -59,8 +59,14 @@ def _counting(rank: int, world: int, frozen: bool) -> dict[str, Any]:
     def after_forward(module: nn.Module, args: Any, output: Any) -> None:
         # the previous step's gradients were dropped by zero_grad: every layer's pre-forward
         # released their memory
-        groups = [g for s in states if s is not None for g in s.groups if g.grads is not None]
-        released.append(bool(groups) and all(not g.grads.shard_allocated for g in groups))
+        grads = [
+            g.reducer.grads.buffer
+            for s in states
+            if s is not None
+            for g in s.groups
+            if g.reducer.grads.buffer is not None
+        ]
+        released.append(bool(grads) and all(not b.shard_allocated for b in grads))
 
     model.register_forward_hook(after_forward)
     for step in range(4):

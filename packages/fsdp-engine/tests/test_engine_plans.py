@@ -66,7 +66,7 @@ def _check_alignment(rank: int, world: int) -> dict[str, Any]:
         plan = layer.shard_plan()  # type: ignore[operator]
         seen["offset_align"].add(plan.offset_align)
         assert plan.shard_size % 8 == 0 and all(o % 8 == 0 for o in plan.offsets)
-        for tensor in group.params.local_views():  # fp32 sharded storage
+        for tensor in group.storage.buffer.local_views():  # fp32 sharded storage
             assert _aligned(tensor)
             seen["checked"] += 1
         for param in group.unsharded_params():  # bf16 unsharded storage, still gathered

@@ -34,7 +34,7 @@ from fsdp_engine import (
     load_checkpoint,
     save_checkpoint,
 )
-from fsdp_engine._private.group import ParamRef, build_plan
+from fsdp_engine._private.plans import build_plan
 from fsdp_engine._private.quantize import dequantize_panel, panel_shape, quantize_panel
 from fsdp_engine._private.quantized_gather import TileAlignedBlocks, select_quantized
 from ragged_dtensor import RaggedShard
@@ -671,15 +671,14 @@ _MEDIUM_LAYER = [(256,), (768, 256), (256, 256), (256,), (768, 256), (768, 256),
 def _shard_size(layers: int, world: int, policy: QuantizedAllGather | None) -> int:
     shapes = _MEDIUM_LAYER * layers
     params = [torch.empty(s, device="meta") for s in shapes]
-    refs = [ParamRef(nn.Module(), f"p{i}", f"p{i}") for i in range(len(shapes))]
-    names = [r.fqn for r in refs]
+    names = [f"p{i}" for i in range(len(shapes))]
     blocks = None
     if policy is not None:
         chosen = select_quantized(policy, names, params)
         blocks = TileAlignedBlocks(
             policy, frozenset(n for n, c in zip(names, chosen, strict=True) if c)
         )
-    return build_plan(refs, params, world, blocks, [torch.float32, torch.bfloat16]).shard_size
+    return build_plan(names, params, world, blocks, [torch.float32, torch.bfloat16]).shard_size
 
 
 def test_tile_plan_meets_the_structural_bound() -> None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from fsdp_engine._private.api import (
-    FSDPModule,
-    UnshardHandle,
-    fully_shard,
-    register_fsdp_forward_method,
-    share_comm_ctx,
+    BlockPolicy,
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    QuantizedAllGather,
+    QuantizedWeight,
 )
 from fsdp_engine._private.checkpoint import (
     AfterCommitError,
@@ -31,13 +32,13 @@ from fsdp_engine._private.checkpoint import (
 )
 from fsdp_engine._private.export import load_full_state_dict
 from fsdp_engine._private.flat_optim import FlatAdam, FlatAdamW
-from fsdp_engine._private.policy import (
-    BlockPolicy,
-    CPUOffloadPolicy,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
+from fsdp_engine._private.fsdp_module import (
+    FSDPModule,
+    UnshardHandle,
+    register_fsdp_forward_method,
+    share_comm_ctx,
 )
-from fsdp_engine._private.quantized_gather import QuantizedAllGather, QuantizedWeight
+from fsdp_engine._private.fully_shard import fully_shard
 
 try:
     __version__ = version("fsdp-engine")

@@ -222,6 +222,8 @@ def reduce_scatter_flat(
     direct = not accumulate and rdtype == out.dtype and hook is None
     rs_stream = streams.comm_stream_for(device, "reduce_scatter")
     ar_stream = streams.comm_stream_for(device, "all_reduce")
+    if rs_stream is None:
+        hook_stream = None  # a device without streams: everything runs in order on the host
     # Without streams (gloo) async work can be chained only for the reduce-scatter; the
     # all-reduce over replicas, the hook and the epilogue run in wait().
     defer = async_op and rs_stream is None

@@ -1,4 +1,4 @@
-"""The few places where the engine meets torch's private FSDP/composable machinery (torch 2.13).
+"""The one place where the engine touches torch internals (torch 2.13).
 
 [Note: why reuse torch's pieces]
 - ``RegisterPostBackwardFunction``: FSDP2's autograd function over a module's forward inputs; its
@@ -11,30 +11,60 @@
   ``fully_shard``-ed submodules leaves their parameters to us, like FSDP2.
 - ``_apply_to_tensors``: the container traversal DDP/FSDP use for forward inputs (lists, dicts,
   namedtuples, dataclasses).
-- ``in_backward``: whether autograd is running a backward now (activation-checkpoint recompute
-  runs forwards inside backward; they must not reshard or reset the iteration).
-Each is checked at import; ``compat_status()`` reports what is in use.
+- the autograd engine: whether a backward is running (activation-checkpoint recompute runs
+  forwards inside backward), and its final callback (the root's end of backward).
+- DTensor: a DTensor over a local tensor from a spec built once (``from_local``'s per-rank
+  checks cost a Python step per rank at scale), its local tensor and spec; a DeviceMesh of a
+  data-parallel and a tensor-parallel mesh (``_concatenate``).
+- ``_unsafe_preserve_version_counter``: refilling memory autograd saved, as FSDP2's copy-out.
+- a module's registered parameters (``_parameters``) and a parameter's post-accumulate hooks.
+
+Each is looked up once, at import, against the torch version it was written for
+(``SUPPORTED``): another version or a missing or changed name does not fail at import but is
+reported by ``compat_status()`` and the tests (``test_engine_compat.py``), which check every
+entry is the torch object it stands for.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd import Variable
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 __all__ = [
+    "SUPPORTED",
     "PostBackwardFunction",
     "apply_to_tensors",
     "compat_status",
+    "concatenate_meshes",
+    "dtensor_from_spec",
+    "has_backend_for",
     "in_backward",
+    "local_tensor",
     "mark_fully_sharded",
+    "post_accumulate_grad_hooks",
+    "preserve_version_counter",
+    "queue_backward_callback",
+    "registered_param",
+    "set_local_tensor",
+    "set_registered_param",
+    "set_spec",
+    "spec_of",
 ]
 
-_STATUS: dict[str, str] = {}
+SUPPORTED = "2.13"  # the torch release every entry below was checked against
+_STATUS: dict[str, str] = {
+    "torch": torch.__version__ if torch.__version__.startswith(SUPPORTED) else "unsupported"
+}
 
 
 class _OwnPostBackward(torch.autograd.Function):
@@ -113,9 +143,110 @@ def apply_to_tensors(fn: Callable[[torch.Tensor], Any], container: Any) -> Any:
     return tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, container)
 
 
+# -- the autograd engine ----------------------------------------------------------------------
+_GRAPH_TASK_ID: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
+_STATUS["graph_task_id"] = "torch" if _GRAPH_TASK_ID is not None else "unavailable"
+
+
 def in_backward() -> bool:
     """True while autograd runs a backward pass (on this thread)."""
-    return bool(torch._C._current_graph_task_id() != -1)
+    return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass has finished (FSDP2's final callback)."""
+    Variable._execution_engine.queue_callback(callback)
+
+
+# -- DTensor and DeviceMesh internals ---------------------------------------------------------
+def dtensor_from_spec(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """A DTensor over ``local`` (no copy) with ``spec``, as DTensor's own no-autograd
+    constructors build it (no per-rank check)."""
+    return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+
+
+def local_tensor(value: DTensor) -> torch.Tensor:
+    """A DTensor's local tensor without autograd (``to_local`` records a graph node)."""
+    return value._local_tensor
+
+
+def set_local_tensor(value: DTensor, local: torch.Tensor) -> None:
+    value._local_tensor = local
+
+
+def spec_of(value: DTensor) -> DTensorSpec:
+    return value._spec
+
+
+def set_spec(value: DTensor, spec: DTensorSpec) -> None:
+    value._spec = spec
+
+
+def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
+    """One mesh whose axes are those of ``meshes``, slices of one parent mesh (e.g. the
+    data-parallel and the tensor-parallel slices of a 2-D mesh)."""
+    return DeviceMesh._concatenate(meshes)
+
+
+_STATUS["concatenate_meshes"] = "torch" if hasattr(DeviceMesh, "_concatenate") else "missing"
+
+
+# -- autograd's version counters --------------------------------------------------------------
+def _torch_preserve() -> Any:
+    try:
+        from torch.autograd.grad_mode import _unsafe_preserve_version_counter
+    except ImportError:  # pragma: no cover
+        return None
+    return _unsafe_preserve_version_counter
+
+
+_PRESERVE = _torch_preserve()
+_STATUS["preserve_version_counter"] = "torch" if _PRESERVE is not None else "missing"
+
+
+def preserve_version_counter(tensor: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
+    """Writes in the body do not move ``tensor``'s version counter (a refill of the same
+    values that autograd saved; FSDP2's copy-out does the same)."""
+    if _PRESERVE is None:  # pragma: no cover
+        return contextlib.nullcontext()
+    manager: contextlib.AbstractContextManager[Any] = _PRESERVE(tensor)
+    return manager
+
+
+# -- modules and parameters -------------------------------------------------------------------
+def registered_param(module: nn.Module, attr: str) -> Any:
+    """What ``module`` registers as parameter ``attr`` (None if nothing), without the
+    ``__getattr__`` lookup."""
+    return module._parameters.get(attr)
+
+
+def set_registered_param(module: nn.Module, attr: str, param: nn.Parameter) -> None:
+    """Register ``param`` as ``module.<attr>`` in place of what is there (FSDP2 swaps the
+    sharded and unsharded parameters this way: no ``__setattr__`` checks)."""
+    module._parameters[attr] = param
+
+
+def post_accumulate_grad_hooks(param: torch.Tensor) -> tuple[Callable[[torch.Tensor], Any], ...]:
+    """The hooks ``param.register_post_accumulate_grad_hook`` registered, in order."""
+    hooks = getattr(param, "_post_accumulate_grad_hooks", None)
+    return tuple(hooks.values()) if hooks else ()
+
+
+@contextlib.contextmanager
+def no_grad_and_preserved(tensor: torch.Tensor) -> Iterator[None]:
+    """``torch.no_grad`` with ``tensor``'s version counter preserved."""
+    with torch.no_grad(), preserve_version_counter(tensor):
+        yield
+
+
+def has_backend_for(group: Any, device: torch.device) -> bool:
+    """Whether ``group`` has a backend serving tensors of ``device`` (a capability check: a
+    compound backend such as ``"cpu:gloo,cuda:nccl"`` serves both)."""
+    try:
+        group._get_backend(device)
+    except (RuntimeError, ValueError, AttributeError):
+        return False
+    return True
 
 
 def compat_status() -> dict[str, str]:

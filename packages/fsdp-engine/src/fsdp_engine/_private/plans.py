@@ -21,16 +21,26 @@ so every rank's cache holds the same plans.
 from __future__ import annotations
 
 import math
+import operator
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
 
+from fsdp_engine._private.storage import storage_dtype
 from shard_planner import Plan, TensorSpec, plan
 
-__all__ = ["alignment", "cached_plan", "clear_plan_cache", "plan_cache_info"]
+__all__ = [
+    "alignment",
+    "build_plan",
+    "cached_plan",
+    "clear_plan_cache",
+    "plan_cache_info",
+    "view_dtypes",
+]
 
 _CACHE_SIZE = 512
 _Key = tuple[tuple[tuple[int, int], ...], int, int, str]
@@ -79,3 +89,60 @@ def clear_plan_cache() -> None:
     with _LOCK:
         _CACHE.clear()
         _STATS.update(hits=0, misses=0)
+
+
+def view_dtypes(
+    dtype: torch.dtype, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None
+) -> tuple[torch.dtype, ...]:
+    """Every dtype a group of ``dtype`` views its buffers in: the parameters', their storage's
+    (``storage`` [Note: bit-cast storage]), and the mixed-precision policy's compute and reduce
+    dtypes ([Note: alignment in every dtype]). A later ``.to(dtype)`` keeps the plan."""
+    dtypes = [dtype, storage_dtype(dtype)]
+    if dtype.is_floating_point:
+        dtypes += [d for d in (param_dtype, reduce_dtype) if d is not None]
+    return tuple(dtypes)
+
+
+def build_plan(
+    names: Sequence[str],
+    params: Sequence[torch.Tensor],
+    world: int,
+    block_policy: Callable[[str, torch.Tensor], Any] | None,
+    dtypes: Sequence[torch.dtype],
+    method: str = "auto",
+) -> Plan:
+    """The group's plan: blocks from ``block_policy``, 16-byte aligned in every one of
+    ``dtypes`` (``plans`` [Note: alignment in every dtype]), cached by signature."""
+    specs = []
+    for name, param in zip(names, params, strict=True):
+        block = 1
+        if block_policy is not None:
+            try:
+                value = block_policy(name, param)
+            except Exception as exc:
+                where = (
+                    f"block policy {block_policy!r} failed for parameter {name!r} "
+                    f"(shape {tuple(param.shape)})"
+                )
+                try:
+                    renamed = type(exc)(f"{where}: {exc}")
+                except Exception:  # an exception type that needs other arguments
+                    exc.add_note(where)
+                    raise exc from None
+                raise renamed from exc
+            try:
+                block = operator.index(value)
+            except TypeError:
+                raise TypeError(
+                    f"block policy gave parameter {name!r} the block {value!r} "
+                    f"({type(value).__name__}); it must return an int number of "
+                    f"elements"
+                ) from None
+        if block < 1 or param.numel() % block:
+            raise ValueError(
+                f"block policy gave parameter {name!r} (shape "
+                f"{tuple(param.shape)}, {param.numel()} elements) a block of {block} "
+                f"elements: it must be >= 1 and divide the parameter's numel"
+            )
+        specs.append(TensorSpec(numel=param.numel(), block=block, name=name))
+    return cached_plan(specs, world, dtypes, method=method)

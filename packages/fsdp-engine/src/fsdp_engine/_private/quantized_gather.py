@@ -24,16 +24,20 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
 from dbuffer import DBuffer, Handle, PackedAllGather, PackedLayout, packed_layout
+from fsdp_engine._private.api import (
+    QUANTIZABLE,
+    QuantizedAllGather,
+    QuantizedWeight,
+    callable_repr,
+)
 from fsdp_engine._private.quantize import (
-    FORMATS,
-    Format,
     code_dtype,
     dequantize_panel,
     panel_block_elements,
@@ -43,128 +47,11 @@ from fsdp_engine._private.quantize import (
 )
 
 __all__ = [
-    "QuantizedAllGather",
     "QuantizedGather",
-    "QuantizedWeight",
     "TileAlignedBlocks",
     "quantized_gather",
     "select_quantized",
 ]
-
-
-def _callable_repr(value: object) -> str:
-    """A callable's qualified name: reprs are compared across ranks (``fully_shard``'s agreement
-    check), and a function's default repr holds its address, which differs per process."""
-    if value is None:
-        return "None"
-    module = getattr(value, "__module__", None) or type(value).__module__
-    name = getattr(value, "__qualname__", None) or type(value).__qualname__
-    return f"<{module}.{name}>"
-
-
-def _check_format(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value not in FORMATS:
-        raise ValueError(f"QuantizedAllGather.format must be one of {FORMATS}, got {value!r}")
-
-
-def _as_block(value: object) -> tuple[int, int]:
-    try:
-        pair: tuple[Any, ...] = tuple(value)  # type: ignore[arg-type]
-        if len(pair) != 2:
-            raise ValueError
-        block = (operator.index(pair[0]), operator.index(pair[1]))
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"QuantizedAllGather.block must be a pair of ints (rows, cols), got {value!r}"
-        ) from None
-    if min(block) < 1:
-        raise ValueError(f"QuantizedAllGather.block must be positive, got {block}")
-    return block
-
-
-def _check_min_numel(instance: Any, attribute: attrs.Attribute[Any], value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"QuantizedAllGather.min_numel must be an int >= 1, got {value!r}")
-
-
-# the weight dtypes a quantized all-gather reads (float8 parameters travel as their own bytes)
-_QUANTIZABLE = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-@attrs.frozen
-class QuantizedWeight:
-    """One weight as the quantized all-gather delivered it, before dequantization.
-
-    ``codes``: the weight's shape, ``float8_e4m3fn`` or ``int8``; ``scales``: fp32, one per block
-    of the matrix ``(prod(shape[:-1]), shape[-1])``, shape ``(ceil(rows / br), ceil(cols / bc))``;
-    ``name``: the parameter's name relative to the module ``fully_shard`` was called on. For FP8
-    GEMMs: ``w = codes.float() * scales`` expanded over each block.
-    """
-
-    name: str
-    codes: torch.Tensor
-    scales: torch.Tensor
-    format: Format
-    block: tuple[int, int]
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight the engine's parameters hold (bit for bit when ``dtype`` is the compute
-        dtype)."""
-        shape = tuple(self.codes.shape)
-        rows, width = panel_shape(shape, self.block)
-        grid = scale_grid(rows, width, self.block)
-        out = dequantize_panel(
-            self.codes.reshape(rows, width), self.scales.reshape(grid), self.block, dtype=dtype
-        )
-        return out.view(shape)
-
-
-@attrs.frozen
-class QuantizedAllGather:
-    """Quantized weight communication for ``MixedPrecisionPolicy.quantized_all_gather``.
-
-    Each group's all-gather carries blockwise-quantized weights: every rank quantizes the blocks
-    of its own shard of the master weights, one collective moves the codes and scales of the
-    whole group, and each weight is dequantized into the compute dtype (``param_dtype``) for
-    forward and backward. Exact: the result equals quantize-then-dequantize of the full tensor,
-    bit for bit (the planner never cuts a block row). Gradients, the reduce-scatter
-    (``reduce_dtype``), master weights, optimizers and checkpoints are unchanged.
-
-    Args:
-        format: ``"float8_e4m3fn"`` (FP8 E4M3, |code| <= 448) or ``"int8"`` (|code| <= 127); one
-            fp32 scale per block, ``amax / Q`` of the block.
-        block: ``(rows, cols)`` of a block of the weight's matrix ``(prod(shape[:-1]),
-            shape[-1])``: ``(128, 128)`` tiles (DeepSeek-V3's weight format) or ``(1, 128)``
-            row blocks.
-        min_numel: by default floating weights (fp32/bf16/fp16/fp64, not tensor-parallel
-            DTensors) of at least 2 dims and ``min_numel`` elements whose rows are a multiple of
-            the block's rows are quantized; the others (norms, biases, small tensors) travel in
-            the compute dtype.
-        filter: ``filter(name, param) -> bool`` replaces that default choice. A chosen weight
-            whose rows are not a multiple of the block's rows is refused by name at
-            ``fully_shard`` (a shard boundary would cut its partial last row of blocks).
-        hook: ``hook(QuantizedWeight)`` is called for every quantized weight of a group when its
-            all-gather completes, with its gathered codes and scales (e.g. for FP8 GEMMs).
-    """
-
-    format: Format = attrs.field(default="float8_e4m3fn", validator=_check_format)
-    block: tuple[int, int] = attrs.field(default=(128, 128), converter=_as_block)
-    min_numel: int = attrs.field(default=128 * 128, validator=_check_min_numel)
-    filter: Callable[[str, torch.Tensor], bool] | None = attrs.field(
-        default=None, repr=_callable_repr
-    )
-    hook: Callable[[QuantizedWeight], None] | None = attrs.field(default=None, repr=_callable_repr)
-
-    def selects(self, name: str, param: torch.Tensor) -> bool:
-        """Whether the weight ``name`` travels quantized (the default rule, or ``filter``)."""
-        if self.filter is not None:
-            return bool(self.filter(name, param))
-        if isinstance(param, DTensor):  # tensor-parallel shards: not yet (see select_quantized)
-            return False
-        if param.dim() < 2 or param.numel() < self.min_numel or param.dtype not in _QUANTIZABLE:
-            return False
-        rows, _ = panel_shape(tuple(param.shape), self.block)
-        return rows % self.block[0] == 0
 
 
 def select_quantized(
@@ -185,11 +72,11 @@ def select_quantized(
                 f"({param.placements}); the quantized all-gather does not quantize "
                 f"tensor-parallel shards yet: leave it out with QuantizedAllGather(filter=...)"
             )
-        if param.dtype not in _QUANTIZABLE or param.numel() == 0:
+        if param.dtype not in QUANTIZABLE or param.numel() == 0:
             raise ValueError(
                 f"fully_shard: the quantized all-gather chose parameter {name!r} ({param.dtype}, "
                 f"shape {tuple(param.shape)}); it quantizes non-empty floating weights of "
-                f"{[str(d) for d in _QUANTIZABLE]}"
+                f"{[str(d) for d in QUANTIZABLE]}"
             )
         rows = panel_shape(tuple(param.shape), policy.block)[0]
         br, bc = policy.block
@@ -219,7 +106,7 @@ class TileAlignedBlocks:
 
     policy: QuantizedAllGather
     selected: frozenset[str]
-    base: _BlockPolicy | None = attrs.field(default=None, repr=_callable_repr)
+    base: _BlockPolicy | None = attrs.field(default=None, repr=callable_repr)
 
     def __call__(self, name: str, param: torch.Tensor) -> int:
         value = 1 if self.base is None else self.base(name, param)

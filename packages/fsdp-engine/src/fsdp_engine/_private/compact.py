@@ -1,0 +1,99 @@
+"""Which gradients a group reduces, by its trainable mask, and the compact layout of a subset.
+
+[Note: frozen parameters] (reduce.py) says when each kind is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import attrs
+import torch
+
+from dbuffer import DBuffer, contiguous_layout
+from fsdp_engine._private.storage import ShardStorage
+
+__all__ = ["Piece", "Reduction", "compact_buffer", "compact_pieces", "reduction_for_mask"]
+
+Piece = tuple[
+    int, int, int, int
+]  # (tensor index, start inside the tensor, length, start in segment)
+
+
+def compact_pieces(
+    offsets: Sequence[int],
+    numels: Sequence[int],
+    shard_size: int,
+    world: int,
+    trainable: Sequence[bool],
+    align: int,
+) -> tuple[int, tuple[tuple[Piece, ...], ...]]:
+    """The compact reduction layout of the trainable subset of a planned group.
+
+    Rank r's shard of the parameter buffer is ``[r*S, (r+1)*S)``; tensor i occupies
+    ``[off_i, off_i + n_i)``, so its piece on rank r is the intersection, of length
+    ``max(0, min(off_i + n_i, (r+1)*S) - max(off_i, r*S))``. Segment r of the compact buffer holds
+    the pieces of the trainable tensors on rank r, in tensor order, back to back; the segment size
+    is ``S_g = max_r (sum of those lengths)`` rounded up to ``align``. A reduce-scatter of
+    ``world`` segments then leaves on rank r exactly the trainable tensors' local shares, each a
+    contiguous slice. Returns ``(S_g, pieces)`` with ``pieces[r]`` the ``(i, start in tensor,
+    length, start in segment)`` of every trainable tensor on rank r (length 0 included, so every
+    rank has a view for every trainable tensor).
+    """
+    by_rank: list[tuple[Piece, ...]] = []
+    largest = 0
+    for r in range(world):
+        lo, hi = r * shard_size, (r + 1) * shard_size
+        cursor = 0
+        pieces: list[Piece] = []
+        for i, (off, numel) in enumerate(zip(offsets, numels, strict=True)):
+            if not trainable[i]:
+                continue
+            start, stop = max(off, lo), min(off + numel, hi)
+            length = max(0, stop - start)
+            pieces.append((i, start - off if length else 0, length, cursor))
+            cursor += length
+        largest = max(largest, cursor)
+        by_rank.append(tuple(pieces))
+    size = max(align, -(-largest // align) * align)
+    return size, tuple(by_rank)
+
+
+@attrs.frozen
+class Reduction:
+    """How a group reduces its gradients for one trainable mask ([Note: frozen parameters])."""
+
+    mask: tuple[bool, ...]
+    kind: Literal["none", "full", "compact"]
+    segment: int = 0  # compact: elements per rank
+    pieces: tuple[tuple[Piece, ...], ...] = ()
+
+
+def compact_buffer(storage: ShardStorage, segment: int, dtype: torch.dtype) -> DBuffer:
+    total = segment * storage.world
+    return DBuffer(
+        contiguous_layout([total], storage.world, align=1),
+        [(total,)],
+        storage.mesh,
+        dtype=dtype,
+        names=["trainable gradients"],
+        shard_axis=storage.shard_axis,
+        check=False,
+        device=storage.device,
+    )
+
+
+def reduction_for_mask(storage: ShardStorage, mask: tuple[bool, ...], align: int) -> Reduction:
+    """The reduction of ``mask``: none, full, or compact over the trainable subset."""
+    if not any(mask):
+        return Reduction(mask, "none")
+    if all(mask) or storage.placed is not None:
+        # a placed group reduces its frozen members' zeros too ([Note: placed groups]): the
+        # trainable ones' values are the same, only frozen ones get no .grad
+        return Reduction(mask, "full")
+    plan = storage.plan
+    segment, pieces = compact_pieces(
+        plan.offsets, plan.numels, plan.shard_size, storage.world, mask, align
+    )
+    return Reduction(mask, "compact", segment, pieces)

@@ -1,0 +1,312 @@
+"""``FSDPModule``: the methods ``fully_shard`` adds to a module (FSDP2's names and arguments).
+
+Every setter validates its arguments and hands them to one configuration entry
+(``FSDPState.configure`` or ``ParamGroup.configure``); none writes a state's or group's fields.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_engine._private.state import FSDPState, get_state
+
+__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` completes the all-gathers
+    and registers the unsharded parameters."""
+
+    def __init__(self, state: FSDPState | None) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        state, self._state = self._state, None
+        for group in state.groups if state is not None else ():
+            group.wait_for_unshard()
+            group.register_unsharded()
+
+
+def _states_under(module: object, recurse: bool) -> list[FSDPState]:
+    assert isinstance(module, nn.Module)
+    states: list[FSDPState] = []
+    for m in module.modules() if recurse else [module]:
+        state = get_state(m)
+        if state is not None and state not in states:
+            states.append(state)
+    return states
+
+
+def _state_of(module: object, what: str) -> FSDPState:
+    state = get_state(module) if isinstance(module, nn.Module) else None
+    if state is None:
+        raise ValueError(f"{what}: {type(module).__name__} is not a fully_shard module")
+    return state
+
+
+class FSDPModule:
+    """Mixed into the class of every module ``fully_shard`` was applied to (like FSDP2)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # A container's slicing (``layers[1:]``) builds ``type(self)(...)``: build the original
+        # class, like FSDP2 (the new container is not a fully_shard module).
+        orig: Any = cls.__mro__[2]
+        self = orig.__new__(orig)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def _engine_state(self) -> FSDPState:
+        return _state_of(self, "fully_shard")
+
+    def _configure_groups(self, recurse: bool, **changes: Any) -> None:
+        for state in _states_under(self, recurse):
+            for group in state.groups:
+                group.configure(**changes)
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters (one collective per group) and register them
+        unsharded. Not recursive."""
+        state = self._engine_state()
+        for group in state.groups:
+            group.adopt_registered()  # parameters assigned since fully_shard (no-op if unsharded)
+            group.unshard(async_op=async_op)
+        handle = UnshardHandle(state)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones. Not recursive."""
+        for group in self._engine_state().groups:
+            group.reshard()
+
+    def shard_plan(self) -> Any:
+        """The planner's layout of this module's group (shard size, offsets, padding, per-rank
+        units, fingerprint), or None when the module manages no parameters. A call whose
+        parameters have several dtypes has one plan per dtype: see ``shard_plans()``."""
+        plans = self.shard_plans()
+        if len(plans) > 1:
+            raise ValueError(
+                f"this fully_shard call holds {len(plans)} groups (one per dtype); "
+                "use shard_plans()"
+            )
+        return plans[0] if plans else None
+
+    def shard_plans(self) -> list[Any]:
+        """One plan per dtype group of this module, in the order the dtypes first appear."""
+        return [group.plan for group in self._engine_state().groups]
+
+    def reset_iter_state(self) -> None:
+        """After an exception in forward or backward: wait for or drop every collective in
+        flight, reshard, and return every state to idle (the failed iteration's gradients,
+        including accumulated ones, are dropped). Call it on the root."""
+        state = self._engine_state()
+        if state.is_root is False:
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module")
+        state.reset_iteration()
+
+    # -- state settings -----------------------------------------------------------------------
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """``False``: accumulate gradients locally (no reduce-scatter, in ``reduce_dtype``)
+        until set back."""
+        for state in _states_under(self, recurse):
+            state.configure(requires_gradient_sync=requires_gradient_sync)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: reduce-scatter every microbatch but all-reduce only when set back. The engine
+        reduces both axes together; only ``True`` (the default) is supported on a 2-D mesh."""
+        for state in _states_under(self, recurse):
+            if not requires_all_reduce and any(g.mesh.ndim > 1 for g in state.groups):
+                raise NotImplementedError(
+                    "set_requires_all_reduce(False): reduce-scatter without the replica "
+                    "all-reduce is not supported by fsdp_engine; use "
+                    "set_requires_gradient_sync(False) to accumulate without communication"
+                )
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        for state in _states_under(self, recurse):
+            state.configure(reshard_after_backward=reshard_after_backward)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` at runtime (e.g. ``True`` on the root, or ``False``
+        for evaluation). Explicit, so it also applies to the root."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}"
+            )
+        for state in _states_under(self, recurse):
+            state.configure(reshard_after_forward=reshard_after_forward)
+            for group in state.groups:
+                group.configure(post_forward_k=0)
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters asynchronously when this module's forward
+        starts."""
+        targets = tuple(_state_of(m, "forward prefetch") for m in modules)
+        self._engine_state().configure(forward_prefetch=targets)
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules' parameters asynchronously when this module's backward starts
+        (default: the module that ran forward just before this one)."""
+        targets = tuple(_state_of(m, "backward prefetch") for m in modules)
+        self._engine_state().configure(backward_prefetch=targets)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: do not all-gather this module's parameters in backward (when its backward
+        does not read them, e.g. an embedding); gradients are still reduced."""
+        self._engine_state().configure(unshard_in_backward=unshard_in_backward)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """``False``: the next backward does not wait for its gradient reductions (they are
+        waited at the next forward)."""
+        self._engine_state().ctx.is_last_backward = is_last_backward
+
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """An event recorded after the optimizer step: the root's next pre-forward makes the
+        current stream wait on it (accelerators) before the all-gathers; discarded after use."""
+        self._engine_state().ctx.post_optim_event = event
+
+    # -- group settings -----------------------------------------------------------------------
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide gradients by ``factor`` instead of averaging over the data-parallel ranks
+        (FSDP2's arithmetic: dbuffer's [Note: dividing a mean of gradients])."""
+        if factor <= 0:
+            raise ValueError(f"divide factor must be > 0, got {factor}")
+        self._configure_groups(False, reduce_divide_factor=float(factor))
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated name of ``set_gradient_divide_factor`` (as in FSDP2)."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Only SUM collectives: the mean's division runs before/after them."""
+        self._configure_groups(False, reduce_force_sum=bool(enable))
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """fsdp_engine always reduces every trainable parameter of a group, unused ones as zeros
+        ([Note: conditional compute]), so ranks that use different parameters never issue
+        mismatched collectives, whatever this says; every trainable parameter of a reduced
+        group keeps a ``.grad`` (``True``, the engine's default). ``False``: parameters no rank
+        used lose their ``.grad`` (as with one process, or DDP's ``find_unused_parameters``),
+        at the cost of one small all-reduce per backward ([Note: gradient presence])."""
+        self._configure_groups(recurse, exact_presence=not reduce_scatter_unused_params)
+
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many reductions may be in flight at once ([Note: reductions in flight]): each
+        holds its group's unsharded gradient storage until it completes. 1 (the default) waits
+        for the previous reduction before the next is issued."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        self._configure_groups(recurse, max_input_buffers=max_input_buffers)
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None
+    ) -> None:
+        """``hook(reduce_output)`` runs on each group's reduced gradient shard (reduce dtype),
+        after the replica all-reduce with HSDP, before it is written to ``.grad``; on
+        ``stream`` (only without native HSDP), ordered after the reduction and before the
+        gradient is used."""
+        for group in self._engine_state().groups:
+            if stream is not None and group.mesh.ndim > 1:
+                raise ValueError("stream cannot be set when using native HSDP")
+        self._configure_groups(False, reduce_hook=hook, reduce_hook_stream=stream)
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Replace the all-gather: ``comm(output_tensor=, input_tensor=, group=, async_op=)`` is
+        called with the group's own flat buffers, on the all-gather stream (its ``allocate`` is
+        not used: the output is the group's planned unsharded storage)."""
+        self._configure_groups(False, all_gather_comm=comm)
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Replace the reduce-scatter: ``comm(output_tensor=, input_tensor=, group=, op=,
+        async_op=)`` on the reduce-scatter stream; its ``allocate(size, dtype=, device=)``, when
+        it has one, makes the receive buffer."""
+        allocate = getattr(comm, "allocate", None)
+        self._configure_groups(
+            False,
+            reduce_comm=comm,
+            reduce_allocate=allocate if callable(allocate) else None,
+        )
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """FSDP2 allocates its staging buffers from the process group's allocator. The engine
+        has no staging buffers (collectives read and write the planned persistent storage), so
+        this changes nothing; like FSDP2 it cannot be combined with a custom collective."""
+        for group in self._engine_state().groups:
+            if group.config.all_gather_comm is not None or group.config.reduce.comm is not None:
+                raise AssertionError(
+                    "set_allocate_memory_from_process_group_for_comm cannot be used together "
+                    "with set_custom_all_gather / set_custom_reduce_scatter"
+                )
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        raise NotImplementedError(
+            "set_separate_reduce_scatter_group: fsdp_engine runs its all-gathers and "
+            "reduce-scatters on the mesh's process groups"
+        )
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        raise NotImplementedError(
+            "set_symm_mem_for_comm: fsdp_engine's collectives move the planned persistent "
+            "buffers, which are not symmetric-memory allocations"
+        )
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # ``.to(dtype)``, ``.float()``, ``to_empty`` replace or re-type the sharded parameters'
+        # local tensors: adopt what they became into our storage (children do their own).
+        state = self._engine_state()
+        for group in state.groups:
+            group.to_sharded()
+        ret = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        for group in state.groups:
+            group.reset_after_apply()
+        return ret
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` unshard/reshard like ``forward`` (FSDP2's function); a no-op
+    for modules that are not fully_shard modules."""
+    if not isinstance(module, FSDPModule):
+        return
+    if not hasattr(module, method_name):
+        raise ValueError(f"{type(module)} does not have a method {method_name}")
+    original = getattr(module, method_name)
+    state = module._engine_state()
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        assert isinstance(module, nn.Module)
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        out = original(*args, **kwargs)
+        return state._post_forward(module, args, out)
+
+    setattr(module, method_name, wrapped)
+
+
+def share_comm_ctx(modules: list[FSDPModule]) -> None:
+    """FSDP2 shares communication streams between roots (pipeline stages). The engine's
+    communication streams are already one per device and kind, shared by every module: this
+    validates the list and changes nothing."""
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"Expects list of FSDPModules but got {module}")

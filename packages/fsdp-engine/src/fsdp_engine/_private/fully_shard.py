@@ -1,0 +1,182 @@
+"""``fully_shard``: FSDP2's function, our machinery (its ``_fully_shard``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, overload
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_engine._private.api import (
+    BlockPolicy,
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
+from fsdp_engine._private.compat import mark_fully_sharded
+from fsdp_engine._private.fsdp_module import FSDPModule
+from fsdp_engine._private.init import (
+    by_dtype,
+    check_mp_policy,
+    check_offload_policy,
+    check_param,
+    check_ranks_agree_on_call,
+    default_mesh,
+    managed_params,
+    parse_reshard_after_forward,
+    remember,
+    resolve_device,
+    with_placement_fn,
+)
+from fsdp_engine._private.param import ParamRef
+from fsdp_engine._private.param_group import ParamGroup
+from fsdp_engine._private.state import STATE_ATTR, FSDPState, get_state
+from shard_planner import METHODS as PLANNER_METHODS
+
+__all__ = ["fully_shard"]
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+@overload
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: Any = ...,
+    block_policy: BlockPolicy | None = ...,
+    planner: str = ...,
+) -> FSDPModule: ...
+
+
+@overload
+def fully_shard(
+    module: list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = ...,
+    reshard_after_forward: bool | int | None = ...,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = ...,
+    mp_policy: MixedPrecisionPolicy = ...,
+    offload_policy: OffloadPolicy = ...,
+    ignored_params: set[nn.Parameter] | None = ...,
+    dp_mesh_dims: Any = ...,
+    block_policy: BlockPolicy | None = ...,
+    planner: str = ...,
+) -> list[FSDPModule]: ...
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen value
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen value
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: Any = None,
+    block_policy: BlockPolicy | None = None,
+    planner: str = "auto",
+) -> FSDPModule | list[FSDPModule]:
+    """Shard ``module``'s parameters over ``mesh`` (FSDP2's signature and behaviour).
+
+    One call makes one group per parameter dtype: its parameters are planned into one flat
+    buffer (no block of ``block_policy`` cut by a shard boundary), held as ``RaggedShard`` DTensor
+    views, all-gathered with one collective before forward (and backward) and reduce-scattered
+    with one collective after backward. ``mesh``: 1-D (FSDP) or 2-D (HSDP: axis 0 replicates,
+    axis 1 shards). ``reshard_after_forward``: ``None`` (default) reshards after forward except
+    for the root, which keeps its parameters for the start of backward; ``True``/``False``; or an
+    int k dividing the shard-axis size: ``1`` is ``False``, the axis size is ``True``, any other k
+    keeps 1/k of the unsharded buffer and re-gathers within groups of k ranks. ``planner``: the
+    ``shard_planner.plan`` method (``"auto"``; ``"naive"`` concatenates, for ablations).
+    """
+    if planner not in PLANNER_METHODS:
+        raise ValueError(f"fully_shard: planner must be one of {PLANNER_METHODS}, got {planner!r}")
+    if dp_mesh_dims is not None:
+        raise NotImplementedError(
+            "fully_shard(dp_mesh_dims=...): pass the data-parallel mesh itself as mesh= "
+            "(1-D FSDP or 2-D HSDP); tensor-parallel DTensor parameters are sharded on it"
+        )
+    modules = module if isinstance(module, list) else [module]
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    for target in modules:
+        if not isinstance(target, nn.Module):
+            raise TypeError(f"fully_shard expects an nn.Module, got {type(target).__name__}")
+        if get_state(target) is not None:
+            raise ValueError(f"fully_shard was already applied to this {type(target).__name__}")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard got the same module twice in its list")
+    if mesh is not None and not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
+    mp_policy = check_mp_policy(mp_policy)
+    offload_policy = check_offload_policy(offload_policy)
+    mesh = mesh or default_mesh()
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
+    if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+        raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names specified")
+    shard_axis = mesh.ndim - 1
+    world = mesh.size(shard_axis)
+    if isinstance(offload_policy, CPUOffloadPolicy) and mesh.device_type != "cpu":
+        raise NotImplementedError("CPUOffloadPolicy on an accelerator mesh is not supported yet")
+    reshard, subgroup = parse_reshard_after_forward(reshard_after_forward, world)
+    refs = managed_params(modules, set(ignored_params or ()))
+    for ref in refs:
+        check_param(ref)
+    block_policy, shard_dims = with_placement_fn(block_policy, shard_placement_fn, refs, world)
+    check_ranks_agree_on_call(
+        mesh,
+        {
+            "module": ",".join(type(m).__name__ for m in modules),
+            "reshard_after_forward": repr(reshard_after_forward),
+            "mp_policy": repr(mp_policy),
+            "offload_policy": repr(offload_policy),
+            "block_policy": "none" if block_policy is None else type(block_policy).__name__,
+            # the groups follow it: a rank-dependent shard_placement_fn is named, not a hang
+            "shard_placement_fn": repr(sorted(shard_dims.items())),
+        },
+        refs,
+    )
+    for ref in refs:
+        remember(ref.registered(), ref.fqn)
+    device = resolve_device(refs, mesh)
+    planned = [r for r in refs if r.fqn not in shard_dims]
+    placed = [r for r in refs if r.fqn in shard_dims]
+
+    def group(members: list[ParamRef], dims: list[int] | None) -> ParamGroup:
+        return ParamGroup(
+            members,
+            mesh,
+            mp_policy=mp_policy,
+            block_policy=block_policy if dims is None else None,
+            shard_axis=shard_axis,
+            device=device,
+            planner=planner,
+            shard_dims=dims,
+            post_forward_k=subgroup,
+        )
+
+    groups = [group(members, None) for members in by_dtype(planned)]
+    # [Note: placed groups]: the Shard(d)-placed parameters of a dtype share one group
+    groups += [group(m, [shard_dims[r.fqn] for r in m]) for m in by_dtype(placed)]
+    state = FSDPState(modules, groups, reshard_after_forward=reshard, mp_policy=mp_policy)
+    results: list[FSDPModule] = []
+    for target in modules:
+        target.__dict__[STATE_ATTR] = state
+        mark_fully_sharded(target)
+        cls = type(target)
+        new_cls = _CLASS_CACHE.get(cls)
+        if new_cls is None:
+            new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+            _CLASS_CACHE[cls] = new_cls
+        target.__class__ = new_cls
+        assert isinstance(target, FSDPModule)
+        results.append(target)
+    return results if isinstance(module, list) else results[0]

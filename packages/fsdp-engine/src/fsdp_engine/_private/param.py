@@ -1,0 +1,232 @@
+"""One managed parameter (FSDP2's ``FSDPParam``): where it is registered, its sharded DTensor
+over the group's storage, its unsharded parameters, and the adoption of values assigned to it.
+
+[Note: registered parameters]
+A managed parameter is registered (``module._parameters``) as its sharded DTensor while the
+group is sharded and as an unsharded ``nn.Parameter`` (a view of the gathered storage, one per
+compute dtype, made once) between unshard and reshard, under every name that registers it (tied
+weights keep one object). A value a user assigns while sharded (``model.w = nn.Parameter(...)``,
+``load_state_dict(assign=True)``, ``to_empty``) is adopted into the group's storage at the next
+unshard or state-dict hook (FSDP2's ``reset_sharded_param``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
+
+from fsdp_engine._private import compat
+from ragged_dtensor import RaggedShard
+
+if TYPE_CHECKING:
+    from fsdp_engine._private.storage import ShardStorage
+
+__all__ = ["FSDPParam", "ParamRef", "TPSpec", "tp_spec"]
+
+
+@attrs.frozen
+class ParamRef:
+    """Where a managed parameter is registered: ``owner.<attr>``, named ``fqn``.
+
+    ``aliases`` are further ``(module, attr)`` places registering the same parameter object (tied
+    weights, e.g. an output head sharing the embedding): they get the same sharded and unsharded
+    parameters, so the tie is kept.
+    """
+
+    owner: nn.Module
+    attr: str
+    fqn: str
+    aliases: tuple[tuple[nn.Module, str], ...] = ()
+
+    def register(self, param: nn.Parameter) -> None:
+        compat.set_registered_param(self.owner, self.attr, param)
+        for module, attr in self.aliases:
+            compat.set_registered_param(module, attr, param)
+
+    def registered(self) -> Any:
+        return compat.registered_param(self.owner, self.attr)
+
+
+@attrs.frozen
+class TPSpec:
+    """A parameter that is already a DTensor (tensor/expert parallel) on another mesh."""
+
+    mesh: DeviceMesh  # the parameter's own mesh (e.g. "tp")
+    placements: tuple[Placement, ...]
+    shape: torch.Size  # global shape
+    stride: tuple[int, ...]
+    spmd_mesh: DeviceMesh  # data-parallel mesh x the parameter's mesh
+
+
+def tp_spec(ref: ParamRef, param: torch.Tensor, dp_mesh: DeviceMesh) -> TPSpec | None:
+    """The tensor-parallel spec of a DTensor parameter (None for a plain tensor); refuses what
+    the data-parallel sharding cannot hold, by name."""
+    if not isinstance(param, DTensor):
+        return None
+    if any(isinstance(p, RaggedShard) for p in param.placements):
+        raise ValueError(
+            f"parameter {ref.fqn!r} is already RaggedShard-sharded "
+            f"({param.placements}); fully_shard it once"
+        )
+    if dp_mesh.ndim != 1:
+        raise NotImplementedError(
+            f"parameter {ref.fqn!r} is a DTensor on {param.device_mesh}: "
+            "combining tensor parallelism with HSDP is not supported yet"
+        )
+    if any(p.is_partial() for p in param.placements):
+        raise ValueError(f"parameter {ref.fqn!r} has a Partial placement {param.placements}")
+    if not param.to_local().is_contiguous():
+        raise ValueError(f"parameter {ref.fqn!r}: its local shard is not contiguous")
+    try:
+        spmd = compat.concatenate_meshes([dp_mesh, param.device_mesh])
+    except Exception as exc:  # torch raises several types here
+        raise ValueError(
+            f"parameter {ref.fqn!r} lives on {param.device_mesh}, which does not "
+            f"combine with the data-parallel mesh {dp_mesh} (both must be slices of "
+            f"one parent mesh, e.g. mesh['dp'] and mesh['tp']): {exc}"
+        ) from exc
+    return TPSpec(
+        param.device_mesh, tuple(param.placements), param.shape, tuple(param.stride()), spmd
+    )
+
+
+class FSDPParam:
+    """One managed parameter ([Note: registered parameters])."""
+
+    def __init__(
+        self, ref: ParamRef, index: int, storage: ShardStorage, *, meta: bool, requires_grad: bool
+    ) -> None:
+        self.ref = ref
+        self.index = index
+        self.storage = storage
+        local = storage.local_or_meta(index, meta)
+        self.sharded: nn.Parameter = nn.Parameter(storage.dtensor(index, local), requires_grad)
+        self._unsharded: dict[torch.dtype, nn.Parameter] = {}
+
+    @property
+    def fqn(self) -> str:
+        return self.ref.fqn
+
+    @property
+    def dtensor(self) -> DTensor:
+        """The sharded parameter as the DTensor it is (``nn.Parameter`` to the type checker)."""
+        param = self.sharded
+        assert isinstance(param, DTensor)
+        return param
+
+    @property
+    def is_meta(self) -> bool:
+        return compat.local_tensor(self.dtensor).is_meta
+
+    # -- unsharded parameters -----------------------------------------------------------------
+    def unsharded(self, dtype: torch.dtype) -> nn.Parameter | None:
+        return self._unsharded.get(dtype)
+
+    def make_unsharded(self, dtype: torch.dtype, view: torch.Tensor) -> nn.Parameter:
+        """The unsharded parameter of compute dtype ``dtype`` over ``view`` (made once)."""
+        param = nn.Parameter(
+            self.storage.unsharded_view(self.index, view),
+            requires_grad=self.sharded.requires_grad,
+        )
+        self._unsharded[dtype] = param
+        return param
+
+    def forget_unsharded(self) -> None:
+        """The views changed (a new storage, a new dtype): make them again when next needed."""
+        self._unsharded = {}
+
+    def register_sharded(self) -> None:
+        self.ref.register(self.sharded)
+
+    def register_unsharded(self, dtype: torch.dtype) -> nn.Parameter:
+        param = self._unsharded[dtype]
+        if param.requires_grad != self.sharded.requires_grad:  # frozen/unfrozen since then
+            param.requires_grad_(self.sharded.requires_grad)
+        self.ref.register(param)
+        return param
+
+    def is_ours(self, value: object) -> bool:
+        return value is self.sharded or any(value is p for p in self._unsharded.values())
+
+    # -- adoption -----------------------------------------------------------------------------
+    def adopt(self, value: torch.Tensor) -> None:
+        """Take over ``value``, registered in our place while sharded ([Note: registered
+        parameters]). A DTensor with our placements keeps its object (its local tensor becomes a
+        view of our storage); any other value is read as the full tensor (a DTensor in another
+        layout is redistributed, a collective: every rank adopts at the same call)."""
+        fqn, storage, i = self.fqn, self.storage, self.index
+        if tuple(value.shape) != tuple(self.sharded.shape):
+            raise ValueError(
+                f"parameter {fqn!r}: the assigned value has shape {tuple(value.shape)}, "
+                f"fully_shard manages it with shape {tuple(self.sharded.shape)}"
+            )
+        ours = storage.local(i)
+        same_layout = isinstance(value, DTensor) and tuple(value.placements) == tuple(
+            self.dtensor.placements
+        )
+        if same_layout:
+            assert isinstance(value, DTensor)
+            local = compat.local_tensor(value)
+        elif isinstance(value, DTensor):
+            local = storage.part_of_full(i, value.full_tensor())
+        else:
+            local = storage.part_of_full(i, value)
+        if local.dtype != storage.dtype:
+            raise TypeError(
+                f"parameter {fqn!r}: the assigned value is {local.dtype}, the group holds "
+                f"{storage.dtype}; convert the module with .to({local.dtype}) instead"
+            )
+        if local.is_meta:
+            new_local = torch.empty(ours.shape, dtype=ours.dtype, device="meta")
+        else:
+            storage.materialize()
+            with torch.no_grad():
+                ours.copy_(local.detach().reshape(ours.shape))
+            new_local = ours
+        if same_layout and isinstance(value, nn.Parameter):
+            assert isinstance(value, DTensor)
+            compat.set_local_tensor(value, new_local)
+            param: nn.Parameter = value
+        else:
+            param = nn.Parameter(storage.dtensor(i, new_local), requires_grad=value.requires_grad)
+        self.sharded = param
+        self.register_sharded()
+        self.forget_unsharded()
+
+    def adopt_applied(self, current: DTensor) -> None:
+        """After ``nn.Module._apply`` (``.to``, ``.float()``, ``to_empty``): ``current`` (the
+        registered DTensor, in the group's new dtype) gets a view of our storage as its local
+        tensor, holding the converted values (``_apply`` either swapped the parameter, so its
+        local tensor holds them, or set ``param.data``, so only the wrapper changed)."""
+        storage, i = self.storage, self.index
+        ours = storage.local(i)
+        local = compat.local_tensor(current)
+        if current.device.type == "meta":
+            new_local = torch.empty(ours.shape, dtype=ours.dtype, device="meta")
+        else:
+            storage.materialize()
+            if not local.is_meta and not _starts_at(local, ours):
+                with torch.no_grad():
+                    ours.copy_(local.reshape(ours.shape))
+            new_local = ours
+        compat.set_local_tensor(current, new_local)
+        meta = compat.spec_of(current).tensor_meta
+        if meta is None or meta.dtype != new_local.dtype:
+            compat.set_spec(current, compat.spec_of(storage.dtensor(i, new_local)))
+        assert isinstance(current, nn.Parameter)
+        self.sharded = current
+        self.register_sharded()
+        self.forget_unsharded()
+
+
+def _starts_at(tensor: torch.Tensor, local: torch.Tensor) -> bool:
+    return bool(
+        tensor.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+        and tensor.storage_offset() == local.storage_offset()
+    )

@@ -1,0 +1,381 @@
+"""One dtype's parameters of a ``fully_shard`` call: their lifecycle between sharded and
+unsharded (FSDP2's ``FSDPParamGroup``).
+
+[Note: sharded states]
+``SHARDED -> UNSHARDED -> SHARDED`` (or ``SHARDED_POST_FORWARD`` after forward with
+``reshard_after_forward=k``: a 1/k part of the gathered buffer kept for backward). ``unshard``
+starts the all-gather (``async_op``: a prefetch) and ``wait_for_unshard`` completes it and
+registers the unsharded parameters; ``reshard`` frees and registers the sharded ones. How the
+unsharded storage is filled is the group's ``Gather`` strategy ([Note: all-gather strategies]),
+chosen when the group is made, reconfigured (``configure``), converted or materialized, never a
+flag tested per call. What the iteration must wait for before the first all-gather (the shards'
+last write: the optimizer step) is passed in as ``ready``.
+
+A ``fully_shard`` call whose parameters have several dtypes gets one group per dtype
+(``FSDPState.groups``): one collective per dtype, each over a buffer of one dtype.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import attrs
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from dbuffer import AllGatherComm, Handle
+from fsdp_engine._private import compat
+from fsdp_engine._private.api import BlockPolicy, MixedPrecisionPolicy
+from fsdp_engine._private.gather import Gather, PostForwardPart, choose_gather
+from fsdp_engine._private.group_layout import lay_out_group
+from fsdp_engine._private.param import ParamRef
+from fsdp_engine._private.plans import alignment, view_dtypes
+from fsdp_engine._private.presence import Presence
+from fsdp_engine._private.reduce import GradReducer, ReduceSettings
+from fsdp_engine._private.storage import storage_dtype
+
+__all__ = ["GroupConfig", "ParamGroup", "ShardedState"]
+
+
+class ShardedState(enum.Enum):
+    SHARDED = "sharded"
+    SHARDED_POST_FORWARD = "sharded_post_forward"
+    UNSHARDED = "unsharded"
+
+
+@attrs.frozen
+class GroupConfig:
+    """What ``FSDPModule``'s setters configure on a group (``ParamGroup.configure``)."""
+
+    reduce: ReduceSettings = attrs.field(factory=ReduceSettings)
+    all_gather_comm: AllGatherComm | None = None
+    exact_presence: bool = False  # set_reduce_scatter_unused_params(False)
+    max_input_buffers: int = (
+        1  # set_reduce_scatter_max_input_buffers ([Note: reductions in flight])
+    )
+    post_forward_k: int = 0  # reshard_after_forward=k: a 1/k part kept after forward (0: none)
+
+
+class ParamGroup:
+    """The parameters of one dtype of one ``fully_shard`` call over one mesh (1-D or 2-D HSDP)."""
+
+    def __init__(
+        self,
+        refs: Sequence[ParamRef],
+        mesh: DeviceMesh,
+        *,
+        mp_policy: MixedPrecisionPolicy,
+        block_policy: BlockPolicy | None,
+        shard_axis: int,
+        device: torch.device,
+        planner: str = "auto",
+        shard_dims: Sequence[int] | None = None,
+        post_forward_k: int = 0,
+    ) -> None:
+        self.refs = tuple(refs)
+        self.mesh = mesh
+        self.mp_policy = mp_policy
+        layout = lay_out_group(
+            refs,
+            mesh,
+            mp_policy=mp_policy,
+            block_policy=block_policy,
+            shard_axis=shard_axis,
+            device=device,
+            planner=planner,
+            shard_dims=shard_dims,
+        )
+        self.storage = layout.storage
+        self.plan = layout.storage.plan
+        self.quantized = layout.quantized
+        self.params = list(layout.params)
+        self.config = GroupConfig(post_forward_k=post_forward_k)
+        self.post_forward = (
+            PostForwardPart(mesh, post_forward_k, self.storage.rank) if post_forward_k else None
+        )
+        self.presence = Presence(len(self.params))
+        self.state = ShardedState.SHARDED
+        self.unshard_handle: Handle | None = None
+        self.conversion_incomplete: list[str] | None = None
+        self._set_dtypes()
+        for param in self.params:
+            param.register_sharded()
+
+    # -- configuration ------------------------------------------------------------------------
+    def configure(self, **changes: object) -> None:
+        """The one entry for ``FSDPModule``'s setters: ``GroupConfig`` fields, or
+        ``reduce_<field>`` for ``ReduceSettings``; the strategies follow."""
+        reduce_changes = {
+            k[len("reduce_") :]: v for k, v in changes.items() if k.startswith("reduce_")
+        }
+        other = {k: v for k, v in changes.items() if not k.startswith("reduce_")}
+        config = attrs.evolve(self.config, **other)  # type: ignore[arg-type]
+        if reduce_changes:
+            config = attrs.evolve(config, reduce=attrs.evolve(config.reduce, **reduce_changes))  # type: ignore[arg-type]
+        if config.post_forward_k != self.config.post_forward_k:
+            if self.state is not ShardedState.SHARDED:
+                self.reshard()  # a part kept for the old setting goes
+            k = config.post_forward_k
+            self.post_forward = PostForwardPart(self.mesh, k, self.storage.rank) if k else None
+        gather_changed = (
+            config.all_gather_comm is not self.config.all_gather_comm
+            or config.post_forward_k != self.config.post_forward_k
+        )
+        self.config = config
+        self.presence.exact = config.exact_presence
+        if gather_changed:
+            self._choose_gather()
+
+    def _set_dtypes(self) -> None:
+        """Compute and reduce dtypes from the policy and the parameters' dtype; the gradient
+        path and the gather strategy for them."""
+        dtype = self.storage.dtype
+        floating = dtype.is_floating_point and storage_dtype(dtype) == dtype
+        policy = self.mp_policy
+        self.compute_dtype: torch.dtype = (policy.param_dtype if floating else None) or dtype
+        # what the all-gather moves: the compute dtype, or the same bytes as integers for the
+        # dtypes collectives do not carry ([Note: bit-cast storage])
+        self.gather_dtype = (
+            self.storage.buffer.dtype if self.storage.bitcast else self.compute_dtype
+        )
+        self.reduce_dtype: torch.dtype = (
+            policy.reduce_dtype if floating else None
+        ) or self.compute_dtype
+        aligned = view_dtypes(dtype, policy.param_dtype, policy.reduce_dtype)
+        self.reducer = GradReducer(
+            self.storage,
+            self.params,
+            compute_dtype=self.compute_dtype,
+            reduce_dtype=self.reduce_dtype,
+            align=alignment(aligned),
+        )
+        self._choose_gather()
+
+    def _choose_gather(self) -> None:
+        self.gather: Gather = choose_gather(
+            self.storage,
+            gather_dtype=self.gather_dtype,
+            compute_dtype=self.compute_dtype,
+            quantized=self.quantized,
+            comm=self.config.all_gather_comm,
+            keep_gathered=self.post_forward is not None,
+        )
+        for param in self.params:
+            param.forget_unsharded()
+
+    # -- names and views ----------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    @property
+    def sharded(self) -> list[nn.Parameter]:
+        return [p.sharded for p in self.params]
+
+    def names(self) -> list[str]:
+        return [p.fqn for p in self.params]
+
+    def meta_indices(self) -> list[int]:
+        return [i for i, p in enumerate(self.params) if p.is_meta]
+
+    def trainable(self) -> tuple[bool, ...]:
+        return tuple(p.sharded.requires_grad for p in self.params)
+
+    def unsharded_params(self) -> list[nn.Parameter]:
+        dtype = self.compute_dtype
+        made = [p.unsharded(dtype) for p in self.params]
+        if any(u is None for u in made):
+            views = self.gather.views()
+            made = [p.make_unsharded(dtype, v) for p, v in zip(self.params, views, strict=True)]
+        return [u for u in made if u is not None]
+
+    def register_unsharded(self) -> None:
+        unsharded = self.unsharded_params()
+        for param in self.params:
+            param.register_unsharded(self.compute_dtype)
+        self.presence.watch(unsharded)
+
+    def register_sharded(self) -> None:
+        for param in self.params:
+            param.register_sharded()
+
+    # -- unshard / reshard --------------------------------------------------------------------
+    def _check_ready(self) -> None:
+        if self.conversion_incomplete is not None:
+            raise ValueError(
+                f"fully_shard: the parameters of one group were converted to different dtypes "
+                f"{self.conversion_incomplete} ({self.names()}); convert every module of a "
+                f"fully_shard call alike"
+            )
+        if not self.storage.materialized:
+            raise RuntimeError(
+                f"fully_shard: parameters {[self.params[i].fqn for i in self.meta_indices()]} "
+                "are still on the meta device; materialize them (to_empty + init, or load a "
+                "state dict with assign=True) before running forward"
+            )
+
+    def unshard(self, *, async_op: bool = False, ready: torch.Event | None = None) -> None:
+        """Start the all-gather (``async_op``: ``wait_for_unshard`` completes it). On an
+        accelerator it waits for ``ready`` (the shards' last write this iteration) instead of
+        everything the compute stream has queued, so a prefetch overlaps the compute before it."""
+        if self.state is ShardedState.UNSHARDED or self.unshard_handle is not None:
+            if not async_op:
+                self.wait_for_unshard()
+            return
+        self._check_ready()
+        if self.post_forward is not None and self.post_forward.held:
+            handle: Handle | None = self.post_forward.regather(
+                self.storage.buffer, self.gather_dtype, async_op=async_op
+            )
+        else:
+            handle = self.gather.issue(ready=ready, async_op=async_op)
+        self.unshard_handle = handle
+        if handle is None or not async_op:
+            self.wait_for_unshard(force=handle is None)
+
+    def wait_for_unshard(self, *, force: bool = False) -> None:
+        if self.unshard_handle is None and not force:
+            return
+        if self.unshard_handle is not None:
+            self.unshard_handle.wait()  # DBuffer restores the version counter autograd checks
+            self.unshard_handle = None
+        self.gather.complete()
+        self.state = ShardedState.UNSHARDED
+
+    def reshard(self, *, keep_part: bool = False) -> None:
+        """Free the unsharded storage and register the sharded parameters (``keep_part``: a
+        post-forward part just kept stays)."""
+        if self.state is ShardedState.SHARDED and self.unshard_handle is None:
+            return  # already sharded: the registered parameters are the sharded ones
+        self.wait_for_unshard()
+        self.gather.release()
+        if self.post_forward is not None and not keep_part:
+            self.post_forward.drop()
+        self.register_sharded()
+        self.state = ShardedState.SHARDED
+
+    def reshard_post_forward(self) -> None:
+        """``reshard_after_forward=k``: keep this rank's 1/k part, free the rest."""
+        assert self.post_forward is not None
+        self.wait_for_unshard()
+        self.post_forward.keep(self.gather.flat())
+        self.reshard(keep_part=True)
+        self.state = ShardedState.SHARDED_POST_FORWARD
+
+    # -- parameters assigned or converted by the user -----------------------------------------
+    def to_sharded(self) -> None:
+        """Register the sharded parameters, taking over any the user put in their place."""
+        if self.state is ShardedState.SHARDED and self.unshard_handle is None:
+            self.adopt_registered()
+        self.reshard()
+
+    def adopt_registered(self) -> None:
+        """Take over parameters the user registered in place of ours while sharded (FSDP2's
+        ``reset_sharded_param``): ``model.w = nn.Parameter(...)``, ``load_state_dict(assign=
+        True)``."""
+        if self.state is not ShardedState.SHARDED:
+            return
+        adopted = False
+        for param in self.params:
+            current = param.ref.registered()
+            if param.is_ours(current):
+                continue
+            if not isinstance(current, torch.Tensor):
+                raise ValueError(
+                    f"parameter {param.fqn!r} managed by fully_shard was replaced by "
+                    f"{type(current).__name__}; assign a tensor parameter"
+                )
+            param.adopt(current)
+            adopted = True
+        if adopted:
+            self._choose_gather()  # materialized now, perhaps
+
+    def reset_after_apply(self) -> None:
+        """After ``nn.Module._apply`` (``.to(dtype)``, ``.float()``, ``to_empty``...): adopt the
+        dtype and values the sharded parameters were given, into our (possibly re-typed)
+        storage; the wrapper's dtype and device are the truth."""
+        currents = [p.ref.registered() for p in self.params]
+        for param, current in zip(self.params, currents, strict=True):
+            if not isinstance(current, DTensor):
+                raise TypeError(f"parameter {param.fqn!r} is no longer a DTensor after _apply")
+        dtypes = {c.dtype for c in currents}
+        if len(dtypes) != 1:
+            # a group of several modules is converted module by module: wait for the rest
+            self.conversion_incomplete = sorted(map(str, dtypes))
+            return
+        self.conversion_incomplete = None
+        device = self.storage.device
+        for param, current in zip(self.params, currents, strict=True):
+            if current.device.type != "meta" and current.device != device:
+                raise ValueError(
+                    f"parameter {param.fqn!r} was moved to {current.device}, but fully_shard's "
+                    f"mesh lives on {device}; move the module before fully_shard"
+                )
+        new_dtype = dtypes.pop()
+        grads = [c.grad for c in currents]
+        if new_dtype != self.storage.dtype:
+            self.storage.retype(new_dtype)
+            self._set_dtypes()
+        for param, current in zip(self.params, currents, strict=True):
+            assert isinstance(current, DTensor)
+            param.adopt_applied(current)
+        self._choose_gather()
+        if any(g is not None for g in grads):
+            self.reducer.adopt_grads(grads)
+
+    # -- gradients ----------------------------------------------------------------------------
+    def pre_backward(self) -> None:
+        """Before this group's backward: the gradient storage autograd writes into."""
+        if self.reducer.prepare(self.trainable(), self.unsharded_params()):
+            self.presence.reset()
+
+    def reduce(self, *, sync: bool, async_op: bool) -> None:
+        """Post-backward: reduce the gradients (``sync``) or keep accumulating them locally."""
+        result = self.reducer.reduce(
+            self.unsharded_params(), self.config.reduce, sync=sync, async_op=async_op
+        )
+        self.presence.note_used(result.used)
+        if result.issued:
+            self.presence.after_reduction(result.had_grad)
+            if self.reducer.handle is None:
+                self._run_hooks()
+
+    def wait_for_reduce(self) -> None:
+        self.reducer.wait()
+        self._run_hooks()
+
+    def _run_hooks(self) -> None:
+        if self.presence.due is None:  # exact presence: the hooks wait for it
+            self.reducer.run_post_accumulate_hooks()
+
+    def apply_presence(self, used_anywhere: Sequence[bool]) -> None:
+        self.presence.apply(used_anywhere, self.sharded)
+        if self.reducer.handle is None:  # else wait_for_reduce runs them
+            self._run_hooks()
+
+    def release_dropped_gradients(self) -> None:
+        self.reducer.release_dropped()
+
+    def discard_iteration(self) -> None:
+        """Drop every in-flight collective and pending gradient (``reset_iter_state``)."""
+        if self.unshard_handle is not None:
+            self.unshard_handle.wait()
+            self.unshard_handle = None
+        self.reducer.discard(self.unsharded_params())
+        self.presence.due = None
+        self.reshard()
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
+
+    @property
+    def single_rank(self) -> bool:
+        """The whole mesh is one rank: no collective at all (FSDP2 issues none either)."""
+        return self.mesh.size() == 1
+
+    def registered_locally(self) -> list[torch.Tensor]:
+        return [compat.local_tensor(p.dtensor) for p in self.params]

@@ -1,0 +1,340 @@
+"""A group's gradients: handed from autograd to one reduce-scatter, or accumulated without one.
+
+[Note: gradients without copies]
+Gradients mirror the parameters: autograd accumulates into views of an unsharded gradient
+storage (zeroed once per backward, one kernel) attached as the unsharded parameters' ``.grad``,
+and one reduce-scatter writes the sharded gradient storage whose views are the sharded
+parameters' ``.grad``. Nothing is copied in or out.
+
+[Note: conditional compute]
+A parameter that gets no gradient on some rank (a branch skipped there, an expert that received
+no tokens) is a zero contribution: the unsharded gradient storage is zeroed before backward and
+the reduction always covers every trainable parameter of the group. So every rank issues the
+same collective with the same sizes whatever its data did, and after the reduction every
+trainable parameter has a ``.grad`` on every rank (the presence rule: ``presence.py``).
+
+[Note: frozen parameters]
+``requires_grad`` is read from the sharded parameters at every backward (FSDP2's rule), so
+freezing or unfreezing after ``fully_shard`` takes effect at the next one. The reduction follows
+the trainable mask, chosen when the mask changes: ``"full"`` (every parameter trainable: the
+zero-copy path above), ``"none"``, or ``"compact"``: autograd makes the trainable parameters'
+unsharded gradients, post-backward adds them into a compact reduce-scatter input (each rank's
+segment holds the trainable pieces of that rank's shard, ``compact_pieces``) and the
+reduce-scatter writes a compact sharded gradient storage whose slices are exactly the trainable
+parameters' local shares. Frozen parameters are neither communicated nor given a ``.grad``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+from torch.distributed.tensor import DTensor
+
+from dbuffer import DBuffer, Handle, ReduceScatterComm
+from fsdp_engine._private import compat
+from fsdp_engine._private.compact import Reduction, compact_buffer, reduction_for_mask
+from fsdp_engine._private.grads import ShardedGrads
+from fsdp_engine._private.param import FSDPParam
+from fsdp_engine._private.storage import ShardStorage
+
+__all__ = ["GradReducer", "ReduceSettings", "Reduced"]
+
+
+@attrs.frozen
+class Reduced:
+    """What a post-backward did: which parameters autograd gave a gradient on this rank (the
+    compact path sees it), which had a ``.grad`` before, and whether a reduction was issued."""
+
+    used: list[bool]
+    had_grad: list[bool]
+    issued: bool
+
+
+@attrs.frozen
+class ReduceSettings:
+    """What the user configured for a group's reductions (``FSDPModule`` setters)."""
+
+    divide_factor: float | None = None
+    force_sum: bool = False
+    hook: Callable[[torch.Tensor], None] | None = None
+    hook_stream: torch.Stream | None = None
+    comm: ReduceScatterComm | None = None
+    allocate: Callable[..., torch.Tensor] | None = None
+
+
+class GradReducer:
+    """A group's gradient path (module Notes). ``pending``: autograd wrote unsharded gradients
+    not yet reduced; ``accumulated``: gradients held in ``accum`` (no-sync microbatches, or the
+    compact input)."""
+
+    def __init__(
+        self,
+        storage: ShardStorage,
+        params: Sequence[FSDPParam],
+        *,
+        compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        align: int,
+    ) -> None:
+        self.storage = storage
+        self.params = params
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        self.align = align
+        self.unsharded_grads = storage.buffer.new_like(compute_dtype)
+        self.unsharded_grads.shard.untyped_storage().resize_(0)  # only its unsharded part is used
+        self._unsharded_views: list[torch.Tensor] | None = None
+        self.grads = ShardedGrads(storage, params)  # [Note: gradient storage lifetimes]
+        self.reduction: Reduction | None = None
+        self.accum: DBuffer | None = None
+        self.pending = False
+        self.accumulated = False
+        self.handle: Handle | None = None
+        self.hooks_due = False
+        self.issued = False
+
+    @property
+    def busy(self) -> bool:
+        return self.pending or self.accumulated
+
+    # -- the reduction of a mask --------------------------------------------------------------
+    def reduction_for(self, mask: tuple[bool, ...]) -> Reduction:
+        """The reduction of ``mask``, chosen again only when the mask changes."""
+        current = self.reduction
+        if current is not None and current.mask == mask:
+            return current
+        reduction = reduction_for_mask(self.storage, mask, self.align)
+        if current is not None and self.busy:
+            raise RuntimeError(
+                "fully_shard: requires_grad of parameters changed while gradients were being "
+                "accumulated without synchronization; change it between optimizer steps"
+            )
+        live = [p.sharded.grad for p in self.params]
+        self.reduction = reduction
+        self.accum = None
+        if current is not None and self.grads.buffer is not None:
+            self.grads.forget()
+            if any(g is not None for g in live):
+                self.grads.adopt(reduction, live)
+        return reduction
+
+    def adopt_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Gradients ``_apply`` converted: into our storage, as the ``.grad``."""
+        mask = tuple(p.sharded.requires_grad for p in self.params)
+        self.grads.adopt(self.reduction_for(mask), grads)
+
+    # -- before backward ----------------------------------------------------------------------
+    def prepare(self, mask: tuple[bool, ...], unsharded: Sequence[torch.nn.Parameter]) -> bool:
+        """Before this group's backward. Full path: unsharded gradient storage, zeroed once,
+        attached as the ``.grad`` of the unsharded parameters so autograd accumulates in place.
+        Compact path: autograd makes the gradients; post-backward collects them. Returns
+        whether a new backward's gradients start now."""
+        reduction = self.reduction_for(mask)
+        if reduction.kind == "none" or self.pending:
+            return False
+        # a module used twice in one backward: its first reduction may still read the storage
+        # about to be zeroed for the second
+        self.wait()
+        if self.storage.bitcast:
+            names = [p.fqn for p, rg in zip(self.params, reduction.mask, strict=True) if rg]
+            raise NotImplementedError(
+                f"fully_shard: trainable {self.storage.dtype} parameters {names}: gradients of "
+                "this dtype cannot be reduced; keep them frozen (requires_grad=False)"
+            )
+        if reduction.kind == "full" and self.storage.copies:
+            pass  # [Note: placed groups]: autograd makes the gradients; copied in at reduce
+        elif reduction.kind == "full":
+            self.unsharded_grads.alloc_unsharded(zero=True)
+            if self._unsharded_views is None:  # made once (a DTensor each for TP)
+                full = self.storage.full_views(self.unsharded_grads, self.compute_dtype)
+                self._unsharded_views = [
+                    self.storage.unsharded_view(i, v) for i, v in enumerate(full)
+                ]
+            for param, view in zip(unsharded, self._unsharded_views, strict=True):
+                param.grad = view
+        started = not self.accumulated
+        self.pending = True
+        return started
+
+    # -- after backward -----------------------------------------------------------------------
+    def reduce(
+        self,
+        unsharded: Sequence[torch.nn.Parameter],
+        settings: ReduceSettings,
+        *,
+        sync: bool,
+        async_op: bool,
+    ) -> Reduced:
+        """Post-backward: reduce the gradients (``sync``) or keep accumulating them locally."""
+        reduction = self.reduction
+        had = [p.sharded.grad is not None for p in self.params]
+        used = [False] * len(self.params)
+        issued = self.issued = False
+        if reduction is not None and reduction.kind == "full":
+            self._reduce_full(reduction, unsharded, settings, sync=sync, async_op=async_op)
+        elif reduction is not None and reduction.kind == "compact":
+            used = self._reduce_compact(
+                reduction, unsharded, settings, sync=sync, async_op=async_op
+            )
+        issued = self.issued
+        return Reduced(used, had, issued)
+
+    def _detach(self, unsharded: Sequence[torch.nn.Parameter]) -> None:
+        for param in unsharded:  # autograd's references go before the storage is released
+            param.grad = None
+
+    def _accumulator(self, like: DBuffer) -> DBuffer:
+        if self.accum is None:
+            self.accum = like.new_like(self.reduce_dtype)
+            self.accum.shard.untyped_storage().resize_(0)
+        if not self.accumulated:
+            self.accum.alloc_unsharded(zero=True)
+        return self.accum
+
+    def _copy_in(self, unsharded: Sequence[torch.nn.Parameter]) -> None:
+        """[Note: placed groups]: autograd's gradients into FSDP2's rank-major order, the
+        reduce-scatter's input (zeros where a parameter got none, and in the padding)."""
+        placed = self.storage.placed
+        if not self.storage.copies or placed is None:
+            return
+        self.unsharded_grads.alloc_unsharded(zero=True)
+        flat = self.unsharded_grads.unsharded_flat()
+        with torch.no_grad():
+            for i, param in enumerate(unsharded):
+                if param.grad is not None:
+                    placed.copy_in(param.grad, i, flat)
+
+    def _reduce_full(
+        self,
+        reduction: Reduction,
+        unsharded: Sequence[torch.nn.Parameter],
+        settings: ReduceSettings,
+        *,
+        sync: bool,
+        async_op: bool,
+    ) -> None:
+        if not self.busy:
+            return
+        # no-sync accumulation runs in reduce_dtype (FSDP2): a compute-dtype microbatch gradient
+        # is added into a reduce_dtype accumulator and the compute buffer is let go
+        separate = self.reduce_dtype != self.compute_dtype
+        if self.pending and (self.accumulated or (separate and not sync)):
+            self._copy_in(unsharded)
+            accum = self._accumulator(self.unsharded_grads)
+            accum.unsharded_flat().add_(self.unsharded_grads.unsharded_flat())
+            self._detach(unsharded)
+            self.unsharded_grads.reshard()
+            self.pending, self.accumulated = False, True
+        if not sync:
+            return  # same dtype: autograd keeps accumulating into the unsharded views
+        source = self.accum if self.accumulated else self.unsharded_grads
+        assert source is not None
+        if not self.accumulated:
+            self._copy_in(unsharded)
+        self._detach(unsharded)
+        self._issue(reduction, source, settings, async_op=async_op)
+        self.pending = self.accumulated = False
+
+    def _reduce_compact(
+        self,
+        reduction: Reduction,
+        unsharded: Sequence[torch.nn.Parameter],
+        settings: ReduceSettings,
+        *,
+        sync: bool,
+        async_op: bool,
+    ) -> list[bool]:
+        used = [False] * len(self.params)
+        if self.pending:
+            if self.accum is None:
+                self.accum = compact_buffer(self.storage, reduction.segment, self.reduce_dtype)
+                self.accum.shard.untyped_storage().resize_(0)
+            if not self.accumulated:
+                self.accum.alloc_unsharded(zero=True)
+            rows = self.accum.unsharded_flat().view(self.storage.world, reduction.segment)
+            with torch.no_grad():
+                for rank, pieces in enumerate(reduction.pieces):
+                    for i, start, length, dst in pieces:
+                        grad = unsharded[i].grad
+                        if grad is not None:
+                            used[i] = True
+                        if grad is None or not length:
+                            continue
+                        local = compat.local_tensor(grad) if isinstance(grad, DTensor) else grad
+                        flat = local.reshape(-1)[start : start + length]
+                        rows[rank, dst : dst + length].add_(flat)
+            self._detach(unsharded)
+            self.pending, self.accumulated = False, True
+        if sync and self.accumulated:
+            assert self.accum is not None
+            self._issue(reduction, self.accum, settings, async_op=async_op)
+            self.accumulated = False
+        return used
+
+    def _issue(
+        self, reduction: Reduction, source: DBuffer, settings: ReduceSettings, *, async_op: bool
+    ) -> None:
+        """One reduce-scatter (plus one all-reduce per replicate axis for HSDP) of ``source``
+        into the sharded gradient storage; each trainable parameter's ``.grad`` becomes its
+        view (accumulating into a ``.grad`` already there, which must be ours)."""
+        views = self.grads.views(reduction)
+        accumulate = self.grads.prepare_accumulation(views)
+        assert self.grads.buffer is not None
+        spec = source.reduce_spec(
+            "avg",
+            self.reduce_dtype,
+            divide_factor=settings.divide_factor,
+            force_sum=settings.force_sum,
+        )
+        handle = source.reduce_scatter(
+            spec=spec,
+            reduce_dtype=self.reduce_dtype,
+            accumulate=accumulate,
+            into=self.grads.buffer,
+            free_unsharded=True,
+            async_op=async_op,
+            hook=settings.hook,
+            hook_stream=settings.hook_stream,
+            comm=settings.comm,
+            allocate=settings.allocate,
+        )
+        self.handle = None if handle.done else handle
+        for param, view in zip(self.params, views, strict=True):
+            if view is not None:
+                param.sharded.grad = view
+        self.hooks_due = self.issued = True
+
+    # -- completion and lifetimes -------------------------------------------------------------
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+
+    def run_post_accumulate_hooks(self) -> None:
+        """Hooks registered on the sharded parameters (``register_post_accumulate_grad_hook``,
+        e.g. an optimizer step in backward) run once their reduced gradient is ready."""
+        if not self.hooks_due:
+            return
+        self.hooks_due = False
+        for param in self.params:
+            sharded = param.sharded
+            if sharded.grad is None:
+                continue
+            for hook in compat.post_accumulate_grad_hooks(sharded):
+                hook(sharded)
+
+    def release_dropped(self) -> None:
+        """Let the sharded gradient memory go once no parameter's .grad refers to it."""
+        if not self.pending and self.handle is None:
+            self.grads.release_dropped()
+
+    def discard(self, unsharded: Sequence[torch.nn.Parameter]) -> None:
+        """Drop every pending gradient (``reset_iter_state``)."""
+        self.wait()
+        self._detach(unsharded)
+        self.unsharded_grads.reshard()
+        if self.accum is not None:
+            self.accum.reshard()
+        self.pending = self.accumulated = self.hooks_due = False
