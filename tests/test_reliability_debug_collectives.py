@@ -63,6 +63,6 @@ def test_muon_stepping_twice_on_one_rank_is_named(monkeypatch: pytest.MonkeyPatc
     # shared step (base.py since issue 27's one step skeleton), called from _muon_twice
     assert "optim_blockwise/_private/exchange.py" in message, message
     assert "optim_blockwise/_private/base.py" in message and "_muon_twice" in message, message
-    assert "all_gather_into_tensor" in message and "fsdp_engine/_private/state.py" in message
+    assert "all_gather_into_tensor" in message and "fsdp_engine/_private/hooks.py" in message
     for _, seconds in outcomes:
         assert seconds < DEADLINE_S

@@ -9,7 +9,7 @@ in ``streams.py``.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement
 
-from dbuffer._private import buffer_comm, storage
+from dbuffer._private import buffer_comm
 from dbuffer._private.agreement import check_agreement
 from dbuffer._private.collectives import AllGatherComm, Handle, ReduceScatterComm
 from dbuffer._private.fused import FusedOps
@@ -28,7 +28,7 @@ from dbuffer._private.layout import BufferLayout
 from dbuffer._private.loading import check_tensors
 from dbuffer._private.reduction import Op as ReduceOp
 from dbuffer._private.reduction import ReduceSpec
-from dbuffer._private.refs import Claim
+from dbuffer._private.refs import Claim, ReleasableShard
 from dbuffer._private.storage import Unsharded
 
 __all__ = ["DBuffer"]
@@ -40,7 +40,7 @@ def _dtensor_view(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
 
-class DBuffer(FusedOps):
+class DBuffer(FusedOps, ReleasableShard):
     """A distributed flat buffer: a group of tensors laid out in one flat storage, sharded over
     one mesh axis.
 
@@ -208,53 +208,6 @@ class DBuffer(FusedOps):
             if param is not None and param.grad is view:
                 param.grad = None
         self._grad_owners = []
-
-    # -- the shard storage between uses (see [Note: releasing a storage ...] in refs.py) ---------
-    def claim_views(self, extra: Iterable[torch.Tensor] = ()) -> None:
-        """Record the references to the shard storage and to its views that exist now as this
-        buffer's own: the shard, its local views, its sharded views if made, and ``extra``
-        (tensors the caller built over the shard and keeps). Call once they are all made and
-        none is handed out; ``release_shard`` then frees in place only while no other reference
-        was added. ``extra`` is consumed here: pass a generator (or a temporary), not a list the
-        caller keeps, so that the count holds only the references that last."""
-        objects = (self.shard, *self._local_views, *(self._sharded_views or ()), *extra)
-        del extra
-        claim = Claim(self.shard, objects)
-        del objects
-        claim.mark()  # here, not in Claim(): the arguments of that call hold references
-        self._claim = claim
-
-    def views_held_elsewhere(self) -> bool:
-        """True if anything beyond the claimed references holds the shard storage or one of its
-        views (a tensor a user kept), or if nothing was claimed."""
-        return self._claim is None or not self._claim.unchanged()
-
-    def release_shard(self) -> bool:
-        """Free the shard storage in place, keeping the storage object and every view, if no
-        reference beyond the claimed ones exists; True if freed. ``alloc_shard`` re-allocates:
-        the same views then see the new memory (its values are undefined until written)."""
-        if self.views_held_elsewhere():
-            return False
-        self.wait()
-        storage.free_storage(self.shard)
-        return True
-
-    def alloc_shard(self, *, zero: bool = False) -> None:
-        """Give the shard storage its memory back after ``release_shard`` (a no-op if it has
-        it); ``zero`` fills it with zeros."""
-        if storage.allocate_storage(self.shard) and zero:
-            with _unsafe_preserve_version_counter(self.shard):
-                self.shard.zero_()
-
-    @property
-    def shard_allocated(self) -> bool:
-        return self.shard.untyped_storage().nbytes() != 0
-
-    def _require_shard(self, op: str) -> None:
-        if not self.shard_allocated:
-            raise RuntimeError(
-                f"DBuffer.{op}: the shard storage is released (call alloc_shard() first)"
-            )
 
     # -- collectives (buffer_comm.py) -----------------------------------------------------------
     def unshard(

@@ -26,11 +26,15 @@ nothing is ever reused in place -- slower, never wrong.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
+from torch.autograd.grad_mode import _unsafe_preserve_version_counter
 
-__all__ = ["Claim", "storage_use_count"]
+from dbuffer._private import storage
+
+__all__ = ["Claim", "ReleasableShard", "storage_use_count"]
 
 
 def storage_use_count(tensor: torch.Tensor) -> int | None:
@@ -73,3 +77,63 @@ class Claim:
         if storage_use_count(self._storage_of) != self._storage_count:
             return False
         return self._object_counts() == self._counts
+
+
+class ReleasableShard:
+    """Mixed into ``DBuffer``: its shard storage freed and re-allocated in place between uses,
+    only while nobody outside holds it (module Note)."""
+
+    shard: torch.Tensor
+    _local_views: tuple[torch.Tensor, ...]
+    _sharded_views: tuple[torch.Tensor, ...] | None
+    _claim: Claim | None
+
+    if TYPE_CHECKING:
+
+        def wait(self) -> None: ...  # the buffer's: collectives in flight
+
+    def claim_views(self, extra: Iterable[torch.Tensor] = ()) -> None:
+        """Record the references to the shard storage and to its views that exist now as this
+        buffer's own: the shard, its local views, its sharded views if made, and ``extra``
+        (tensors the caller built over the shard and keeps). Call once they are all made and
+        none is handed out; ``release_shard`` then frees in place only while no other reference
+        was added. ``extra`` is consumed here: pass a generator (or a temporary), not a list the
+        caller keeps, so that the count holds only the references that last."""
+        objects = (self.shard, *self._local_views, *(self._sharded_views or ()), *extra)
+        del extra
+        claim = Claim(self.shard, objects)
+        del objects
+        claim.mark()  # here, not in Claim(): the arguments of that call hold references
+        self._claim = claim
+
+    def views_held_elsewhere(self) -> bool:
+        """True if anything beyond the claimed references holds the shard storage or one of its
+        views (a tensor a user kept), or if nothing was claimed."""
+        return self._claim is None or not self._claim.unchanged()
+
+    def release_shard(self) -> bool:
+        """Free the shard storage in place, keeping the storage object and every view, if no
+        reference beyond the claimed ones exists; True if freed. ``alloc_shard`` re-allocates:
+        the same views then see the new memory (its values are undefined until written)."""
+        if self.views_held_elsewhere():
+            return False
+        self.wait()
+        storage.free_storage(self.shard)
+        return True
+
+    def alloc_shard(self, *, zero: bool = False) -> None:
+        """Give the shard storage its memory back after ``release_shard`` (a no-op if it has
+        it); ``zero`` fills it with zeros."""
+        if storage.allocate_storage(self.shard) and zero:
+            with _unsafe_preserve_version_counter(self.shard):
+                self.shard.zero_()
+
+    @property
+    def shard_allocated(self) -> bool:
+        return self.shard.untyped_storage().nbytes() != 0
+
+    def _require_shard(self, op: str) -> None:
+        if not self.shard_allocated:
+            raise RuntimeError(
+                f"DBuffer.{op}: the shard storage is released (call alloc_shard() first)"
+            )

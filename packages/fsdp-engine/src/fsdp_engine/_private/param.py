@@ -12,6 +12,7 @@ unshard or state-dict hook (FSDP2's ``reset_sharded_param``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -27,7 +28,14 @@ from ragged_dtensor import RaggedShard
 if TYPE_CHECKING:
     from fsdp_engine._private.storage import ShardStorage
 
-__all__ = ["FSDPParam", "ParamRef", "TPSpec", "tp_spec"]
+__all__ = [
+    "FSDPParam",
+    "ParamRef",
+    "TPSpec",
+    "applied_values",
+    "check_applied_device",
+    "tp_spec",
+]
 
 
 @attrs.frozen
@@ -230,3 +238,27 @@ def _starts_at(tensor: torch.Tensor, local: torch.Tensor) -> bool:
         tensor.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
         and tensor.storage_offset() == local.storage_offset()
     )
+
+
+def applied_values(params: Sequence[FSDPParam]) -> list[DTensor]:
+    """What ``nn.Module._apply`` left registered for ``params``: DTensors, or an error naming
+    the first parameter that is no longer one."""
+    currents = []
+    for param in params:
+        current = param.ref.registered()
+        if not isinstance(current, DTensor):
+            raise TypeError(f"parameter {param.fqn!r} is no longer a DTensor after _apply")
+        currents.append(current)
+    return currents
+
+
+def check_applied_device(
+    params: Sequence[FSDPParam], currents: Sequence[DTensor], device: torch.device
+) -> None:
+    """``_apply`` may change dtypes, not the device the group's mesh lives on."""
+    for param, current in zip(params, currents, strict=True):
+        if current.device.type != "meta" and current.device != device:
+            raise ValueError(
+                f"parameter {param.fqn!r} was moved to {current.device}, but fully_shard's "
+                f"mesh lives on {device}; move the module before fully_shard"
+            )

@@ -24,14 +24,12 @@ import attrs
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from dbuffer import AllGatherComm, Handle
-from fsdp_engine._private import compat
 from fsdp_engine._private.api import BlockPolicy, MixedPrecisionPolicy
 from fsdp_engine._private.gather import Gather, PostForwardPart, choose_gather
 from fsdp_engine._private.group_layout import lay_out_group
-from fsdp_engine._private.param import ParamRef
+from fsdp_engine._private.param import ParamRef, applied_values, check_applied_device
 from fsdp_engine._private.plans import alignment, view_dtypes
 from fsdp_engine._private.presence import Presence
 from fsdp_engine._private.reduce import GradReducer, ReduceSettings
@@ -297,30 +295,20 @@ class ParamGroup:
         """After ``nn.Module._apply`` (``.to(dtype)``, ``.float()``, ``to_empty``...): adopt the
         dtype and values the sharded parameters were given, into our (possibly re-typed)
         storage; the wrapper's dtype and device are the truth."""
-        currents = [p.ref.registered() for p in self.params]
-        for param, current in zip(self.params, currents, strict=True):
-            if not isinstance(current, DTensor):
-                raise TypeError(f"parameter {param.fqn!r} is no longer a DTensor after _apply")
+        currents = applied_values(self.params)
         dtypes = {c.dtype for c in currents}
         if len(dtypes) != 1:
             # a group of several modules is converted module by module: wait for the rest
             self.conversion_incomplete = sorted(map(str, dtypes))
             return
         self.conversion_incomplete = None
-        device = self.storage.device
-        for param, current in zip(self.params, currents, strict=True):
-            if current.device.type != "meta" and current.device != device:
-                raise ValueError(
-                    f"parameter {param.fqn!r} was moved to {current.device}, but fully_shard's "
-                    f"mesh lives on {device}; move the module before fully_shard"
-                )
+        check_applied_device(self.params, currents, self.storage.device)
         new_dtype = dtypes.pop()
         grads = [c.grad for c in currents]
         if new_dtype != self.storage.dtype:
             self.storage.retype(new_dtype)
             self._set_dtypes()
         for param, current in zip(self.params, currents, strict=True):
-            assert isinstance(current, DTensor)
             param.adopt_applied(current)
         self._choose_gather()
         if any(g is not None for g in grads):
@@ -371,11 +359,3 @@ class ParamGroup:
     @property
     def device(self) -> torch.device:
         return self.storage.device
-
-    @property
-    def single_rank(self) -> bool:
-        """The whole mesh is one rank: no collective at all (FSDP2 issues none either)."""
-        return self.mesh.size() == 1
-
-    def registered_locally(self) -> list[torch.Tensor]:
-        return [compat.local_tensor(p.dtensor) for p in self.params]

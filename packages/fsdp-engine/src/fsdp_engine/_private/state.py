@@ -31,9 +31,8 @@ resets an iteration, so recomputation sees the parameters its backward needs.
 from __future__ import annotations
 
 import enum
-import functools
-from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -41,34 +40,18 @@ from torch import nn
 
 from fsdp_engine._private import compat, gather
 from fsdp_engine._private.api import MixedPrecisionPolicy
+from fsdp_engine._private.hooks import (
+    cast_inputs,
+    cast_output,
+    grad_tensors,
+    hidden_from_dynamo,
+    register_post_backward,
+)
 from fsdp_engine._private.iteration import IterationContext
 from fsdp_engine._private.param_group import ParamGroup, ShardedState
 from fsdp_engine._private.presence import resolve_presence
 
 __all__ = ["STATE_ATTR", "FSDPState", "StateConfig", "TrainingState", "get_state"]
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def hidden_from_dynamo(fn: Callable[_P, _R]) -> Callable[_P, _R]:
-    """[Note: hooks and torch.compile]
-    The hooks run eagerly, outside any graph dynamo builds of a module that ``fully_shard``
-    manages (``module.compile()``), as FSDP2's do: their collectives and Python bookkeeping
-    would otherwise break the graph (one break per layer, at the all-gather) or be traced into
-    it. Eager calls go straight to ``fn`` (no per-call wrapper cost); while dynamo traces, the
-    call is to ``torch.compiler.disable(fn)``, which dynamo runs outside the graph without
-    splitting it."""
-
-    @functools.wraps(fn)
-    def hook(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        if torch.compiler.is_compiling():
-            disable = torch.compiler.disable  # untyped in torch
-            hidden: Callable[_P, _R] = disable(fn, recursive=True)  # type: ignore[no-untyped-call]
-            return hidden(*args, **kwargs)
-        return fn(*args, **kwargs)
-
-    return hook
 
 
 class TrainingState(enum.Enum):
@@ -213,7 +196,7 @@ class FSDPState:
             for group in self.groups:
                 group.unshard(ready=self.ctx.inputs_ready)
                 group.register_unsharded()
-            return self._cast_inputs(args, kwargs)
+            return cast_inputs(self.mp_policy, args, kwargs)
         first_in_pass = self.training_state is not TrainingState.FORWARD
         if first_in_pass:
             self.lazy_init()
@@ -221,14 +204,14 @@ class FSDPState:
             self.training_state = TrainingState.FORWARD
             if len(self.modules) > 1:
                 self._modules_to_run = {id(m) for m in self.modules}
-        args, kwargs = self._cast_inputs(args, kwargs)
+        args, kwargs = cast_inputs(self.mp_policy, args, kwargs)
         for group in self.groups:
             group.wait_for_reduce()
             group.release_dropped_gradients()
             group.unshard(ready=self.ctx.inputs_ready)
             group.register_unsharded()
         if first_in_pass:
-            args, kwargs = self._register_post_backward(args, kwargs)
+            args, kwargs = register_post_backward(self, bool(self.groups), args, kwargs)
             for other in self._forward_prefetch_targets():
                 for group in other.groups:
                     group.unshard(async_op=True, ready=self.ctx.inputs_ready)
@@ -245,15 +228,6 @@ class FSDPState:
         if target is None or target is self or not target.groups:
             return ()
         return (target,)
-
-    def _cast_inputs(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        dtype = self.mp_policy.param_dtype
-        if not (self.mp_policy.cast_forward_inputs and dtype is not None):
-            return args, kwargs
-        cast = compat.apply_to_tensors(lambda x: _cast(x, dtype), (args, kwargs))
-        return tuple(cast[0]), dict(cast[1])
 
     def _root_pre_forward(self) -> None:
         """Once per iteration, by the first state to run forward (normally the root)."""
@@ -276,32 +250,16 @@ class FSDPState:
             ctx.resolve_max_in_flight()
             ctx.inputs_ready = _iteration_event(ctx.all_states)
 
-    def _register_post_backward(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Route the forward inputs that require grad through ``PostBackwardFunction``: its
-        backward (this module's post-backward) runs once their gradients are computed."""
-        if not torch.is_grad_enabled() or not self.groups:
-            return args, kwargs
-        found = _grad_tensors((args, kwargs))
-        if not found:
-            return args, kwargs
-        outputs = iter(compat.PostBackwardFunction.apply(self, *found))
-
-        def replace(t: torch.Tensor) -> torch.Tensor:
-            return next(outputs) if t.requires_grad else t
-
-        new = compat.apply_to_tensors(replace, (args, kwargs))
-        return tuple(new[0]), dict(new[1])
-
     @hidden_from_dynamo
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self.training_state is TrainingState.PRE_BACKWARD:
-            return self._cast_output(output)  # recompute: the post-backward reshards
+            return cast_output(self.mp_policy, output)  # recompute: the post-backward reshards
         if self._modules_to_run:
             self._modules_to_run.discard(id(module))
             if self._modules_to_run:
-                return self._cast_output(output)  # the group's other modules are still to run
+                return cast_output(
+                    self.mp_policy, output
+                )  # the group's other modules are still to run
         output = self._finish_forward(output)
         ctx = self.ctx
         if ctx.iter_forward_root is self:
@@ -317,7 +275,7 @@ class FSDPState:
                     state._drop_unused_prefetch()  # a forward prefetch that did not come true
             if not torch.is_grad_enabled():  # no backward of this forward
                 ctx.inputs_ready = None
-        return self._cast_output(output)
+        return cast_output(self.mp_policy, output)
 
     def _drop_unused_prefetch(self) -> None:
         for group in self.groups:
@@ -338,15 +296,9 @@ class FSDPState:
                 ctx.post_forward_order.append(self)
         self.training_state = TrainingState.IDLE
         if torch.is_grad_enabled():
-            for tensor in _grad_tensors(output):
+            for tensor in grad_tensors(output):
                 tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
         return output
-
-    def _cast_output(self, output: Any) -> Any:
-        dtype = self.mp_policy.output_dtype
-        if dtype is None:
-            return output
-        return compat.apply_to_tensors(lambda x: _cast(x, dtype), output)
 
     # -- backward ----------------------------------------------------------------------------
     @hidden_from_dynamo
@@ -435,24 +387,6 @@ def _iteration_event(states: Sequence[FSDPState]) -> torch.Event | None:
         for group in state.groups:
             return gather.event_now(group.storage.device)
     return None
-
-
-def _grad_tensors(output: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-
-    def collect(t: torch.Tensor) -> torch.Tensor:
-        if t.requires_grad:
-            found.append(t)
-        return t
-
-    compat.apply_to_tensors(collect, output)
-    return found
-
-
-def _cast(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != dtype:
-        return value.to(dtype)
-    return value
 
 
 STATE_ATTR = "_fsdp_engine_state"
