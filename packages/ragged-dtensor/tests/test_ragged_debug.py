@@ -68,6 +68,49 @@ def test_the_environment_enters_the_checks_with_the_integration_not_at_import() 
     ]
 
 
+_CORNERS_SCRIPT = """
+import threading, warnings
+import ragged_dtensor
+from torch.utils._python_dispatch import TorchDispatchMode, _len_torch_dispatch_stack
+
+class Other(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with Other():  # installed under another mode: entering would break that mode's exit
+        ragged_dtensor.RaggedShard((0,), (1, 1))
+        assert _len_torch_dispatch_stack() == 1
+assert _len_torch_dispatch_stack() == 0 and not ragged_dtensor.collective_checks_enabled()
+print("under another mode:", [str(w.message) for w in caught if "not entered" in str(w.message)])
+ragged_dtensor.uninstall_dtensor_integration()
+
+thread = threading.Thread(target=lambda: ragged_dtensor.RaggedShard((0,), (1, 1)))
+thread.start(); thread.join()  # installed (and the checks entered) on a thread that has ended
+assert ragged_dtensor.collective_checks_enabled()
+ragged_dtensor.uninstall_dtensor_integration()
+assert _len_torch_dispatch_stack() == 0 and not ragged_dtensor.collective_checks_enabled()
+print("thread ended: removed")
+"""
+
+
+def test_the_environment_never_breaks_another_mode_or_pins_an_ended_thread() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _CORNERS_SCRIPT],
+        capture_output=True,
+        text=True,
+        env={**_environ(), "RAGGED_DTENSOR_DEBUG_COLLECTIVES": "1"},
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.strip().split("\n")[-2:]
+    assert "the collective checks were not entered" in first and "Other" in first, first
+    assert "use `with ragged_dtensor.collective_checks():`" in first, first
+    assert second == "thread ended: removed"
+
+
 def test_a_bad_timeout_is_named_when_the_integration_is_installed() -> None:
     env = {"RAGGED_DTENSOR_DEBUG_COLLECTIVES": "1", "RAGGED_DTENSOR_DEBUG_TIMEOUT": "soon"}
     done = _run_entry(env)

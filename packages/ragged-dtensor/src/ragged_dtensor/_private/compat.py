@@ -557,7 +557,13 @@ def uninstall_dtensor_integration() -> None:
                 f"no longer hold ragged_dtensor's wrappers (another library replaced them after "
                 f"the install); nothing was changed"
             )
-        ragged_debug.exit_env_checks()
+        try:
+            ragged_debug.exit_env_checks()
+        except RuntimeError as exc:
+            raise DTensorIntegrationError(
+                f"ragged_dtensor: cannot remove the DTensor integration ({exc}); nothing was "
+                f"changed"
+            ) from None
         for change in reversed(_CHANGES):
             change.undo()
         _clear_sharding_caches()

@@ -156,6 +156,9 @@ class _Active:
         self.mode.__enter__()  # type: ignore[no-untyped-call]
 
     def exit(self) -> None:
+        if threading.current_thread() is not self.thread and not self.thread.is_alive():
+            self.hook.remove()  # the mode ended with its thread (its mode stack was per thread)
+            return
         if threading.current_thread() is not self.thread:
             raise RuntimeError(
                 f"ragged_dtensor: the collective checks were entered on thread "
