@@ -6,7 +6,8 @@
    load; on save the same code path with the hashing stubbed out), alternating, medians.
 2. Collective debug mode: the training step of the demo model (``--debug-model``, default the
    demo's "tiny") at world sizes 2 and 4, in processes started without and with
-   ``RAGGED_DTENSOR_DEBUG_COLLECTIVES=1`` (it is read at import), alternating runs; medians of the
+   ``RAGGED_DTENSOR_DEBUG_COLLECTIVES=1`` (read when the engine's first RaggedShard installs the
+   DTensor integration), alternating runs; medians of the
    timed steps, and the collectives each step issues (the same in both: the checks go through
    the store).
 
@@ -143,7 +144,8 @@ def _debug_steps(rank: int, world: int, model_name: str, steps: int) -> dict[str
 
 
 def _spawn_debug(world: int, model: str, steps: int, debug: bool) -> dict[str, Any]:
-    """One run in fresh processes (the debug mode is decided at import)."""
+    """One run in fresh processes (the debug mode is decided by the environment when the DTensor
+    integration is installed)."""
     code = (
         "import json, sys; sys.path.insert(0, 'benchmarks');"
         "from bench_reliability import _debug_steps;"

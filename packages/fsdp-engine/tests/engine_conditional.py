@@ -16,9 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
+from torch.distributed.tensor import DTensor, init_device_mesh
 
 from fsdp_engine import fully_shard
+from ragged_dtensor import distribute_tensor  # torch's, also for the engine's RaggedShard
 
 DIM = 8
 STEPS = 2

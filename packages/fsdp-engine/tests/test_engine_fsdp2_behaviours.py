@@ -29,8 +29,9 @@ from engine_fsdp2 import (
     shard_stack,
 )
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
+from ragged_dtensor import distribute_tensor  # torch's, also for the engine's RaggedShard
 from ragged_dtensor.testing import run_threaded
 
 pytestmark = pytest.mark.numerics

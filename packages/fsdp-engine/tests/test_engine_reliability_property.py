@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+from torch.distributed.tensor import Shard, init_device_mesh
 
 from fsdp_engine import load_checkpoint, save_checkpoint
-from ragged_dtensor import RaggedShard
+from ragged_dtensor import RaggedShard, distribute_tensor
 from ragged_dtensor.testing import run_threaded
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "15"))

@@ -1,20 +1,15 @@
 import torch
-from torch.distributed.tensor import (
-    DTensor,
-    Partial,
-    Shard,
-    distribute_tensor,
-    init_device_mesh,
-)
+from torch.distributed.tensor import DTensor, Partial, Shard, init_device_mesh
 
-from ragged_dtensor import RaggedShard, local_box
+from ragged_dtensor import RaggedShard, distribute_tensor, local_box
 from ragged_dtensor.testing import run_processes
 
 
 def demo(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))  # "cuda" on GPUs: nothing else changes
     full = torch.arange(32 * 4, dtype=torch.float32).reshape(32, 4)
-    # 8 units of 4 rows: rank 0 holds 3 units (rows 0-11), rank 1 holds 5 units (rows 12-31)
+    # 8 units of 4 rows: rank 0 holds 3 units (rows 0-11), rank 1 holds 5 units (rows 12-31);
+    # ragged_dtensor's distribute_tensor (torch's, also for RaggedShard)
     w = distribute_tensor(full, mesh, [RaggedShard(dims=(0,), local_units=(3, 5))])
     (rows, _), (first, _) = local_box(w)  # the share as a box: shape and offset
     flat = w.to_local().numel()

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
+from torch.distributed.tensor import DTensor, init_device_mesh
 
-from ragged_dtensor import RaggedOpError, RaggedShard
+from ragged_dtensor import RaggedOpError, RaggedShard, distribute_tensor, from_local
 from ragged_dtensor.testing import expect_error_on_every_rank, run_threaded
 
 FULL = torch.arange(32.0).reshape(8, 4)
@@ -97,7 +97,7 @@ def _placements_disagree(rank: int, world: int) -> str:
     r = placement.flat_range(FULL.shape, rank)
     local = FULL.reshape(-1)[r.start : r.stop].clone()
     try:
-        dt = DTensor.from_local(
+        dt = from_local(
             local, mesh, [placement], shape=FULL.shape, stride=FULL.stride(), run_check=True
         )
         got = dt.full_tensor()

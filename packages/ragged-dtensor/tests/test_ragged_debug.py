@@ -1,10 +1,12 @@
-"""The collective debug mode (``RAGGED_DTENSOR_DEBUG_COLLECTIVES=1``): off by default (no mode,
-no collective added); on, every rank raises ``CollectiveMismatchError`` naming the group, each
-side's operation and the ranks elsewhere, within 30 s, before a mismatched collective runs; the
+"""The collective debug mode (``RAGGED_DTENSOR_DEBUG_COLLECTIVES=1`` when the DTensor integration is
+installed, or ``with collective_checks():``): off by default (no mode, no collective added), never
+entered at import; on, every rank raises ``CollectiveMismatchError`` naming the group, each side's
+operation and the ranks elsewhere, within 30 s, before a mismatched collective runs; the
 collectives themselves (and their autograd) are unchanged."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -16,11 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Shard
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 import ragged_dtensor
-from ragged_dtensor import CollectiveMismatchError, RaggedShard
+from ragged_dtensor import CollectiveMismatchError, RaggedShard, distribute_tensor
 from ragged_dtensor.testing import count_collectives, run_processes
 
 DEADLINE_S = 30.0
@@ -31,18 +33,108 @@ def test_off_by_default() -> None:
     assert _get_current_dispatch_mode() is None
 
 
-def test_a_bad_timeout_is_named() -> None:
-    env = {"RAGGED_DTENSOR_DEBUG_COLLECTIVES": "1", "RAGGED_DTENSOR_DEBUG_TIMEOUT": "soon"}
-    done = subprocess.run(
-        [sys.executable, "-c", "import ragged_dtensor"],
+_ENTRY_SCRIPT = """
+import ragged_dtensor
+from torch.utils._python_dispatch import _len_torch_dispatch_stack
+assert _len_torch_dispatch_stack() == 0 and not ragged_dtensor.collective_checks_enabled()
+print("imported: no mode")
+ragged_dtensor.RaggedShard((0,), (1, 1))  # installs the integration: the checks are entered
+assert _len_torch_dispatch_stack() == 1 and ragged_dtensor.collective_checks_enabled()
+print("installed: checks on")
+ragged_dtensor.uninstall_dtensor_integration()
+assert _len_torch_dispatch_stack() == 0 and not ragged_dtensor.collective_checks_enabled()
+print("removed: checks off")
+"""
+
+
+def _run_entry(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", _ENTRY_SCRIPT],
         capture_output=True,
         text=True,
         env={**_environ(), **env},
         check=False,
         timeout=120,
     )
+
+
+def test_the_environment_enters_the_checks_with_the_integration_not_at_import() -> None:
+    done = _run_entry({"RAGGED_DTENSOR_DEBUG_COLLECTIVES": "1"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == [
+        "imported: no mode",
+        "installed: checks on",
+        "removed: checks off",
+    ]
+
+
+_CORNERS_SCRIPT = """
+import threading, warnings
+import ragged_dtensor
+from torch.utils._python_dispatch import TorchDispatchMode, _len_torch_dispatch_stack
+
+class Other(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with Other():  # installed under another mode: entering would break that mode's exit
+        ragged_dtensor.RaggedShard((0,), (1, 1))
+        assert _len_torch_dispatch_stack() == 1
+assert _len_torch_dispatch_stack() == 0 and not ragged_dtensor.collective_checks_enabled()
+print("under another mode:", [str(w.message) for w in caught if "not entered" in str(w.message)])
+ragged_dtensor.uninstall_dtensor_integration()
+
+thread = threading.Thread(target=lambda: ragged_dtensor.RaggedShard((0,), (1, 1)))
+thread.start(); thread.join()  # installed (and the checks entered) on a thread that has ended
+assert ragged_dtensor.collective_checks_enabled()
+ragged_dtensor.uninstall_dtensor_integration()
+assert _len_torch_dispatch_stack() == 0 and not ragged_dtensor.collective_checks_enabled()
+print("thread ended: removed")
+"""
+
+
+def test_the_environment_never_breaks_another_mode_or_pins_an_ended_thread() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _CORNERS_SCRIPT],
+        capture_output=True,
+        text=True,
+        env={**_environ(), "RAGGED_DTENSOR_DEBUG_COLLECTIVES": "1"},
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.strip().split("\n")[-2:]
+    assert "the collective checks were not entered" in first and "Other" in first, first
+    assert "use `with ragged_dtensor.collective_checks():`" in first, first
+    assert second == "thread ended: removed"
+
+
+def test_a_bad_timeout_is_named_when_the_integration_is_installed() -> None:
+    env = {"RAGGED_DTENSOR_DEBUG_COLLECTIVES": "1", "RAGGED_DTENSOR_DEBUG_TIMEOUT": "soon"}
+    done = _run_entry(env)
     assert done.returncode != 0
+    assert done.stdout.startswith("imported: no mode")  # import itself never reads it
     assert "RAGGED_DTENSOR_DEBUG_TIMEOUT='soon': expected a number of seconds" in done.stderr
+    assert not ragged_dtensor.collective_checks_enabled()
+
+
+def test_collective_checks_block_enters_and_leaves_the_mode() -> None:
+    assert _get_current_dispatch_mode() is None
+    with ragged_dtensor.collective_checks(timeout=5.0):
+        mode = _get_current_dispatch_mode()
+        assert mode is not None and ragged_dtensor.collective_checks_enabled()
+        with ragged_dtensor.collective_checks():  # nested: the checks in force
+            assert _get_current_dispatch_mode() is mode
+        assert _get_current_dispatch_mode() is mode
+    assert _get_current_dispatch_mode() is None
+    assert not ragged_dtensor.collective_checks_enabled()
+    with (
+        pytest.raises(ValueError, match=r"collective_checks\(timeout=0\): expected a positive"),
+        ragged_dtensor.collective_checks(timeout=0),
+    ):
+        pass
 
 
 def _environ() -> dict[str, str]:
@@ -104,8 +196,16 @@ def _elsewhere(rank: int, world: int) -> None:
         dist.barrier(group=other)  # waits on another group for rank 0, which never comes
 
 
-def _cases(rank: int, world: int, names: list[str]) -> dict[str, tuple[str, float, object]]:
-    """Each case on a fresh process group of the same store (one spawn for all of them)."""
+def _cases(
+    rank: int, world: int, names: list[str], explicit: bool = False
+) -> dict[str, tuple[str, float, object]]:
+    """Each case on a fresh process group of the same store (one spawn for all of them).
+
+    With the environment variable set, installing the integration enters the checks (the
+    mismatch cases use no RaggedShard, so it is installed here); ``explicit``: each case runs
+    in ``with collective_checks():`` instead."""
+    if not explicit:
+        ragged_dtensor.install_dtensor_integration()
     store = dist.distributed_c10d._get_default_store()
     bodies: dict[str, Callable[[int, int], object]] = {
         "agree": _agreeing_work,
@@ -125,7 +225,8 @@ def _cases(rank: int, world: int, names: list[str]) -> dict[str, tuple[str, floa
         start = time.monotonic()
         value: object = None
         try:
-            value = bodies[name](rank, world)
+            with ragged_dtensor.collective_checks() if explicit else contextlib.nullcontext():
+                value = bodies[name](rank, world)
             outcome = "no error"
         except CollectiveMismatchError as exc:
             outcome = f"CollectiveMismatchError: {exc}"
@@ -141,14 +242,18 @@ def debug_runs() -> dict[str, list[dict[str, tuple[str, float, object]]]]:
     import os
 
     runs = {}
-    for mode in ("on", "off"):
-        names = ["agree", "mismatch", "elsewhere"] if mode == "on" else ["agree"]
+    for mode in ("on", "off", "explicit"):
+        names = {
+            "on": ["agree", "mismatch", "elsewhere"],
+            "off": ["agree"],
+            "explicit": ["mismatch"],
+        }[mode]
         saved = os.environ.pop("RAGGED_DTENSOR_DEBUG_COLLECTIVES", None)
         os.environ.pop("RAGGED_DTENSOR_DEBUG_TIMEOUT", None)
         if mode == "on":
             os.environ["RAGGED_DTENSOR_DEBUG_COLLECTIVES"] = "1"  # spawned ranks inherit it
         try:
-            runs[mode] = run_processes(_cases, 2, names, timeout=240)
+            runs[mode] = run_processes(_cases, 2, names, mode == "explicit", timeout=240)
         finally:
             os.environ.pop("RAGGED_DTENSOR_DEBUG_COLLECTIVES", None)
             if saved is not None:
@@ -169,10 +274,12 @@ def test_checks_change_nothing_when_the_ranks_agree(debug_runs: dict[str, list])
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["on", "explicit"])
 def test_different_collectives_name_both_sides_on_every_rank(
     debug_runs: dict[str, list],  # type: ignore[type-arg]
+    how: str,
 ) -> None:
-    messages = {debug_runs["on"][rank]["mismatch"][0] for rank in range(2)}
+    messages = {debug_runs[how][rank]["mismatch"][0] for rank in range(2)}
     assert len(messages) == 1, messages  # the same verdict, worded the same, on both ranks
     message = messages.pop()
     assert message.startswith("CollectiveMismatchError: collective mismatch on process group")
@@ -181,7 +288,7 @@ def test_different_collectives_name_both_sides_on_every_rank(
     assert "ranks [1] are at all_gather_into_tensor((4,) float32) at step 0" in message, message
     assert "test_ragged_debug.py" in message  # the caller
     for rank in range(2):
-        assert debug_runs["on"][rank]["mismatch"][1] < DEADLINE_S
+        assert debug_runs[how][rank]["mismatch"][1] < DEADLINE_S
 
 
 @pytest.mark.multiprocess

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
+from torch.distributed.tensor import DTensor, init_device_mesh
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from ragged_dtensor import RaggedShard, from_local
+from ragged_dtensor import RaggedShard, distribute_tensor, from_local
 from ragged_dtensor.testing import run_threaded
 
 CASES: dict[str, tuple[Callable[[Any, int], object], str]] = {
@@ -29,7 +29,7 @@ CASES: dict[str, tuple[Callable[[Any, int], object], str]] = {
         "exceed the tensor's 1 dimensions",
     ),
     "from_local without shape": (
-        lambda mesh, rank: DTensor.from_local(torch.zeros(3), mesh, [RaggedShard((0,), (1, 1))]),
+        lambda mesh, rank: from_local(torch.zeros(3), mesh, [RaggedShard((0,), (1, 1))]),
         "needs shape=",
     ),
     "local size disagrees with the units": (
@@ -45,7 +45,7 @@ CASES: dict[str, tuple[Callable[[Any, int], object], str]] = {
         "must be contiguous",
     ),
     "non row-major stride": (
-        lambda mesh, rank: DTensor.from_local(
+        lambda mesh, rank: from_local(
             torch.zeros(4),
             mesh,
             [RaggedShard((0,), (1, 1))],
@@ -86,7 +86,7 @@ def _mismatched_redistribute(rank: int, world: int) -> str:
     # a local tensor that does not match its placement is caught before any collective
     bad = DTensor.from_local(torch.zeros(5), mesh, [Replicate()], run_check=False)
     placements: list[Placement] = [RaggedShard((0,), (1, 1))]
-    spec_dt = DTensor.from_local(torch.zeros(3), mesh, placements, shape=torch.Size([6]))
+    spec_dt = from_local(torch.zeros(3), mesh, placements, shape=torch.Size([6]))
     object.__setattr__(spec_dt, "_local_tensor", bad.to_local())
     try:
         spec_dt.redistribute(mesh, [Shard(0)])
@@ -104,7 +104,7 @@ def _two_ragged_axes(rank: int, world: int) -> str:
     mesh = init_device_mesh("cpu", (2, 2))
     placements: list[Placement] = [RaggedShard((0,), (1, 1)), RaggedShard((0,), (1, 1))]
     try:
-        DTensor.from_local(torch.zeros(3), mesh, placements, shape=torch.Size([12]))
+        from_local(torch.zeros(3), mesh, placements, shape=torch.Size([12]))
     except ValueError as exc:
         return str(exc)
     return "no ValueError"

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from ragged_reference import reference_local
-from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
+from torch.distributed.tensor import DTensor, init_device_mesh
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from ragged_dtensor import RaggedShard, local_range
+from ragged_dtensor import RaggedShard, distribute_tensor, local_range
 from ragged_dtensor.testing import count_collectives, run_processes
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.numerics]

@@ -17,7 +17,7 @@ from ragged_reference import reference_local, valid_units_total
 from torch.distributed.tensor import DTensor, init_device_mesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from ragged_dtensor import RaggedShard, StepKind, plan_redistribute
+from ragged_dtensor import RaggedShard, StepKind, from_local, plan_redistribute
 from ragged_dtensor.testing import count_collectives, run_threaded
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "120"))
@@ -60,7 +60,7 @@ def _build(
     if any(p.is_partial() for p in placements):
         n = math.prod(mesh_shape[a] for a, p in enumerate(placements) if p.is_partial())
         local = local * 0 + local / n  # the sum over partial axes is the value
-    return DTensor.from_local(
+    return from_local(
         local,
         mesh,
         placements,
@@ -175,7 +175,7 @@ def _count_body(rank: int, world: int) -> dict[str, dict[str, int]]:
     full = torch.arange(48.0).reshape(12, 4)
     ragged = RaggedShard((0,), (1, 2, 0, 3)[:world] if world == 4 else (1, 2))
     other = RaggedShard((0, 1), (10, 10, 20, 8)[:world] if world == 4 else (5, 43))
-    dt = DTensor.from_local(
+    dt = from_local(
         reference_local(full, (world,), [ragged], rank),
         mesh,
         [ragged],

@@ -17,10 +17,10 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor, init_device_mesh
+from torch.distributed.tensor import init_device_mesh
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
-from ragged_dtensor import RaggedOpError, RaggedShard
+from ragged_dtensor import RaggedOpError, RaggedShard, distribute_tensor, from_local
 from ragged_dtensor.testing import count_collectives, run_threaded
 
 pytestmark = pytest.mark.numerics
@@ -192,7 +192,7 @@ def _random_errors(rank: int, world: int) -> list[str]:
             fn(d)
         except Exception as exc:  # torch may wrap ours
             out.append(type(exc).__name__ + ": " + str(exc).splitlines()[0])
-    meta = DTensor.from_local(
+    meta = from_local(
         torch.empty(8, device="meta"), mesh, [RaggedShard((0,), (1, 1))], shape=torch.Size((4, 4))
     )
     meta.uniform_()  # nothing to draw on meta

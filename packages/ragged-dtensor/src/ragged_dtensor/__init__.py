@@ -1,17 +1,17 @@
 """RaggedShard: a DTensor placement of contiguous blocks of any size, uneven per rank.
 
-Importing this package installs narrowly scoped hooks into torch's DTensor (see
-``ragged_dtensor._private.compat``) so that torch's own ``distribute_tensor``,
-``DTensor.from_local(..., shape=)``, ``redistribute``, ``full_tensor``, elementwise ops, optimizers,
-``clip_grad_norm_`` and ``torch.distributed.checkpoint`` accept RaggedShard. Import it before use.
+Importing this package changes nothing in torch. The first ``RaggedShard`` constructed installs
+a narrowly scoped, checked integration into torch's DTensor (``ragged_dtensor._private.compat``)
+so that ``redistribute``, ``full_tensor``, elementwise ops, optimizers, ``clip_grad_norm_`` and
+``torch.distributed.checkpoint`` accept RaggedShard; ``install_dtensor_integration()`` /
+``uninstall_dtensor_integration()`` / ``with dtensor_integration():`` do it explicitly and remove
+it. Build ragged DTensors with this package's ``distribute_tensor`` and ``from_local``.
 """
 
 from __future__ import annotations
 
 from importlib.metadata import PackageNotFoundError, version
 
-from ragged_dtensor._private import compat as _compat
-from ragged_dtensor._private import debug as _debug
 from ragged_dtensor._private.agreement import (
     RanksDisagreeError,
     check_ranks_agree,
@@ -25,15 +25,23 @@ from ragged_dtensor._private.api import (
     local_range,
     redistribute,
 )
-from ragged_dtensor._private.compat import hooks_installed
-from ragged_dtensor._private.debug import CollectiveMismatchError, collective_checks_enabled
+from ragged_dtensor._private.compat import (
+    DTensorIntegrationError,
+    dtensor_integration,
+    dtensor_integration_installed,
+    hooks_installed,
+    install_dtensor_integration,
+    uninstall_dtensor_integration,
+)
+from ragged_dtensor._private.debug import (
+    CollectiveMismatchError,
+    collective_checks,
+    collective_checks_enabled,
+)
 from ragged_dtensor._private.geometry import FlatRange, flat_range_to_boxes
 from ragged_dtensor._private.ops import RaggedOpError
 from ragged_dtensor._private.placement import RaggedShard
 from ragged_dtensor._private.redistribute import RedistributeStep, StepKind, plan_redistribute
-
-_compat.install()
-_debug.install_from_env()  # RAGGED_DTENSOR_DEBUG_COLLECTIVES=1: check every collective
 
 try:
     __version__ = version("ragged-dtensor")
@@ -56,14 +64,21 @@ __all__ = [
     "RedistributeStep",
     "StepKind",
     "plan_redistribute",
+    # the DTensor integration (installed by the first RaggedShard; nothing at import)
+    "install_dtensor_integration",
+    "uninstall_dtensor_integration",
+    "dtensor_integration",
+    "dtensor_integration_installed",
     "hooks_installed",
+    "DTensorIntegrationError",
     # rank agreement (one mechanism for every package)
     "RanksDisagreeError",
     "check_ranks_agree",
     "describe_disagreement",
     "gather_records_if_different",
-    # collective debug mode (RAGGED_DTENSOR_DEBUG_COLLECTIVES=1)
+    # collective debug mode (collective_checks(), or RAGGED_DTENSOR_DEBUG_COLLECTIVES=1)
     "CollectiveMismatchError",
+    "collective_checks",
     "collective_checks_enabled",
     "__version__",
 ]

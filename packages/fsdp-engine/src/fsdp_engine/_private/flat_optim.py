@@ -40,6 +40,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as adam_functional
 
+from ragged_dtensor import from_local
+
 __all__ = ["FlatAdam", "FlatAdamW"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -174,7 +176,7 @@ class _FlatAdamMixin(torch.optim.Optimizer):
         flat = self._buffer(layout, slot, key)[slot.state_offset : slot.state_offset + slot.numel]
         local = flat.view(_local(p).shape)
         if isinstance(p, DTensor):
-            return DTensor.from_local(
+            return from_local(
                 local,
                 p.device_mesh,
                 p.placements,

@@ -58,7 +58,7 @@ from optim_blockwise._private.tiles import (
     tiles_of,
     write_piece,
 )
-from ragged_dtensor import RaggedShard
+from ragged_dtensor import RaggedShard, from_local
 
 __all__ = ["BlockPreconditioner", "BlockItem", "dtype_name", "as_dtype", "block_key"]
 
@@ -569,7 +569,7 @@ class BlockPreconditioner(ShardedOptimizer):
                 )
                 placements: list[Placement] = [Replicate()] * len(param.placements)
                 placements[axis] = RaggedShard((), onehot)
-                out[key] = DTensor.from_local(
+                out[key] = from_local(
                     local,
                     param.device_mesh,
                     placements,

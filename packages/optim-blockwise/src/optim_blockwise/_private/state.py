@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from optim_blockwise._private.layout import describe
-from ragged_dtensor import RaggedShard
+from ragged_dtensor import RaggedShard, from_local
 
 __all__ = ["sharded_state_dict", "restore_state_dtypes"]
 
@@ -58,7 +58,7 @@ def _wrap(key: str, value: torch.Tensor, param: DTensor, block_size: int | None)
         axis = next(i for i, p in enumerate(param.placements) if not isinstance(p, Replicate))
         placements: list[Placement] = [Replicate()] * len(param.placements)
         placements[axis] = RaggedShard((0,), tuple(units))
-        return DTensor.from_local(
+        return from_local(
             value,
             param.device_mesh,
             placements,
@@ -68,7 +68,7 @@ def _wrap(key: str, value: torch.Tensor, param: DTensor, block_size: int | None)
         )
     if value.numel() != local_param.numel():
         return value  # not per-element: leave as is
-    return DTensor.from_local(
+    return from_local(  # also a 0-d ragged parameter (torch's takes shape=() as "not given")
         value.view(local_param.shape),
         param.device_mesh,
         param.placements,

@@ -1,21 +1,24 @@
 """Public helpers with torch-DTensor semantics for ragged layouts.
 
-With the hooks of ``compat.py`` installed (they are, on import), torch's own ``distribute_tensor``,
-``DTensor.from_local``, ``redistribute`` and ``full_tensor`` accept RaggedShard; the functions here
-are the same operations spelled explicitly, plus the local geometry of a ragged DTensor.
+``distribute_tensor`` and ``from_local`` are torch's functions of the same names, also accepting
+RaggedShard placements (torch's own refuse a RaggedShard, or cannot infer its global shape): with
+standard placements they call torch's unchanged. ``redistribute`` and the local geometry of a
+ragged DTensor complete them. (``dt.redistribute``, ``dt.full_tensor`` and ops go through
+torch's DTensor, with the integration of ``compat.py``.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
+from ragged_dtensor._private import compat
 from ragged_dtensor._private.agreement import check_ranks_agree
 from ragged_dtensor._private.geometry import FlatRange
 from ragged_dtensor._private.placement import RaggedShard
@@ -69,18 +72,23 @@ def distribute_ragged(
     tensor: torch.Tensor,
     device_mesh: DeviceMesh | None,
     placements: Sequence[Placement],
-    original: Callable[..., DTensor],
-    **kwargs: Any,
+    *,
+    src_data_rank: int | None = 0,
 ) -> DTensor:
-    """torch's distribute_tensor with the ragged axis cut locally from the replicated value."""
+    """torch's distribute_tensor with the ragged axis cut locally from the replicated value.
+
+    The local share is a fresh tensor, as torch's Shard gives (not a view of the full tensor,
+    whose storage it would keep alive; and a DTensor over a view at a storage offset trips DCP's
+    state-dict stager).
+    """
     if device_mesh is None:
         raise ValueError("distribute_tensor with a RaggedShard placement needs device_mesh")
     axis, placement, xs = _check_placements(device_mesh, placements, tuple(tensor.shape))
     standard = [Replicate() if i == axis else p for i, p in enumerate(placements)]
-    base = original(tensor, device_mesh, standard, **kwargs)
+    base = torch_distribute_tensor(tensor, device_mesh, standard, src_data_rank=src_data_rank)
     coordinate = device_mesh.get_local_rank(axis)
     flat = placement.flat_range(xs, coordinate)
-    local = base.to_local().detach().reshape(-1)[flat.start : flat.stop]
+    local = base.to_local().detach().reshape(-1)[flat.start : flat.stop].clone()
     spec = DTensorSpec(
         device_mesh,
         tuple(placements),
@@ -91,17 +99,28 @@ def distribute_ragged(
     )
 
 
+def _has_ragged(placements: Sequence[Placement] | None) -> bool:
+    return placements is not None and any(isinstance(p, RaggedShard) for p in placements)
+
+
 def distribute_tensor(
     tensor: torch.Tensor,
-    device_mesh: DeviceMesh,
-    placements: Sequence[Placement],
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
     *,
     src_data_rank: int | None = 0,
 ) -> DTensor:
-    """``torch.distributed.tensor.distribute_tensor``, accepting RaggedShard (same semantics)."""
-    from torch.distributed.tensor import distribute_tensor as torch_distribute
+    """``torch.distributed.tensor.distribute_tensor``, also for RaggedShard placements.
 
-    return torch_distribute(tensor, device_mesh, placements, src_data_rank=src_data_rank)
+    RaggedShard: the tensor of ``src_data_rank`` is broadcast like Replicate (``None``: every
+    rank's own tensor is used), then each rank keeps its share (a copy). Other placements: torch's
+    function, unchanged.
+    """
+    if not _has_ragged(placements):
+        return torch_distribute_tensor(tensor, device_mesh, placements, src_data_rank=src_data_rank)
+    assert placements is not None
+    compat.ensure_installed()
+    return distribute_ragged(tensor, device_mesh, placements, src_data_rank=src_data_rank)
 
 
 def check_ragged_local(
@@ -109,16 +128,16 @@ def check_ragged_local(
     device_mesh: DeviceMesh | None,
     placements: Sequence[Placement],
     *,
-    shape: torch.Size | None = None,
-    stride: tuple[int, ...] | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Validate a ragged local tensor for ``DTensor.from_local``; returns (flat local, kwargs)."""
+    shape: Sequence[int] | None,
+    stride: Sequence[int] | None,
+    run_check: bool,
+) -> tuple[torch.Tensor, torch.Size, tuple[int, ...]]:
+    """Validate a ragged local tensor for ``from_local``; returns (flat local, shape, stride)."""
     if device_mesh is None:
-        raise ValueError("DTensor.from_local with a RaggedShard placement needs device_mesh")
+        raise ValueError("from_local with a RaggedShard placement needs device_mesh")
     if shape is None:
         raise ValueError(
-            "DTensor.from_local with a RaggedShard placement needs shape=: the "
+            "from_local with a RaggedShard placement needs shape=: the "
             "global shape cannot be inferred from a flat ragged share"
         )
     axis, placement, xs = _check_placements(device_mesh, placements, tuple(shape))
@@ -141,12 +160,9 @@ def check_ragged_local(
             f"{local_tensor.numel()} elements but {placement!r} on shape {xs} gives "
             f"it {placement.local_units[coordinate]} units = {expected} elements"
         )
-    if kwargs.get("run_check", False):
+    if run_check:
         _check_ranks_agree(device_mesh, axis, placements, tuple(shape))
-        # torch's own run_check compares local metadata, which legitimately differs here
-        kwargs["run_check"] = False
-    kwargs.update(shape=torch.Size(shape), stride=contiguous)
-    return local_tensor.reshape(-1), kwargs
+    return local_tensor.reshape(-1), torch.Size(shape), contiguous
 
 
 def _check_ranks_agree(
@@ -158,7 +174,7 @@ def _check_ranks_agree(
         mesh.get_group(axis),
         {"placements": repr(tuple(placements)), "global shape": repr(shape)},
         what=(
-            f"DTensor.from_local(run_check=True): ranks disagree on the ragged layout "
+            f"from_local(run_check=True): ranks disagree on the ragged layout "
             f"(local_units, dims, shape) on mesh axis {axis}"
         ),
     )
@@ -166,16 +182,58 @@ def _check_ranks_agree(
 
 def from_local(
     local_tensor: torch.Tensor,
-    device_mesh: DeviceMesh,
-    placements: Sequence[Placement],
+    device_mesh: DeviceMesh | None = None,
+    placements: Sequence[Placement] | None = None,
     *,
-    shape: Sequence[int],
+    run_check: bool = False,
+    shape: Sequence[int] | None = None,
+    stride: Sequence[int] | None = None,
+    grad_placements: Sequence[Placement] | None = None,
     requires_grad: bool | None = None,
 ) -> DTensor:
-    """Wrap this rank's flat share as a DTensor (validated against the units; no communication)."""
-    dt = DTensor.from_local(
-        local_tensor, device_mesh, placements, shape=torch.Size(shape), run_check=False
-    )
+    """``DTensor.from_local``, also for RaggedShard placements (no communication unless
+    ``run_check``).
+
+    RaggedShard: ``shape=`` (the global shape) is required, ``stride=`` may be left out (it must
+    be row-major); the local tensor must be this rank's contiguous share, of the size its units
+    give (checked, flattened); ``shape=()`` makes a 0-d tensor (torch's ``from_local`` takes an
+    empty shape for "not given"). ``run_check=True`` compares the layout across the ragged axis
+    (``check_ranks_agree``), since torch's check compares local shapes, which legitimately
+    differ. Differentiable like torch's. Other placements: torch's ``DTensor.from_local``,
+    unchanged. ``requires_grad`` (not torch's): set it on the result.
+    """
+    if not _has_ragged(placements):
+        dt = DTensor.from_local(
+            local_tensor,
+            device_mesh,
+            placements,
+            run_check=run_check,
+            shape=None if shape is None else torch.Size(shape),
+            stride=None if stride is None else tuple(stride),
+            grad_placements=grad_placements,
+        )
+    else:
+        assert placements is not None
+        compat.ensure_installed()
+        flat, size, contiguous = check_ragged_local(
+            local_tensor, device_mesh, placements, shape=shape, stride=stride, run_check=run_check
+        )
+        assert device_mesh is not None
+        if len(size) == 0:
+            # torch's from_local would take shape=() for "not given" and infer a 1-d shape
+            meta = TensorMeta(size, (), flat.dtype)
+            spec = DTensorSpec(device_mesh, tuple(placements), tensor_meta=meta)
+            dt = DTensor(flat, spec, requires_grad=flat.requires_grad)  # type: ignore[no-untyped-call]
+        else:
+            dt = DTensor.from_local(
+                flat,
+                device_mesh,
+                placements,
+                run_check=False,
+                shape=size,
+                stride=contiguous,
+                grad_placements=grad_placements,
+            )
     if requires_grad is not None:
         dt.requires_grad_(requires_grad)
     return dt

@@ -28,16 +28,16 @@ from ragged_dtensor._private.geometry import flat_range_to_boxes
 from ragged_dtensor._private.placement import RaggedShard
 from ragged_dtensor._private.redistribute import ragged_axis
 
-__all__ = ["install", "ragged_chunks"]
+__all__ = ["create_chunk_list", "create_write_items", "get_tensor_shard", "ragged_chunks"]
 
 
 def ragged_chunks(dt: Any) -> list[tuple[torch.Size, torch.Size, torch.Tensor]]:
     """``(global_offset, size, view)`` of every box of this rank's ragged share."""
-    if math.prod(dt.shape) == 0:
+    shape = torch.Size(dt._spec.shape)
+    if math.prod(shape) == 0:
         # A zero-element tensor: no rank's flat range has a box, yet DCP must still record the
         # key (else the load reports it missing). One empty box covering the whole tensor, the
         # same on every rank (DCP's deduplication keeps one).
-        shape = torch.Size(dt.shape)
         return [(torch.Size([0] * len(shape)), shape, dt._local_tensor.reshape(shape))]
     axis = ragged_axis(dt.placements)
     assert axis is not None
@@ -45,7 +45,7 @@ def ragged_chunks(dt: Any) -> list[tuple[torch.Size, torch.Size, torch.Tensor]]:
     assert isinstance(placement, RaggedShard)
     mesh = dt.device_mesh
     standard = [Replicate() if i == axis else p for i, p in enumerate(dt.placements)]
-    xs, x_offset = compute_local_shape_and_global_offset(dt.shape, mesh, standard)
+    xs, x_offset = compute_local_shape_and_global_offset(shape, mesh, standard)
     flat = placement.flat_range(xs, mesh.get_local_rank(axis))
     local = dt._local_tensor.reshape(-1)
     chunks = []
@@ -56,50 +56,37 @@ def ragged_chunks(dt: Any) -> list[tuple[torch.Size, torch.Size, torch.Tensor]]:
     return chunks
 
 
-def _is_ragged(dt: Any) -> bool:
-    return any(isinstance(p, RaggedShard) for p in dt.placements)
-
-
-def install(dtensor_cls: Any) -> None:
-    original_write = dtensor_cls.__create_write_items__
-    original_chunks = dtensor_cls.__create_chunk_list__
-    original_shard = dtensor_cls.__get_tensor_shard__
-
-    def create_write_items(self: Any, fqn: str, obj: Any) -> list[WriteItem]:
-        if not _is_ragged(self):
-            return original_write(self, fqn, obj)  # type: ignore[no-any-return]
-        self._raise_if_contains_partial_placements()
-        properties = TensorProperties.create_from_tensor(self._local_tensor)
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, offset),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=offset, sizes=size),
-                    properties=properties,
-                    size=self.size(),
-                ),
-            )
-            for offset, size, _ in ragged_chunks(self)
-        ]
-
-    def create_chunk_list(self: Any) -> list[ChunkStorageMetadata]:
-        if not _is_ragged(self):
-            return original_chunks(self)  # type: ignore[no-any-return]
-        self._raise_if_contains_partial_placements()
-        return [ChunkStorageMetadata(offsets=o, sizes=s) for o, s, _ in ragged_chunks(self)]
-
-    def get_tensor_shard(self: Any, index: MetadataIndex) -> torch.Tensor:
-        if not _is_ragged(self):
-            return original_shard(self, index)  # type: ignore[no-any-return]
-        for offset, _, view in ragged_chunks(self):
-            if index.offset is not None and offset == torch.Size(index.offset):
-                return view
-        raise ValueError(
-            f"checkpoint asked {index.fqn!r} for a chunk at offset {index.offset}, "
-            f"which this rank's ragged share {self.placements} does not hold"
+def create_write_items(dt: Any, fqn: str, obj: Any) -> list[WriteItem]:
+    """DCP's write items of a ragged DTensor: one per box of this rank's share."""
+    dt._raise_if_contains_partial_placements()
+    properties = TensorProperties.create_from_tensor(dt._local_tensor)
+    return [
+        WriteItem(
+            index=MetadataIndex(fqn, offset),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=offset, sizes=size),
+                properties=properties,
+                size=torch.Size(dt._spec.shape),
+            ),
         )
+        for offset, size, _ in ragged_chunks(dt)
+    ]
 
-    dtensor_cls.__create_write_items__ = create_write_items
-    dtensor_cls.__create_chunk_list__ = create_chunk_list
-    dtensor_cls.__get_tensor_shard__ = get_tensor_shard
+
+def create_chunk_list(dt: Any) -> list[ChunkStorageMetadata]:
+    """DCP's chunks of a ragged DTensor (what this rank reads into on load)."""
+    dt._raise_if_contains_partial_placements()
+    return [ChunkStorageMetadata(offsets=o, sizes=s) for o, s, _ in ragged_chunks(dt)]
+
+
+def get_tensor_shard(dt: Any, index: MetadataIndex) -> torch.Tensor:
+    """The view of this rank's share that DCP's ``index`` names (written from, or read into)."""
+    dt._raise_if_contains_partial_placements()
+    for offset, _, view in ragged_chunks(dt):
+        if index.offset is not None and offset == torch.Size(index.offset):
+            return view
+    raise ValueError(
+        f"checkpoint asked {index.fqn!r} for a chunk at offset {index.offset}, "
+        f"which this rank's ragged share {dt.placements} does not hold"
+    )

@@ -1,56 +1,137 @@
-"""The narrowly scoped hooks that let torch's own DTensor API accept RaggedShard (torch 2.13).
+"""The DTensor integration: the only module that changes torch's objects (torch 2.13.x).
 
-[Note: why hooks]
+[Note: nothing at import]
+Importing ``ragged_dtensor`` (or a package built on it) changes nothing in torch. The integration
+is installed when the first ``RaggedShard`` is constructed (``ensure_installed``, called by the
+placement), or explicitly (``install_dtensor_integration``), and
+``uninstall_dtensor_integration`` puts back the very objects it found.
+Everything below is process-wide while installed, and nothing else in the package assigns to a
+torch module, class or instance.
+
+[Note: what is patched, and why each has no public route]
 DTensor in torch 2.13 has no plug-in point for a new placement: redistribution is a hard-coded chain
 of is_replicate/is_shard/is_partial checks, and a foreign placement passed through it *silently*
-returns wrong data (Replicate -> X keeps the full tensor). So we wrap exactly these entry points,
-each delegating to torch untouched unless a RaggedShard is involved:
+returns wrong data (Replicate -> X keeps the full tensor). So exactly these entry points are
+wrapped, each delegating to torch's own function unless a RaggedShard is involved:
 
-1. ``redistribute_local_tensor`` (in the three modules that call it): ``DTensor.redistribute``,
-   ``full_tensor``, autograd backward, and the input redistribution of op dispatch;
-2. the sharding propagator: ops with a ragged operand get the rules of ``ops.py`` or an error;
-3. ``distribute_tensor``: RaggedShard is cut from the (source-rank) full tensor;
-4. ``DTensor.from_local``: ragged locals are checked against their units, ``shape=`` required
-   (a 0-d ``shape=()``, which torch takes for "not given", is honoured);
-5. the checkpoint protocol of DTensor (``__create_write_items__``, ``__create_chunk_list__``,
-   ``__get_tensor_shard__``): a ragged share is written as the few boxes its flat range covers;
-6. the Python slow path of op dispatch (``_dispatch_get_local_results_slow_path``, where torch
-   runs random ops): a random op on a ragged operand draws what one device draws (random.py).
+1. ``redistribute_local_tensor``, bound by name in the three modules that call it
+   (``_redistribute``, ``_dispatch``, ``_api``): ``DTensor.redistribute``, ``full_tensor``,
+   autograd backward and the input redistribution of op dispatch. No extension point.
+2. the sharding propagator of DTensor's op dispatcher (``propagate_op_sharding_non_cached`` and
+   its per-thread cache ``propagate_op_sharding``, instance attributes): ops with a ragged operand
+   get the rules of ``ops.py`` or an error. Registering per-op strategies is public-ish, but a
+   strategy cannot describe a placement that is not Shard/Replicate/Partial.
+3. the Python slow path of op dispatch (``_dispatch_get_local_results_slow_path``, an instance
+   attribute of the dispatcher), where torch runs random ops: a random op on a ragged operand
+   draws what one device draws (random.py). DTensor's RNG tracker is not pluggable.
+4. DTensor's checkpoint protocol (``__create_write_items__``, ``__create_chunk_list__``,
+   ``__get_tensor_shard__``): a ragged share is written as the few boxes its flat range covers
+   (checkpoint.py). See [Note: why the checkpoint protocol stays on the class].
 
-Each hook is installed once, checks that what it wraps still has the expected shape, and
-``hooks_installed()`` lets a test fail loudly if torch changes underneath.
+``distribute_tensor`` and ``DTensor.from_local`` are *not* patched: ``ragged_dtensor`` exports its
+own (api.py); torch's ``distribute_tensor`` refuses a RaggedShard with its own error.
+
+[Note: why the checkpoint protocol stays on the class]
+DTensor hands the three checkpoint methods to its local tensor when the local tensor defines
+them (torch's ``LocalShardsWrapper`` does this). That route needs every ragged DTensor's local
+tensor to be of our type, and in torch 2.13 it cannot be: op dispatch (C++) wraps each op's
+output around a plain ``torch.Tensor``, whatever the type of the inputs' local tensors
+(``test_ragged_import_side_effects.py`` pins this), so ``torch.zeros_like(param)`` (optimizer
+state), ``param.detach()`` or a redistribution would lose the protocol, and DCP would then write
+a flat share as if it were the whole tensor. DCP's planners are public, but a planner is chosen
+by each caller of ``dcp.save``/``dcp.load``/``async_save`` (FSDP2 code passes none), so ragged
+state dicts would need a different call than FSDP2's. So the three methods are wrapped on the
+class, like the hooks above: checked, reversible, delegating to torch for every other DTensor.
+
+[Note: checks]
+Before changing anything, ``install_dtensor_integration`` checks the torch version (2.13.x) and
+that each target is torch's own function (defined in torch's source file under the expected module
+and name, not a wrapper, with the expected parameters) or, for the propagator's cache, torch's own
+cache of torch's own method. If any check fails, it raises ``DTensorIntegrationError`` naming the
+target and changes nothing. ``uninstall_dtensor_integration`` first checks that our wrappers are
+still in place (nobody wrapped them since), else it raises and changes nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
+import threading
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import _api as dtensor_api
 from torch.distributed.tensor import _dispatch as dtensor_dispatch
 from torch.distributed.tensor import _redistribute as dtensor_redistribute
+from torch.distributed.tensor import _sharding_prop as dtensor_sharding_prop
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
-from torch.distributed.tensor._sharding_prop import LocalLRUCache
 from torch.distributed.tensor.placement_types import Placement
 
 from ragged_dtensor._private import checkpoint, ops
+from ragged_dtensor._private import debug as ragged_debug
 from ragged_dtensor._private import random as ragged_random
 from ragged_dtensor._private.placement import RaggedBoxView, RaggedPaddedView, RaggedShard
 from ragged_dtensor._private.redistribute import execute, plan_redistribute, ragged_axis, x_shape
 
-__all__ = ["hooks_installed", "install", "ragged_redistribute_local"]
+__all__ = [
+    "SUPPORTED_TORCH",
+    "DTensorIntegrationError",
+    "dtensor_integration",
+    "dtensor_integration_installed",
+    "ensure_installed",
+    "hooks_installed",
+    "install_dtensor_integration",
+    "ragged_redistribute_local",
+    "uninstall_dtensor_integration",
+]
 
-SUPPORTED_TORCH = ("2.13",)
-_INSTALLED: dict[str, bool] = {}
-_ORIGINAL_REDISTRIBUTE: Callable[..., torch.Tensor] = dtensor_redistribute.redistribute_local_tensor
+SUPPORTED_TORCH = (2, 13)
+_TORCH_ROOT = str(Path(torch.__file__).resolve().parent)
+_CHECKPOINT_METHODS = {
+    "__create_write_items__": ("self", "fqn", "object"),
+    "__create_chunk_list__": ("self",),
+    "__get_tensor_shard__": ("self", "index"),
+}
+_REDISTRIBUTE_MODULES = (dtensor_redistribute, dtensor_dispatch, dtensor_api)
+
+
+class DTensorIntegrationError(RuntimeError):
+    """The DTensor integration cannot be installed or removed: the torch version is not supported,
+    or a function it wraps is not the one torch ships (the message names it)."""
+
+
+# -- the hooks ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class _Originals:
+    """torch's objects, checked and captured by ``install`` (the hooks call these)."""
+
+    redistribute: Callable[..., torch.Tensor]
+    propagate: Callable[[OpSchema], OutputSharding]
+    tensor_meta: Callable[[OpSchema], Any]
+    slow_path: Callable[..., Any]
+
+
+_ORIGINALS: _Originals | None = None
+
+
+def _torch_functions() -> _Originals:
+    if _ORIGINALS is None:
+        raise DTensorIntegrationError(
+            "ragged_dtensor: a ragged DTensor is used while the DTensor integration is not "
+            "installed; construct a RaggedShard or call install_dtensor_integration() first"
+        )
+    return _ORIGINALS
 
 
 def _spec_has_ragged(spec: DTensorSpec) -> bool:
@@ -61,12 +142,14 @@ def _torch_redistribute(
     mesh: DeviceMesh,
     meta: TensorMeta | None,
 ) -> Callable[[torch.Tensor, tuple[Placement, ...], tuple[Placement, ...]], torch.Tensor]:
+    original = _torch_functions().redistribute
+
     def run(
         local: torch.Tensor, before: tuple[Placement, ...], after: tuple[Placement, ...]
     ) -> torch.Tensor:
         src = DTensorSpec(mesh, before, tensor_meta=meta)
         dst = DTensorSpec(mesh, after, tensor_meta=meta)
-        return _ORIGINAL_REDISTRIBUTE(local, src, dst)
+        return original(local, src, dst)
 
     return run
 
@@ -162,28 +245,7 @@ def _redistribute_hook(
         return _box_view(local_tensor, current_spec, target_spec)
     if _spec_has_ragged(current_spec) or _spec_has_ragged(target_spec):
         return ragged_redistribute_local(local_tensor, current_spec, target_spec)
-    return _ORIGINAL_REDISTRIBUTE(local_tensor, current_spec, target_spec, *args, **kwargs)
-
-
-def _install_redistribute() -> None:
-    params = list(inspect.signature(_ORIGINAL_REDISTRIBUTE).parameters)
-    if params[:3] != ["local_tensor", "current_spec", "target_spec"]:
-        raise RuntimeError(
-            f"ragged_dtensor: torch's redistribute_local_tensor changed "
-            f"(parameters {params}); this torch version is not supported"
-        )
-    for module in (dtensor_redistribute, dtensor_dispatch, dtensor_api):
-        if getattr(module, "redistribute_local_tensor", None) is not _ORIGINAL_REDISTRIBUTE:
-            raise RuntimeError(
-                f"ragged_dtensor: {module.__name__}.redistribute_local_tensor is "
-                f"not torch's function any more; refusing to patch"
-            )
-        module.redistribute_local_tensor = _redistribute_hook  # type: ignore[attr-defined]
-    _INSTALLED["redistribute"] = True
-
-
-def _x_shape_of(spec: DTensorSpec) -> tuple[int, ...]:
-    return x_shape(tuple(spec.shape), spec.mesh, spec.placements)
+    return _torch_functions().redistribute(local_tensor, current_spec, target_spec, *args, **kwargs)
 
 
 def _local_numel(spec: DTensorSpec) -> int:
@@ -194,172 +256,347 @@ def _local_numel(spec: DTensorSpec) -> int:
     )
 
 
-def _install_propagator() -> None:
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    original = propagator.propagate_op_sharding_non_cached
-    tensor_meta = propagator._propagate_tensor_meta_non_cached
-
-    @functools.wraps(original)
-    def propagate(op_schema: OpSchema) -> OutputSharding:
-        if ops.schema_has_ragged(op_schema):
-            return ops.propagate_ragged(op_schema, tensor_meta, _local_numel, _x_shape_of)
-        return original(op_schema)
-
-    propagator.propagate_op_sharding_non_cached = propagate  # type: ignore[method-assign]
-    propagator.propagate_op_sharding = LocalLRUCache(propagate)
-    _INSTALLED["propagator"] = True
+def _x_shape_of(spec: DTensorSpec) -> tuple[int, ...]:
+    return x_shape(tuple(spec.shape), spec.mesh, spec.placements)
 
 
-_ORIGINAL_DISTRIBUTE = dtensor_api.distribute_tensor
-# A private copy of torch's function: the public one gets our trampoline as its code object.
-_TORCH_DISTRIBUTE = types.FunctionType(
-    _ORIGINAL_DISTRIBUTE.__code__,
-    _ORIGINAL_DISTRIBUTE.__globals__,
-    "distribute_tensor",
-    _ORIGINAL_DISTRIBUTE.__defaults__,
-    _ORIGINAL_DISTRIBUTE.__closure__,
-)
-_TORCH_DISTRIBUTE.__kwdefaults__ = _ORIGINAL_DISTRIBUTE.__kwdefaults__
-
-
-def _distribute_impl(
-    tensor: torch.Tensor,
-    device_mesh: DeviceMesh | None,
-    placements: Sequence[Placement] | None,
-    src_data_rank: int | None,
-) -> DTensor:
-    if placements is None or not any(isinstance(p, RaggedShard) for p in placements):
-        return _TORCH_DISTRIBUTE(  # type: ignore[no-any-return]
-            tensor,
-            device_mesh,
-            placements,
-            src_data_rank=src_data_rank,
-        )
-    from ragged_dtensor._private.api import distribute_ragged
-
-    return distribute_ragged(
-        tensor, device_mesh, placements, _TORCH_DISTRIBUTE, src_data_rank=src_data_rank
-    )
-
-
-def _distribute_trampoline(  # type: ignore[no-untyped-def]
-    tensor, device_mesh=None, placements=None, *, src_data_rank=0
-):
-    # Runs as the code of torch's own distribute_tensor, so its globals are torch's _api module:
-    # the name below is injected there by _install_distribute.
-    return _ragged_distribute_impl(  # type: ignore[name-defined]  # noqa: F821
-        tensor, device_mesh, placements, src_data_rank
-    )
-
-
-def _install_distribute() -> None:
-    # [Note: swapping the code object]
-    # Users (and torch itself) bind ``distribute_tensor`` by name at import time, often before
-    # ragged_dtensor is imported, so rebinding module attributes would miss them. Swapping the
-    # function's code object reaches every existing reference; the original code lives on in
-    # _TORCH_DISTRIBUTE and runs untouched whenever no RaggedShard is involved.
-    params = list(inspect.signature(_ORIGINAL_DISTRIBUTE).parameters)
-    if params != ["tensor", "device_mesh", "placements", "src_data_rank"] or (
-        _ORIGINAL_DISTRIBUTE.__code__.co_freevars
-    ):
-        raise RuntimeError(
-            f"ragged_dtensor: torch's distribute_tensor changed (parameters "
-            f"{params}); this torch version is not supported"
-        )
-    dtensor_api.__dict__["_ragged_distribute_impl"] = _distribute_impl
-    _ORIGINAL_DISTRIBUTE.__code__ = _distribute_trampoline.__code__
-    _INSTALLED["distribute_tensor"] = True
-
-
-_ORIGINAL_FROM_LOCAL = DTensor.from_local
-
-
-def _from_local_hook(
-    local_tensor: torch.Tensor,
-    device_mesh: DeviceMesh | None = None,
-    placements: Sequence[Placement] | None = None,
-    **kwargs: Any,
-) -> DTensor:
-    if placements is not None and any(isinstance(p, RaggedShard) for p in placements):
-        from ragged_dtensor._private.api import check_ragged_local
-
-        local_tensor, kwargs = check_ragged_local(local_tensor, device_mesh, placements, **kwargs)
-        if len(kwargs["shape"]) == 0:
-            # torch's from_local takes an empty ``shape=`` for "not given" and then cannot infer a
-            # ragged global shape: a 0-d ragged DTensor gets its spec built here
-            assert device_mesh is not None
-            meta = TensorMeta(torch.Size(()), (), local_tensor.dtype)
-            spec = DTensorSpec(device_mesh, tuple(placements), tensor_meta=meta)
-            return DTensor(local_tensor, spec, requires_grad=local_tensor.requires_grad)  # type: ignore[no-untyped-call]
-    return _ORIGINAL_FROM_LOCAL(local_tensor, device_mesh, placements, **kwargs)
-
-
-def _install_from_local() -> None:
-    DTensor.from_local = staticmethod(_from_local_hook)  # type: ignore[method-assign]
-    _INSTALLED["from_local"] = True
-
-
-def _install_checkpoint() -> None:
-    for name in ("__create_write_items__", "__create_chunk_list__", "__get_tensor_shard__"):
-        if not hasattr(DTensor, name):
-            raise RuntimeError(
-                f"ragged_dtensor: DTensor.{name} is gone; checkpoint hooks cannot "
-                f"be installed on this torch version"
-            )
-    checkpoint.install(DTensor)
-    _INSTALLED["checkpoint"] = True
+def _propagate_hook(op_schema: OpSchema) -> OutputSharding:
+    originals = _torch_functions()
+    if ops.schema_has_ragged(op_schema):
+        return ops.propagate_ragged(op_schema, originals.tensor_meta, _local_numel, _x_shape_of)
+    return originals.propagate(op_schema)
 
 
 def _cut_share(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     """This rank's share of a full-shape tensor laid out as ``spec`` (no communication)."""
     from ragged_dtensor._private.api import distribute_ragged
 
-    placed = distribute_ragged(
-        full, spec.mesh, spec.placements, _TORCH_DISTRIBUTE, src_data_rank=None
-    )
+    placed = distribute_ragged(full, spec.mesh, spec.placements, src_data_rank=None)
     return placed.to_local()
 
 
-def _install_random() -> None:
+def _slow_path_hook(op_call: torch._ops.OpOverload, args: tuple[object, ...], op_info: Any) -> Any:
+    originals = _torch_functions()
+    random = op_call in DTensor._op_dispatcher._random_ops or op_call in ops.RANDOM_OPS
+    if random and ragged_random.is_ragged_random(op_call, args):
+        return ragged_random.ragged_random_op(op_call, args, op_info, _cut_share)
+    return originals.slow_path(op_call, args, op_info)
+
+
+def _checkpoint_hook(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    table: dict[str, Callable[..., Any]] = {
+        "__create_write_items__": checkpoint.create_write_items,
+        "__create_chunk_list__": checkpoint.create_chunk_list,
+        "__get_tensor_shard__": checkpoint.get_tensor_shard,
+    }
+    ragged = table[name]
+
+    @functools.wraps(original)
+    def method(self: DTensor, *args: Any) -> Any:
+        if _spec_has_ragged(self._spec):
+            return ragged(self, *args)
+        return original(self, *args)
+
+    return method
+
+
+# -- checks ------------------------------------------------------------------------------------
+
+
+_REFUSING = "Refusing to install the DTensor integration (nothing was changed)."
+
+
+def _describe(value: object) -> str:
+    code = getattr(getattr(value, "__func__", value), "__code__", None)
+    where = f" (defined in {code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+    return f"{value!r}{where}"
+
+
+def _expect_torch_function(
+    value: object, where: str, module: str, qualname: str, parameters: Sequence[str]
+) -> Callable[..., Any]:
+    """``value`` if it is torch's own ``module.qualname`` with these leading parameters, else
+    raise naming ``where`` (the attribute that holds it)."""
+    fn = value.__func__ if isinstance(value, types.MethodType) else value
+    if not (
+        isinstance(fn, types.FunctionType)
+        and fn.__module__ == module
+        and fn.__qualname__ == qualname
+        and not hasattr(fn, "__wrapped__")
+        and str(Path(fn.__code__.co_filename).resolve()).startswith(_TORCH_ROOT)
+    ):
+        raise DTensorIntegrationError(
+            f"ragged_dtensor: {where} is not torch's {module}.{qualname} but "
+            f"{_describe(value)}; another library may have replaced or wrapped it. {_REFUSING}"
+        )
+    found = list(inspect.signature(fn).parameters)
+    if found[: len(parameters)] != list(parameters):
+        raise DTensorIntegrationError(
+            f"ragged_dtensor: torch's {module}.{qualname} ({where}) takes parameters {found}, "
+            f"expected {list(parameters)} first; this torch build is not supported. {_REFUSING}"
+        )
+    return fn
+
+
+def _expect_not_on_instance(owner: object, name: str, where: str) -> None:
+    """torch defines ``name`` on the class; an instance attribute is someone else's."""
+    if name in vars(owner):
+        raise DTensorIntegrationError(
+            f"ragged_dtensor: {where} is not torch's method but "
+            f"{_describe(vars(owner)[name])}, set on the instance by another library. "
+            f"{_REFUSING}"
+        )
+
+
+def _check_version() -> None:
+    release = torch.__version__.split("+")[0].split(".")
+    if tuple(int(x) for x in release[:2] if x.isdigit()) != SUPPORTED_TORCH:
+        raise DTensorIntegrationError(
+            f"ragged_dtensor's DTensor integration supports torch "
+            f"{'.'.join(map(str, SUPPORTED_TORCH))}.x; found torch {torch.__version__}"
+        )
+
+
+@attrs.frozen
+class _Change:
+    """One attribute the integration sets: where, the value found (``None`` with ``own=False``:
+    it was inherited from the class, and removing ours restores it), and ours."""
+
+    owner: Any
+    name: str
+    where: str
+    own: bool
+    found: Any
+    ours: Any
+
+    def apply(self) -> None:
+        setattr(self.owner, self.name, self.ours)
+
+    def still_ours(self) -> bool:
+        return vars(self.owner).get(self.name, _MISSING) is self.ours
+
+    def undo(self) -> None:
+        if self.own:
+            setattr(self.owner, self.name, self.found)
+        else:
+            delattr(self.owner, self.name)
+
+
+_MISSING = object()
+
+
+def _plan() -> tuple[_Originals, list[_Change]]:
+    """Check every target (raising before anything is changed) and describe the changes."""
+    _check_version()
+    changes: list[_Change] = []
+    redistribute_name = "torch.distributed.tensor._redistribute.redistribute_local_tensor"
+    redistribute = _expect_torch_function(
+        vars(dtensor_redistribute).get("redistribute_local_tensor"),
+        redistribute_name,
+        "torch.distributed.tensor._redistribute",
+        "redistribute_local_tensor",
+        ("local_tensor", "current_spec", "target_spec"),
+    )
+    for module in _REDISTRIBUTE_MODULES:
+        where = f"{module.__name__}.redistribute_local_tensor"
+        found = vars(module).get("redistribute_local_tensor")
+        if found is not redistribute:
+            raise DTensorIntegrationError(
+                f"ragged_dtensor: {where} is not torch's {redistribute_name} but "
+                f"{_describe(found)}; another library may have replaced it. {_REFUSING}"
+            )
+        changes.append(
+            _Change(module, "redistribute_local_tensor", where, True, found, _redistribute_hook)
+        )
+
     dispatcher = DTensor._op_dispatcher
-    original = getattr(dispatcher, "_dispatch_get_local_results_slow_path", None)
-    if original is None or list(inspect.signature(original).parameters) != [
-        "op_call",
-        "args",
-        "op_info",
-    ]:
-        raise RuntimeError(
-            "ragged_dtensor: DTensor's _dispatch_get_local_results_slow_path changed; "
-            "this torch version is not supported"
+    propagator = dispatcher.sharding_propagator
+    prop_module = "torch.distributed.tensor._sharding_prop"
+    where = "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached"
+    _expect_not_on_instance(propagator, "propagate_op_sharding_non_cached", where)
+    propagate = _expect_torch_function(
+        propagator.propagate_op_sharding_non_cached,
+        where,
+        prop_module,
+        "ShardingPropagator.propagate_op_sharding_non_cached",
+        ("self", "op_schema"),
+    )
+    tensor_meta = _expect_torch_function(
+        propagator._propagate_tensor_meta_non_cached,
+        "DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_non_cached",
+        prop_module,
+        "ShardingPropagator._propagate_tensor_meta_non_cached",
+        ("self", "op_schema"),
+    )
+    cache = vars(propagator).get("propagate_op_sharding")
+    cached = getattr(getattr(cache, "cache", None), "__wrapped__", None)
+    if type(cache) is not dtensor_sharding_prop.LocalLRUCache or not (
+        isinstance(cached, types.MethodType)
+        and cached.__func__ is propagate
+        and cached.__self__ is propagator
+    ):
+        raise DTensorIntegrationError(
+            "ragged_dtensor: DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding "
+            f"is not torch's LocalLRUCache of its propagate_op_sharding_non_cached but "
+            f"{cache!r}. {_REFUSING}"
         )
-    random_ops = dispatcher._random_ops
-
-    def slow_path(op_call: torch._ops.OpOverload, args: tuple[object, ...], op_info: Any) -> Any:
-        random = op_call in random_ops or op_call in ops.RANDOM_OPS
-        if random and ragged_random.is_ragged_random(op_call, args):
-            return ragged_random.ragged_random_op(op_call, args, op_info, _cut_share)
-        return original(op_call, args, op_info)
-
-    setattr(dispatcher, "_dispatch_get_local_results_slow_path", slow_path)  # noqa: B010
-    _INSTALLED["random"] = True
-
-
-def install() -> None:
-    """Install every hook once (idempotent). Called when ``ragged_dtensor`` is imported."""
-    if _INSTALLED:
-        return
-    if not torch.__version__.startswith(SUPPORTED_TORCH):
-        raise ImportError(
-            f"ragged_dtensor supports torch {SUPPORTED_TORCH}; found {torch.__version__}"
+    changes.append(
+        _Change(propagator, "propagate_op_sharding_non_cached", where, False, None, _propagate_hook)
+    )
+    changes.append(
+        _Change(
+            propagator,
+            "propagate_op_sharding",
+            "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding",
+            True,
+            cache,
+            dtensor_sharding_prop.LocalLRUCache(_propagate_hook),
         )
-    _install_redistribute()
-    _install_propagator()
-    _install_distribute()
-    _install_from_local()
-    _install_checkpoint()
-    _install_random()
+    )
+
+    where = "DTensor._op_dispatcher._dispatch_get_local_results_slow_path"
+    _expect_not_on_instance(dispatcher, "_dispatch_get_local_results_slow_path", where)
+    slow_path = _expect_torch_function(
+        dispatcher._dispatch_get_local_results_slow_path,
+        where,
+        "torch.distributed.tensor._dispatch",
+        "OpDispatcher._dispatch_get_local_results_slow_path",
+        ("self", "op_call", "args", "op_info"),
+    )
+    changes.append(
+        _Change(
+            dispatcher, "_dispatch_get_local_results_slow_path", where, False, None, _slow_path_hook
+        )
+    )
+
+    for name, parameters in _CHECKPOINT_METHODS.items():
+        original = _expect_torch_function(
+            vars(DTensor).get(name),
+            f"torch.distributed.tensor.DTensor.{name}",
+            "torch.distributed.tensor._api",
+            f"DTensor.{name}",
+            parameters,
+        )
+        changes.append(
+            _Change(
+                DTensor,
+                name,
+                f"torch.distributed.tensor.DTensor.{name}",
+                True,
+                original,
+                _checkpoint_hook(name, original),
+            )
+        )
+    originals = _Originals(
+        redistribute=redistribute,
+        propagate=types.MethodType(propagate, propagator),
+        tensor_meta=types.MethodType(tensor_meta, propagator),
+        slow_path=types.MethodType(slow_path, dispatcher),
+    )
+    return originals, changes
+
+
+# -- install / uninstall -----------------------------------------------------------------------
+
+_LOCK = threading.RLock()
+_CHANGES: list[_Change] = []
+_INSTALLED = False
+
+
+def _clear_sharding_caches() -> None:
+    """Forget the C++ fast path's cached sharding decisions (this thread's): those made with the
+    integration must not answer without it, and the other way round. (The Python cache is the
+    propagator's attribute: ours is dropped with the integration, torch's is put back.)"""
+    torch._C._clear_DTensor_sharding_propagator_cache()
+
+
+def install_dtensor_integration() -> None:
+    """Install the DTensor integration (idempotent, all or nothing)."""
+    global _ORIGINALS, _INSTALLED
+    with _LOCK:
+        if _INSTALLED:
+            return
+        originals, changes = _plan()
+        _ORIGINALS = originals
+        applied: list[_Change] = []
+        try:
+            for change in changes:
+                change.apply()
+                applied.append(change)
+            _clear_sharding_caches()
+            ragged_debug.enter_from_env()
+        except BaseException:
+            for change in reversed(applied):
+                change.undo()
+            _ORIGINALS = None
+            raise
+        _CHANGES[:] = changes
+        _INSTALLED = True
+
+
+def ensure_installed() -> None:
+    """Install the integration unless it is installed (the placement calls this)."""
+    if not _INSTALLED:
+        install_dtensor_integration()
+
+
+def uninstall_dtensor_integration() -> None:
+    """Remove the integration: torch's own objects are put back (no-op when not installed).
+
+    Ragged DTensors must not be used while it is removed (constructing a RaggedShard installs
+    it again).
+    """
+    global _ORIGINALS, _INSTALLED
+    with _LOCK:
+        if not _INSTALLED:
+            return
+        replaced = [c.where for c in _CHANGES if not c.still_ours()]
+        if replaced:
+            raise DTensorIntegrationError(
+                f"ragged_dtensor: cannot remove the DTensor integration: {', '.join(replaced)} "
+                f"no longer hold ragged_dtensor's wrappers (another library replaced them after "
+                f"the install); nothing was changed"
+            )
+        try:
+            ragged_debug.exit_env_checks()
+        except RuntimeError as exc:
+            raise DTensorIntegrationError(
+                f"ragged_dtensor: cannot remove the DTensor integration ({exc}); nothing was "
+                f"changed"
+            ) from None
+        for change in reversed(_CHANGES):
+            change.undo()
+        _clear_sharding_caches()
+        _CHANGES.clear()
+        _ORIGINALS = None
+        _INSTALLED = False
+
+
+def dtensor_integration_installed() -> bool:
+    """Whether the DTensor integration is installed now."""
+    return _INSTALLED
+
+
+@contextlib.contextmanager
+def dtensor_integration() -> Iterator[None]:
+    """Install the integration for a block; on exit, remove it unless it was installed before."""
+    was = _INSTALLED
+    install_dtensor_integration()
+    try:
+        yield
+    finally:
+        if not was:
+            uninstall_dtensor_integration()
 
 
 def hooks_installed() -> dict[str, bool]:
-    """Which hooks are in place (tests assert all of them)."""
-    return dict(_INSTALLED)
+    """Which parts of the integration are in place now (every key False when not installed)."""
+    parts = {
+        "redistribute": ("redistribute_local_tensor",),
+        "propagator": ("propagate_op_sharding_non_cached", "propagate_op_sharding"),
+        "random": ("_dispatch_get_local_results_slow_path",),
+        "checkpoint": tuple(_CHECKPOINT_METHODS),
+    }
+    with _LOCK:
+        names = {c.name for c in _CHANGES if c.still_ours()}
+    return {part: all(n in names for n in members) for part, members in parts.items()}

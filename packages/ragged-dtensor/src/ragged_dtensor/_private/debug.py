@@ -9,11 +9,18 @@ DTensor's functional collectives (``full_tensor``, ``clip_grad_norm_``, redistri
 of them issued while DTensor lowers an op in its ``__torch_dispatch__``, below the autograd key.
 Every one of them reaches the dispatcher as a ``c10d::*`` op (``torch.distributed.all_reduce``
 -> ``ProcessGroup.allreduce`` -> ``c10d::allreduce_``) or a ``_c10d_functional::*`` op. So the
-debug mode pushes a ``TorchDispatchMode`` for the life of the process: it sees every op
-dispatched (it lets DTensor lower its ops first, so DTensor's plain-tensor collectives come back
-to it) and runs the check before each collective op. One place sees every collective, whoever
-issued it; it costs one Python call per dispatched op, and nothing at all (no mode, no
-collective) unless the mode is on.
+debug mode pushes a ``TorchDispatchMode`` while it is on: it sees every op dispatched (it lets
+DTensor lower its ops first, so DTensor's plain-tensor collectives come back to it) and runs the
+check before each collective op. One place sees every collective, whoever issued it; it costs
+one Python call per dispatched op, and nothing at all (no mode, no collective) unless it is on.
+
+[Note: when it is on]
+Never at import. ``with collective_checks():`` turns it on for a block. With
+``RAGGED_DTENSOR_DEBUG_COLLECTIVES=1`` it is turned on when the DTensor integration is installed
+(the first ``RaggedShard`` constructed, or ``install_dtensor_integration()``), on that thread,
+and off when the integration is removed. If another dispatch mode is active on that thread at
+that moment, entering would break that mode's exit (modes are a stack), so a ``RuntimeWarning``
+says the checks were not entered and names the mode.
 
 [Note: the check]
 The check must not be a collective itself (it would be paired with whatever the other ranks
@@ -35,20 +42,22 @@ is the number of ``torch.optim`` steps this process took since the process group
 global optimizer hook), so a rank
 that runs ahead or behind by a step is caught even when the collectives look alike.
 
-Limits: the mode lives on the thread that imported ``ragged_dtensor`` (and the autograd threads
-its backward passes run on); collectives issued from other threads are not checked. torch's
+Limits: the mode lives on the thread that turned it on (and the autograd threads its backward
+passes run on); collectives issued from other threads are not checked. torch's
 threaded test process group is Python and bypasses the dispatcher. Point-to-point
 ``send``/``recv`` are not checked (they pair explicitly). Not for ``torch.compile``d code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import sysconfig
 import threading
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -56,14 +65,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 __all__ = [
     "DEBUG_ENV",
     "TIMEOUT_ENV",
     "CollectiveMismatchError",
     "collective_checks_enabled",
-    "install_from_env",
+    "collective_checks",
+    "enter_from_env",
+    "exit_env_checks",
 ]
 
 DEBUG_ENV = "RAGGED_DTENSOR_DEBUG_COLLECTIVES"
@@ -118,19 +129,67 @@ _FUNCTIONAL_AUTOGRAD_OPS: dict[str, tuple[str, str | None]] = {
     "all_to_all_single": ("all_to_all_single", None),
 }
 
-_checker: _Checker | None = None
+
+class _Active:
+    """The checks in force: their checker, dispatch mode, optimizer hook and thread."""
+
+    def __init__(self, timeout: float, source: str) -> None:
+        self.checker = _Checker(timeout)
+        self.source = source
+        self.thread = threading.current_thread()
+        ops: dict[Any, tuple[str, str | None, list[str]]] = {}
+        for namespace, table in (
+            ("c10d", _C10D_OPS),
+            ("_c10d_functional", _FUNCTIONAL_OPS),
+            ("_c10d_functional_autograd", _FUNCTIONAL_AUTOGRAD_OPS),
+        ):
+            for name, (display, compared) in table.items():
+                op = _op(namespace, name)
+                if op is not None:
+                    ops[op] = (display, compared, [a.name for a in op._schema.arguments])
+        self.mode = _CheckMode(self.checker, ops)
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self.hook = register_optimizer_step_post_hook(self.checker.count_step)
+        # this thread and the autograd threads, which inherit the dispatch-mode state of the
+        # thread calling backward
+        self.mode.__enter__()  # type: ignore[no-untyped-call]
+
+    def exit(self) -> None:
+        if threading.current_thread() is not self.thread and not self.thread.is_alive():
+            self.hook.remove()  # the mode ended with its thread (its mode stack was per thread)
+            return
+        if threading.current_thread() is not self.thread:
+            raise RuntimeError(
+                f"ragged_dtensor: the collective checks were entered on thread "
+                f"{self.thread.name!r}; leave them (or remove the DTensor integration that "
+                f"entered them) on that thread, not on {threading.current_thread().name!r}"
+            )
+        top = _get_current_dispatch_mode()
+        if top is not self.mode:
+            raise RuntimeError(
+                f"ragged_dtensor: cannot leave the collective checks: another dispatch mode "
+                f"({top!r}) was entered after them and is still active; leave it first"
+            )
+        self.mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        self.hook.remove()
+
+
+_active: _Active | None = None
+_active_lock = threading.Lock()
 
 
 def collective_checks_enabled() -> bool:
-    """Whether the collective debug mode is on (``RAGGED_DTENSOR_DEBUG_COLLECTIVES=1`` when
-    ``ragged_dtensor`` was first imported)."""
-    return _checker is not None
+    """Whether the collective debug mode is on (``collective_checks()``, or
+    ``RAGGED_DTENSOR_DEBUG_COLLECTIVES=1`` when the DTensor integration was installed)."""
+    return _active is not None
 
 
-def install_from_env() -> None:
-    """Turn the debug mode on if the environment asks for it (called on import)."""
-    if os.environ.get(DEBUG_ENV, "").strip().lower() not in ("1", "true", "yes", "on"):
-        return
+def _env_requested() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env_timeout() -> float:
     raw = os.environ.get(TIMEOUT_ENV, "").strip()
     try:
         timeout = float(raw) if raw else DEFAULT_TIMEOUT_S
@@ -138,30 +197,65 @@ def install_from_env() -> None:
         raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a number of seconds") from None
     if timeout <= 0:
         raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
-    _install(timeout)
+    return timeout
 
 
-def _install(timeout: float) -> None:
-    global _checker
-    if _checker is not None:
-        return
-    checker = _Checker(timeout)
-    ops: dict[Any, tuple[str, str | None, list[str]]] = {}
-    for namespace, table in (
-        ("c10d", _C10D_OPS),
-        ("_c10d_functional", _FUNCTIONAL_OPS),
-        ("_c10d_functional_autograd", _FUNCTIONAL_AUTOGRAD_OPS),
-    ):
-        for name, (display, compared) in table.items():
-            op = _op(namespace, name)
-            if op is not None:
-                ops[op] = (display, compared, [a.name for a in op._schema.arguments])
-    from torch.optim.optimizer import register_optimizer_step_post_hook
+def enter_from_env() -> bool:
+    """Enter the checks on this thread if the environment asks for them (the DTensor integration
+    calls this when it is installed). True if they were entered here."""
+    global _active
+    if not _env_requested():
+        return False
+    timeout = _env_timeout()
+    with _active_lock:
+        if _active is not None:
+            return False
+        current = _get_current_dispatch_mode()
+        if current is not None:
+            # entering under another mode would pop that mode when it exits (modes are a stack)
+            warnings.warn(
+                f"{DEBUG_ENV}=1: the collective checks were not entered, because the DTensor "
+                f"integration was installed while the dispatch mode {current!r} was active; "
+                f"use `with ragged_dtensor.collective_checks():` around the code to check",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return False
+        _active = _Active(timeout, "env")
+        return True
 
-    register_optimizer_step_post_hook(checker.count_step)
-    _CheckMode(checker, ops).__enter__()  # type: ignore[no-untyped-call]  # for the life of the process (this thread and the
-    # autograd threads, which inherit the dispatch-mode state of the thread calling backward)
-    _checker = checker
+
+def exit_env_checks() -> None:
+    """Leave the checks ``enter_from_env`` entered (the integration calls this on removal)."""
+    global _active
+    with _active_lock:
+        if _active is None or _active.source != "env":
+            return
+        _active.exit()
+        _active = None
+
+
+@contextlib.contextmanager
+def collective_checks(timeout: float | None = None) -> Iterator[None]:
+    """Check, before every collective this thread issues in the block (and its autograd threads),
+    that every rank of the process group is at the same collective (see the module note);
+    ``timeout`` seconds to wait for the other ranks (default ``RAGGED_DTENSOR_DEBUG_TIMEOUT``,
+    else 10). Nested or already on: the block runs under the checks in force."""
+    global _active
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"collective_checks(timeout={timeout!r}): expected a positive number")
+    with _active_lock:
+        if _active is not None:
+            entered = None
+        else:
+            entered = _active = _Active(timeout if timeout is not None else _env_timeout(), "call")
+    try:
+        yield
+    finally:
+        if entered is not None:
+            with _active_lock:
+                entered.exit()
+                _active = None
 
 
 def _op(namespace: str, name: str) -> Any:

@@ -13,9 +13,10 @@ element by element (or on whole-tensor reductions that combine across ranks). We
 - reductions over some dims (sum, mean, p-norms, amax, amin): a share of whole dim-0 slices
   stays ragged over the kept rows (no communication); any other share is reduced padded to the
   full shape into a Partial result (``_padded_partial``).
-Everything else (views, slicing, transposes, matmuls, reductions over some dims, means of uneven
-shares...) raises ``RaggedOpError`` naming the op and the placement, instead of returning wrong
-values.
+``new_*`` factories of the global shape stay ragged; of any other shape they are Replicate
+(torch's rule for Shard). Everything else (views to another shape, slicing, transposes, matmuls,
+means of uneven shares...) raises ``RaggedOpError`` naming the op and the placement, instead of
+returning wrong values.
 """
 
 from __future__ import annotations
@@ -505,6 +506,13 @@ _SHAPE_ARG_OPS: dict[torch._ops.OpOverload, tuple[int, int | None]] = {
     aten.reshape.default: (1, None),
     aten.expand.default: (1, None),
 }
+_NEW_FACTORIES = {
+    aten.new_empty_strided.default,
+    aten.new_empty.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+    aten.new_full.default,
+}
 
 
 def _shape_arg_op(
@@ -512,7 +520,12 @@ def _shape_arg_op(
     meta: object,
     local_numel: Callable[[DTensorSpec], int],
 ) -> OutputSharding | None:
-    """Same-shape views and ``new_*`` factories: rewrite the size to this rank's flat share."""
+    """Same-shape views and ``new_*`` factories: rewrite the size to this rank's flat share.
+
+    A ``new_*`` factory of another size only borrows the operand's dtype and device: like
+    torch's rule for a Shard operand, the result is a Replicate tensor of that size (each rank
+    makes the whole of it; DCP's state-dict stager calls ``new_empty([])``).
+    """
     op = schema.op
     if op not in _SHAPE_ARG_OPS:
         return None
@@ -522,11 +535,14 @@ def _shape_arg_op(
     size = schema.args_schema[size_idx]
     assert isinstance(size, list | tuple)
     if [int(s) for s in size] != list(spec.shape):
+        if op in _NEW_FACTORIES:
+            replicated = (Replicate(),) * spec.mesh.ndim
+            return OutputSharding(_with_meta(spec, replicated, meta))
         raise _error(
             op,
             spec,
-            f"size {list(size)} differs from the global shape; a ragged "
-            "share is a flat range, so only same-shape views/factories are supported",
+            f"size {list(size)} differs from the global shape; a ragged share is a flat "
+            "range, so only same-shape views are supported (redistribute first)",
         )
     args = list(schema.args_schema)
     args[size_idx] = [local_numel(spec)]

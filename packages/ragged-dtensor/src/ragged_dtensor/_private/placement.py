@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Sequence
 
 import attrs
@@ -12,6 +13,11 @@ from torch.distributed.tensor.placement_types import Placement
 from ragged_dtensor._private import geometry
 
 __all__ = ["RaggedShard"]
+
+
+def _integration_installed() -> bool:
+    compat = sys.modules.get("ragged_dtensor._private.compat")
+    return compat is not None and bool(compat.dtensor_integration_installed())
 
 
 def _as_int_tuple(value: Sequence[int]) -> tuple[int, ...]:
@@ -64,6 +70,17 @@ class RaggedShard(Placement):
                 f"RaggedShard(dims=()) makes the whole tensor one unit: local_units "
                 f"{self.local_units} must be one-hot"
             )
+        if not _integration_installed():
+            # the first RaggedShard of the process (or the first since the integration was
+            # removed) installs torch's DTensor integration: see compat.py
+            from ragged_dtensor._private import compat
+
+            compat.ensure_installed()
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Unpickling calls the constructor: the placement is checked, torch's Placement base is
+        # initialised, and the receiving process gets the DTensor integration.
+        return (type(self), (self.dims, self.local_units))
 
     # -- torch Placement protocol -------------------------------------------------------------
     def is_shard(self, dim: int | None = None) -> bool:
@@ -187,7 +204,14 @@ class RaggedPaddedView(RaggedShard):
     def __hash__(self) -> int:
         return hash((type(self).__name__, self.dims, self.local_units, self.fill))
 
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_padded_view, (self.dims, self.local_units, self.fill))
+
     def __repr__(self) -> str:
         return (
             f"RaggedPaddedView(dims={self.dims}, local_units={self.local_units}, fill={self.fill})"
         )
+
+
+def _padded_view(dims: Sequence[int], local_units: Sequence[int], fill: float) -> RaggedPaddedView:
+    return RaggedPaddedView(dims, local_units, fill=fill)

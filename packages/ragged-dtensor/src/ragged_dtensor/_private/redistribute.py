@@ -6,7 +6,8 @@ the shapes the ragged axes cut) to a tuple of frozen ``RedistributeStep``s; ``ex
 [Note: one collective per transition]
 Each single-axis transition costs exactly one collective: RaggedShard -> Replicate one all-gather,
 Partial -> RaggedShard one reduce-scatter, RaggedShard <-> RaggedShard and RaggedShard <-> Shard(0)
-one all-to-all that moves each element at most once, Replicate -> RaggedShard none (a local slice).
+one all-to-all that moves each element at most once, Replicate -> RaggedShard none (a local copy
+of the share, as torch's Replicate -> Shard makes).
 Transitions that also change other mesh axes in ways that move data (Shard <-> anything) go through
 Replicate on the ragged axis, and the standard part is handed to torch's own redistribution.
 Partial -> Replicate on another axis is elementwise, so it runs on the small ragged share
@@ -317,8 +318,10 @@ def _run_step(
     if kind is StepKind.GATHER:
         return collectives.all_gather_flat(local, step.src_ranges, group).view(step.x_shape)
     if kind is StepKind.SLICE:
+        # a copy, as torch's Replicate -> Shard makes: a view would keep the whole replicated
+        # tensor alive, and a DTensor over a view at a storage offset trips DCP's stager
         r = step.dst_ranges[rank]
-        return local.reshape(-1)[r.start : r.stop]
+        return local.reshape(-1)[r.start : r.stop].clone()
     if kind is StepKind.REDUCE_SCATTER:
         return collectives.reduce_scatter_flat(local, step.dst_ranges, rank, step.reduce_op, group)
     if kind is StepKind.ALL_TO_ALL:
