@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "dbuff
 import test_dbuffer_streams as streams
 
 import fsdp_engine
+from dbuffer._private import collectives as collectives_module
 from dbuffer._private import streams as streams_module
 from fsdp_engine._private import gather as gather_module
 from ragged_dtensor.testing import run_threaded
@@ -41,8 +43,35 @@ from ragged_dtensor.testing import run_threaded
 _BUILD = threading.Lock()  # ranks are threads sharing torch's generator
 
 
+class _UserCollectives:
+    """A user all-gather and reduce-scatter (FSDP2's custom-collective interface), wrapping
+    the backend's: they must run on the communication streams like the built-in ones."""
+
+    def all_gather(self, **kwargs: Any) -> Any:
+        return dist.all_gather_single(
+            kwargs["output_tensor"],
+            kwargs["input_tensor"],
+            group=kwargs["group"],
+            async_op=kwargs["async_op"],
+        )
+
+    def reduce_scatter(self, **kwargs: Any) -> Any:
+        return dist.reduce_scatter_single(
+            kwargs["output_tensor"],
+            kwargs["input_tensor"],
+            op=kwargs["op"],
+            group=kwargs["group"],
+            async_op=kwargs["async_op"],
+        )
+
+
 def _train(
-    rank: int, world: int, reshard: bool | int, quantized: bool = False
+    rank: int,
+    world: int,
+    reshard: bool | int,
+    quantized: bool = False,
+    give_back: bool = False,
+    extras: str = "",
 ) -> tuple[list[str], set[str]]:
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
@@ -59,12 +88,22 @@ def _train(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32, quantized_all_gather=quantize
     )
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
-    with streams.simulated() as sim:
+    with streams.simulated(give_back=give_back) as sim:
         for layer in model:
             fsdp_engine.fully_shard(
                 layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard
             )
         fsdp_engine.fully_shard(model, mesh=mesh, mp_policy=policy)
+        modules: list[Any] = [*model, model]
+        if "hook" in extras:  # an all-reduce hook on a stream of the user's
+            user = sim.stream("user")
+            for module in modules:
+                module.set_all_reduce_hook(lambda t: t.mul_(1.0), stream=user)
+        if "custom" in extras:
+            comms = _UserCollectives()
+            for module in modules:
+                module.set_custom_all_gather(comms.all_gather)
+                module.set_custom_reduce_scatter(comms.reduce_scatter)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
         for _ in range(3):
             model(x).float().sum().backward()
@@ -77,18 +116,39 @@ def _train(
 
 
 def _check_streams(
-    monkeypatch: pytest.MonkeyPatch, reshard: bool | int, quantized: bool, planted: bool
+    monkeypatch: pytest.MonkeyPatch,
+    reshard: bool | int,
+    quantized: bool,
+    planted: bool | str,
+    *,
+    give_back: bool = False,
+    extras: str = "",
 ) -> None:
     """Train under the simulated streams; ``planted``: frees no longer hand memory back to
-    the stream that allocated it (a race the model must report)."""
+    the stream that allocated it, or ``"hook unordered"``: the hook's stream no longer waits for
+    the reduction (races the model must report)."""
     streams.install(monkeypatch)
     monkeypatch.setattr(gather_module, "event_now", streams.event_now)
-    if planted:
+    if planted is True:
         monkeypatch.setattr(streams_module, "hand_back", lambda owner, device: None)
+    elif planted == "hook unordered":
+        real = collectives_module._follow
+
+        def follow(previous: Any, stream: Any, device: torch.device) -> Any:
+            if stream is not None and stream.name == "user":
+                return stream
+            return real(previous, stream, device)
+
+        monkeypatch.setattr(collectives_module, "_follow", follow)
     world = 4 if reshard == 2 else 2
-    results: list[Any] = run_threaded(_train, world, reshard, quantized, timeout=120)
+    results: list[Any] = run_threaded(
+        _train, world, reshard, quantized, give_back, extras, timeout=120
+    )
+    expected = {"compute", "all_gather", "reduce_scatter"} | (
+        {"user"} if "hook" in extras else set()
+    )
     for races, accessed in results:
-        assert accessed == {"compute", "all_gather", "reduce_scatter"}, accessed
+        assert accessed == expected, accessed
         if planted:
             assert races, "the model saw no race where one was planted"
         else:
@@ -109,3 +169,30 @@ def test_quantized_engine_streams_have_no_race(
 ) -> None:
     # planted: the hook's reads of the receive buffer no longer order its reuse
     _check_streams(monkeypatch, reshard, True, planted)
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_engine_streams_have_no_race_when_memory_is_given_back(
+    planted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24, defect 2: with blocks given back to the device (``empty_cache``, an OOM retry,
+    expandable segments) every free must already be ordered after every use."""
+    _check_streams(monkeypatch, True, False, planted, give_back=True)
+
+
+@pytest.mark.parametrize("planted", [False, "hook unordered"])
+def test_the_all_reduce_hook_stream_is_ordered(
+    planted: bool | str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 24, defect 1: ``set_all_reduce_hook(hook, stream=s)``: ``s`` waits for the
+    reduction, the gradient's readers wait for ``s``, and the reduced shard goes back to the
+    reduce-scatter stream's pool only after ``s`` used it (checked with blocks given back)."""
+    _check_streams(monkeypatch, True, False, planted, give_back=True, extras="hook")
+
+
+def test_custom_collectives_run_on_the_communication_streams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 24, defect 5: a user all-gather / reduce-scatter ran synchronously on the compute
+    stream; now on the all-gather and reduce-scatter streams, ordered like the built-in ones."""
+    _check_streams(monkeypatch, True, False, False, give_back=True, extras="custom")

@@ -40,6 +40,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam as adam_functional
 
+from fsdp_engine._private import compat
 from ragged_dtensor import from_local
 
 __all__ = ["FlatAdam", "FlatAdamW"]
@@ -48,7 +49,7 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
+    return compat.local_tensor(t) if isinstance(t, DTensor) else t
 
 
 @attrs.frozen(eq=False)

@@ -104,8 +104,8 @@ class FSDPState:
             # state_dict()/load_state_dict() always see the sharded parameters, even right after
             # a forward that left them unsharded (the root, or reshard_after_forward=False)
             on_save = owner.register_state_dict_pre_hook  # untyped in torch
-            on_load = owner._register_load_state_dict_pre_hook
             self._hooks.append(on_save(self._to_sharded_hook))  # type: ignore[no-untyped-call]
+            on_load = owner.register_load_state_dict_pre_hook  # untyped in torch
             self._hooks.append(on_load(self._to_sharded_hook))  # type: ignore[no-untyped-call]
         for module in self.modules:
             self._hooks.append(

@@ -41,6 +41,7 @@ from dbuffer import DBuffer
 from fsdp_engine._private import compat
 from fsdp_engine._private.param import TPSpec
 from fsdp_engine._private.placed import PlacedLayout
+from ragged_dtensor import from_local as ragged_from_local
 from shard_planner import Plan
 
 __all__ = ["ShardStorage", "storage_dtype"]
@@ -184,9 +185,10 @@ class ShardStorage:
                 shape=torch.Size(shape),
                 stride=torch.empty(shape, device="meta").stride(),
             )
+        # ragged_dtensor's from_local checks this rank's units against the placement
         slot = self.buffer.slots[i]
         if tp is None:
-            return DTensor.from_local(
+            return ragged_from_local(
                 local,
                 self.mesh,
                 self.placements(i),
@@ -195,7 +197,7 @@ class ShardStorage:
                 stride=slot.stride,
             )
         placements = (*self.placements(i), *tp.placements)
-        return DTensor.from_local(
+        return ragged_from_local(
             local, tp.spmd_mesh, placements, run_check=False, shape=tp.shape, stride=tp.stride
         )
 
