@@ -32,7 +32,6 @@ import weakref
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
@@ -255,9 +254,3 @@ def is_view_of(tensor: torch.Tensor, local: torch.Tensor) -> bool:
         inner.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
         and inner.storage_offset() == local.storage_offset()
     )
-
-
-def as_dtensor(param: nn.Parameter | torch.Tensor) -> DTensor:
-    """A sharded parameter as the DTensor it is (``nn.Parameter`` to the type checker)."""
-    assert isinstance(param, DTensor)
-    return param
