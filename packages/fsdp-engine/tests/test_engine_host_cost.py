@@ -1,11 +1,15 @@
-"""No per-step construction: after the first step, forward + backward build no DTensor and no
-buffer; the sharded gradients' buffer and views survive ``zero_grad(set_to_none=True)`` (their
-memory is released and re-allocated in place), unless a user still holds one.
+"""What a step builds, and how long sharded gradients live: after the first step, forward +
+backward build no buffer and no DTensor while ``.grad`` is kept (``zero_grad(set_to_none=
+False)``); with ``set_to_none=True`` the gradients' memory is freed at ``zero_grad`` (no
+gradient memory between steps, like FSDP2) and the next reduction builds one buffer and one
+DTensor per trainable parameter per group (FSDP2 builds one DTensor per parameter per step);
+a ``.grad`` a user keeps is never written under them.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -14,8 +18,7 @@ from torch.distributed.tensor import DTensor, init_device_mesh
 
 import fsdp_engine
 from dbuffer import DBuffer
-from fsdp_engine._private.state import get_state
-from ragged_dtensor.testing import run_threaded
+from ragged_dtensor.testing import run_processes, run_threaded
 
 # The ranks are threads sharing torch's global generator: seeding and building under one lock
 # gives every rank the same initial values (fully_shard compares frozen parameters' values).
@@ -47,58 +50,50 @@ def _counted(fn: Any, kind: str) -> Any:
     return counting
 
 
-def _counting(rank: int, world: int, frozen: bool) -> dict[str, Any]:
-    model = _model(world, frozen)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
-    _LOCAL.counts = {"dtensors": 0, "buffers": 0}
-    seen: list[list[int]] = []
-    released: list[bool] = []
-    states = [get_state(layer) for layer in model]
-
-    def after_forward(module: nn.Module, args: Any, output: Any) -> None:
-        # the previous step's gradients were dropped by zero_grad: every layer's pre-forward
-        # released their memory
-        grads = [
-            g.reducer.grads.buffer
-            for s in states
-            if s is not None
-            for g in s.groups
-            if g.reducer.grads.buffer is not None
-        ]
-        released.append(bool(grads) and all(not b.shard_allocated for b in grads))
-
-    model.register_forward_hook(after_forward)
-    for step in range(4):
-        _LOCAL.counting = step >= 1
-        model(x).sum().backward()
-        _LOCAL.counting = False
-        seen.append([id(p.grad) for p in model.parameters() if p.grad is not None])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return {
-        **_LOCAL.counts,
-        "same_grads": all(s == seen[0] for s in seen),
-        "released": released[1:],
-    }
-
-
-def test_no_construction_per_step() -> None:
-    """Steps 2-4: forward + backward construct no DTensor and no DBuffer; every ``.grad`` is the
-    same object each step; by the end of each forward the dropped gradients' memory is
-    released (and re-allocated by the reduction)."""
+def _counting(rank: int, world: int, frozen: bool, set_to_none: bool) -> dict[str, Any]:
+    """Real gloo processes: the threaded process group's work objects hold their tensors in
+    reference cycles (freed only by the garbage collector), which would hide when the engine
+    lets a storage go."""
     saved = DTensor.__new__, DBuffer.__init__, DBuffer.new_like
     DTensor.__new__ = staticmethod(_counted(saved[0], "dtensors"))  # type: ignore[assignment]
     DBuffer.__init__ = _counted(saved[1], "buffers")  # type: ignore[method-assign]
     DBuffer.new_like = _counted(saved[2], "buffers")  # type: ignore[method-assign]
-    try:
-        for frozen in (False, True):
-            for result in run_threaded(_counting, 2, frozen, timeout=120):
+    model = _model(world, frozen)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    _LOCAL.counts = {"dtensors": 0, "buffers": 0}
+    freed: list[bool] = []
+    for step in range(4):
+        _LOCAL.counting = step >= 1
+        model(x).sum().backward()
+        _LOCAL.counting = False
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        storages = [weakref.ref(g.to_local().untyped_storage()) for g in grads[:1]]
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        del grads
+        # freed right at zero_grad: the storage object died with the last .grad
+        freed.append(all(ref() is None for ref in storages))
+    trainable = sum(p.requires_grad for p in model.parameters())
+    DTensor.__new__, DBuffer.__init__, DBuffer.new_like = saved  # type: ignore[method-assign,assignment]
+    return {**_LOCAL.counts, "trainable": trainable, "freed": freed}
+
+
+def _every_case(rank: int, world: int) -> dict[tuple[bool, bool], dict[str, Any]]:
+    cases = [(frozen, drop) for frozen in (False, True) for drop in (False, True)]
+    return {case: _counting(rank, world, *case) for case in cases}
+
+
+def test_what_a_step_builds_and_when_gradients_are_freed() -> None:
+    for results in run_processes(_every_case, 2, timeout=180):  # one launch for every case
+        for (frozen, drop), result in results.items():
+            if not drop:  # .grad kept: accumulated in place, nothing built
                 assert result["dtensors"] == 0 and result["buffers"] == 0, (frozen, result)
-                assert result["same_grads"], frozen
-                assert result["released"] == [True, True, True], (frozen, result)
-    finally:
-        DTensor.__new__, DBuffer.__init__, DBuffer.new_like = saved  # type: ignore[method-assign,assignment]
+                assert result["freed"] == [False] * 4, (frozen, result)
+            else:  # 3 groups with gradients, steps 2-4
+                assert result["buffers"] == 3 * 3, (frozen, result)
+                assert result["dtensors"] == 3 * result["trainable"], (frozen, result)
+                assert result["freed"] == [True] * 4, (frozen, result)
 
 
 def _held(rank: int, world: int) -> dict[str, Any]:
@@ -123,6 +118,6 @@ def _held(rank: int, world: int) -> dict[str, Any]:
 
 def test_a_kept_gradient_is_never_reused_under_its_holder() -> None:
     """A user holding ``p.grad`` across ``zero_grad(set_to_none=True)`` keeps its values: the
-    buffer is left to them and the next step's gradients live in a new one."""
+    storage is left to them and the next step's gradients live in a new one."""
     for result in run_threaded(_held, 2, timeout=120):
         assert result == {"kept_unchanged": True, "new_object": True, "differs": True}

@@ -72,16 +72,18 @@ class DBuffer(FusedOps, ReleasableShard):
         shard_axis: int = -1,
         check: bool = True,
         device: torch.device | None = None,
+        zero: bool = True,
     ) -> None:
         geometry = BufferGeometry(
             layout, shapes, mesh, names=names, shard_axis=shard_axis, device=device
         )
         if check:
             check_agreement(mesh, geometry.record(dtype), what="DBuffer")
-        self._init(geometry, dtype)
+        self._init(geometry, dtype, zero=zero)
 
-    def _init(self, geometry: BufferGeometry, dtype: torch.dtype) -> None:
-        """The per-buffer state: shard storage (zeroed), its views, nothing unsharded yet."""
+    def _init(self, geometry: BufferGeometry, dtype: torch.dtype, *, zero: bool) -> None:
+        """The per-buffer state: shard storage (zeroed unless ``zero=False``: memory reserved,
+        not written), its views, nothing unsharded yet."""
         self.geometry = geometry
         g = geometry
         self.layout, self.mesh, self.device, self.names = g.layout, g.mesh, g.device, g.names
@@ -89,7 +91,8 @@ class DBuffer(FusedOps, ReleasableShard):
         self.world_size, self.rank, self.shard_size = g.world_size, g.rank, g.shard_size
         self.slots, self.shapes = g.slots, g.shapes
         self.dtype = dtype
-        self.shard = torch.zeros(self.shard_size, dtype=dtype, device=self.device)
+        make = torch.zeros if zero else torch.empty
+        self.shard = make(self.shard_size, dtype=dtype, device=self.device)
         # made on first use: a buffer that only ever holds a shard (e.g. sharded gradients)
         # never touches m * S elements
         self._unsharded: dict[torch.dtype, Unsharded] = {}
@@ -99,12 +102,21 @@ class DBuffer(FusedOps, ReleasableShard):
         self._inflight: list[Handle] = []
         self._claim: Claim | None = None
 
-    def new_like(self, dtype: torch.dtype | None = None) -> DBuffer:
-        """A zeroed buffer with the same layout (gradients, optimizer states); no re-check.
-        The geometry (slots, placements, specs) is shared: making one costs one allocation
-        and a view per tensor, whatever the world size."""
+    def new_like(
+        self,
+        dtype: torch.dtype | None = None,
+        *,
+        zero: bool = True,
+        device: torch.device | None = None,
+    ) -> DBuffer:
+        """A buffer with the same layout (gradients, optimizer states); no re-check. Zeroed
+        unless ``zero=False`` (reserved, not written); on ``device`` if given (e.g. a buffer made
+        on ``meta`` at setup, given memory when materialized). The geometry (slots, placements,
+        specs) is shared: making one costs one allocation and a view per tensor, whatever the
+        world size."""
+        geometry = self.geometry if device is None else self.geometry.on(torch.device(device))
         out = DBuffer.__new__(DBuffer)
-        out._init(self.geometry, dtype or self.dtype)
+        out._init(geometry, dtype or self.dtype, zero=zero)
         return out
 
     # -- views ----------------------------------------------------------------------------------

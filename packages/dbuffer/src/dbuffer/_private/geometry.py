@@ -41,7 +41,7 @@ class BufferGeometry:
         self.layout = layout
         self.mesh = mesh
         self.device = mesh_device(mesh) if device is None else torch.device(device)
-        if self.device.type != mesh.device_type:
+        if self.device.type not in (mesh.device_type, "meta"):
             raise ValueError(
                 f"DBuffer: device {self.device} is not of the mesh's type {mesh.device_type!r}"
             )
@@ -66,6 +66,20 @@ class BufferGeometry:
         self.shapes = tuple(s.shape for s in self.slots)
         self.placements = tuple(self._placements_of(slot) for slot in self.slots)
         self._specs: dict[torch.dtype, tuple[DTensorSpec, ...]] = {}
+
+    def on(self, device: torch.device) -> BufferGeometry:
+        """The same geometry for a buffer on another device of the mesh's type (or ``meta``):
+        slots, placements and specs shared."""
+        if device == self.device:
+            return self
+        if device.type not in (self.mesh.device_type, "meta"):
+            raise ValueError(
+                f"DBuffer: device {device} is not of the mesh's type {self.mesh.device_type!r}"
+            )
+        other = BufferGeometry.__new__(BufferGeometry)
+        other.__dict__.update(self.__dict__)
+        other.device = device
+        return other
 
     def _placements_of(self, slot: TensorSlot) -> tuple[Placement, ...]:
         placements: list[Placement] = [Replicate()] * self.mesh.ndim

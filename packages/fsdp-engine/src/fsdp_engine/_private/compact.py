@@ -70,7 +70,9 @@ class Reduction:
     pieces: tuple[tuple[Piece, ...], ...] = ()
 
 
-def compact_buffer(storage: ShardStorage, segment: int, dtype: torch.dtype) -> DBuffer:
+def compact_buffer(
+    storage: ShardStorage, segment: int, dtype: torch.dtype, *, zero: bool = True
+) -> DBuffer:
     total = segment * storage.world
     return DBuffer(
         contiguous_layout([total], storage.world, align=1),
@@ -81,6 +83,7 @@ def compact_buffer(storage: ShardStorage, segment: int, dtype: torch.dtype) -> D
         shard_axis=storage.shard_axis,
         check=False,
         device=storage.device,
+        zero=zero,
     )
 
 

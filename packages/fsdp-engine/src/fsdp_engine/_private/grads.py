@@ -1,19 +1,23 @@
 """A group's sharded gradients: one storage whose views are the sharded parameters' ``.grad``.
 
 [Note: gradient storage lifetimes]
-Unsharded gradients (compute dtype) live only from pre-backward to their reduction. Sharded
-gradients (parameter dtype) live from the first reduction until every sharded parameter's
-``.grad`` was dropped (``zero_grad(set_to_none=True)``): then the buffer is let go and a fresh
-one is made by the next reduction, so between steps and through forward and backward no
-gradient memory is held, like FSDP2. The buffer object and its views are kept and only their
-memory is released and re-allocated, when nothing outside the engine holds one of them
-(``dbuffer``'s [Note: releasing a storage that views were handed out from]); views a user still
-holds keep their (refcounted) storage alive, nothing is freed under them, and a new buffer is
-made instead.
+Unsharded gradients (compute dtype) live only while a backward hands them over to their
+reduction. Sharded gradients (parameter dtype) live exactly as long as a ``.grad`` viewing them:
+the engine keeps no strong reference to their storage after a reduction, so when the last
+``.grad`` of a group is dropped (``zero_grad(set_to_none=True)``) its memory is freed at once,
+like FSDP2's plain gradient tensors, and between steps no gradient memory is held. What links a
+``.grad`` back to its storage is the storage's ``DBuffer`` object, referenced by each ``.grad``
+DTensor the engine makes (an attribute of the DTensor; the buffer references no DTensor, so no
+reference cycle delays the free) and weakly by the engine. The next reduction then either
+accumulates into the storage the ``.grad`` still view (in place, same objects: a ``.grad`` kept
+with ``zero_grad(set_to_none=False)`` or through accumulation steps), or, when no ``.grad`` is
+left, makes a fresh storage and fresh views (one buffer and one DTensor per trainable parameter,
+as FSDP2 makes one DTensor per parameter per step).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -27,93 +31,123 @@ from fsdp_engine._private.storage import ShardStorage, is_view_of
 
 __all__ = ["ShardedGrads"]
 
+_OWNER = "_fsdp_engine_grad_storage"  # a .grad DTensor's attribute: the DBuffer it views
+
 
 class ShardedGrads:
-    """The sharded gradient storage of a group, laid out for one reduction (full or compact),
-    and each trainable parameter's ``.grad`` view of it."""
+    """The sharded gradient storage of a group for one reduction (full or compact) and each
+    trainable parameter's ``.grad`` view of it (module Note)."""
 
     def __init__(self, storage: ShardStorage, params: Sequence[FSDPParam]) -> None:
         self.storage = storage
         self.params = params
-        self.buffer: DBuffer | None = None
-        self._views: list[DTensor | None] | None = None
+        self._buffer: weakref.ref[DBuffer] | None = None
+        self._reduction: Reduction | None = None
 
     def forget(self) -> None:
-        """A new layout (another mask): the next reduction makes a new buffer."""
-        self.buffer = None
-        self._views = None
+        """A new layout (another mask or dtype): the next reduction makes a new storage."""
+        self._buffer = None
+        self._reduction = None
 
-    def views(self, reduction: Reduction) -> list[DTensor | None]:
-        """Each trainable parameter's sharded gradient (a DTensor view of the storage, made
-        with the storage, memory given back if it was released); None for frozen ones."""
-        if self.buffer is None or self._views is None:
-            buffer, views = self._new_views(reduction)
-            self.buffer, self._views = buffer, views
-            # What the engine itself keeps over the storage; a generator, so that no container
-            # of this frame holds the tensors while the claim counts them (nor may a loop
-            # variable: the views are made in their own frame)
-            buffer.claim_views(
-                t for v in views if v is not None for t in (v, compat.local_tensor(v))
-            )
-        self.buffer.alloc_shard()  # memory again after release_dropped (same views)
-        return self._views
+    @property
+    def buffer(self) -> DBuffer | None:
+        """The storage the ``.grad`` view, while any does (None otherwise)."""
+        return None if self._buffer is None else self._buffer()
 
-    def _new_views(self, reduction: Reduction) -> tuple[DBuffer, list[DTensor | None]]:
+    def target(self, reduction: Reduction) -> tuple[DBuffer, list[DTensor | None], bool]:
+        """Where a reduction writes: the storage, each trainable parameter's ``.grad`` view
+        (None for frozen ones; made now where a parameter has no ``.grad``), and whether it
+        accumulates into ``.grad`` already there (which must be ours)."""
+        existing = [p.sharded.grad for p in self.params]
+        live = [g for g, t in zip(existing, reduction.mask, strict=True) if t and g is not None]
+        buffer = self.buffer if reduction is self._reduction else None
+        fresh = [None] * len(existing)
+        if not live:
+            buffer = self._new_buffer(reduction)
+            return buffer, self._views(buffer, reduction, fresh, accumulating=False), False
+        if buffer is None:  # .grad of another storage (a new mask, or set by hand): copied over
+            buffer = self._new_buffer(reduction)
+            self.adopt_into(buffer, reduction, existing)
+            return buffer, self._views(buffer, reduction, fresh, accumulating=False), True
+        return buffer, self._views(buffer, reduction, existing, accumulating=True), True
+
+    def _new_buffer(self, reduction: Reduction) -> DBuffer:
         storage = self.storage
-        views: list[DTensor | None] = [None] * len(self.params)
         if reduction.kind == "compact":
-            buffer = compact_buffer(storage, reduction.segment, storage.dtype)
+            buffer = compact_buffer(storage, reduction.segment, storage.dtype, zero=False)
+        else:  # not zeroed: the reduction writes every element, or adopt_into does
+            buffer = storage.buffer.new_like(storage.dtype, zero=False)
+        self._buffer = weakref.ref(buffer)
+        self._reduction = reduction
+        return buffer
+
+    def _locals(self, buffer: DBuffer, reduction: Reduction) -> list[torch.Tensor | None]:
+        """Each trainable parameter's share of ``buffer`` (None for frozen ones)."""
+        storage = self.storage
+        out: list[torch.Tensor | None] = [None] * len(self.params)
+        if reduction.kind == "compact":
             for i, _start, length, dst in reduction.pieces[storage.rank]:
-                like = self.params[i].dtensor
-                views[i] = storage.grad_dtensor(i, buffer.shard[dst : dst + length], like)
-            return buffer, views
-        buffer = storage.buffer.new_like(storage.dtype)
+                out[i] = buffer.shard[dst : dst + length]
+            return out
         for i, (local, trainable) in enumerate(
             zip(storage.local_views(buffer), reduction.mask, strict=True)
         ):
             if trainable:
-                views[i] = storage.grad_dtensor(i, local, self.params[i].dtensor)
-        return buffer, views
+                out[i] = local
+        return out
 
-    def prepare_accumulation(self, views: Sequence[DTensor | None]) -> bool:
-        """Before a reduction into the storage: whether it accumulates (some trainable
-        parameter already has a ``.grad``, which must be ours); a view without one is zeroed."""
-        existing = [p.sharded.grad for p in self.params]
-        accumulate = any(
-            g is not None for g, v in zip(existing, views, strict=True) if v is not None
-        )
-        if not accumulate:
-            return False
-        for param, grad, view in zip(self.params, existing, views, strict=True):
-            if view is None:
+    def _views(
+        self,
+        buffer: DBuffer,
+        reduction: Reduction,
+        existing: Sequence[torch.Tensor | None],
+        *,
+        accumulating: bool,
+    ) -> list[DTensor | None]:
+        views: list[DTensor | None] = [None] * len(self.params)
+        for i, local in enumerate(self._locals(buffer, reduction)):
+            if local is None:
                 continue
-            local = compat.local_tensor(view)
-            if grad is None:
-                local.zero_()
-            elif not is_view_of(grad, local):
+            grad = existing[i]
+            if isinstance(grad, DTensor) and is_view_of(grad, local):
+                views[i] = grad  # accumulate into the .grad the user holds
+                continue
+            if grad is not None:
                 raise RuntimeError(
-                    f"parameter {param.fqn!r}: .grad was replaced by a tensor that is not the "
-                    "engine's gradient storage; use zero_grad() or accumulate into it in place"
+                    f"parameter {self.params[i].fqn!r}: .grad was replaced by a tensor that is "
+                    "not the engine's gradient storage; use zero_grad() or accumulate into it "
+                    "in place"
                 )
-        return True
+            if accumulating:
+                local.zero_()  # a parameter whose .grad alone was dropped
+            view = self.storage.grad_dtensor(i, local, self.params[i].dtensor)
+            setattr(view, _OWNER, buffer)
+            views[i] = view
+        return views
+
+    def adopt_into(
+        self, buffer: DBuffer, reduction: Reduction, grads: Sequence[torch.Tensor | None]
+    ) -> None:
+        """Copy gradients made elsewhere into ``buffer`` (zeros where there are none)."""
+        for grad, local in zip(grads, self._locals(buffer, reduction), strict=True):
+            if local is None:
+                continue
+            with torch.no_grad():
+                if grad is None:
+                    local.zero_()
+                else:
+                    src = compat.local_tensor(grad) if isinstance(grad, DTensor) else grad
+                    local.copy_(src.reshape(local.shape))
 
     def adopt(self, reduction: Reduction, grads: Sequence[torch.Tensor | None]) -> None:
         """Gradients made elsewhere (``_apply`` converted them, or a new mask re-laid the
-        storage): copy them into our storage and make our views the ``.grad``."""
-        views = self.views(reduction)
-        for param, grad, view in zip(self.params, grads, views, strict=True):
-            if grad is None or view is None:
+        storage) become ours: copied into a new storage whose views are the ``.grad``."""
+        if not any(g is not None for g, t in zip(grads, reduction.mask, strict=True) if t):
+            for param, grad in zip(self.params, grads, strict=True):
                 param.sharded.grad = grad
-                continue
-            local = compat.local_tensor(grad) if isinstance(grad, DTensor) else grad
-            target = compat.local_tensor(view)
-            with torch.no_grad():
-                target.copy_(local.reshape(target.shape))
-            param.sharded.grad = view
-
-    def release_dropped(self) -> None:
-        """Let the memory go once no parameter's ``.grad`` refers to it (module Note)."""
-        if self.buffer is None:
             return
-        if all(p.sharded.grad is None for p in self.params) and not self.buffer.release_shard():
-            self.forget()  # a view is still held (a user kept ``p.grad``): it keeps its storage
+        buffer = self._new_buffer(reduction)
+        self.adopt_into(buffer, reduction, grads)
+        views = self._views(buffer, reduction, [None] * len(grads), accumulating=False)
+        for param, grad, view in zip(self.params, grads, views, strict=True):
+            param.sharded.grad = view if view is not None else grad

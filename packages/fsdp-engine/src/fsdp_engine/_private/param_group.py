@@ -191,10 +191,9 @@ class ParamGroup:
         return [u for u in made if u is not None]
 
     def register_unsharded(self) -> None:
-        unsharded = self.unsharded_params()
+        self.unsharded_params()  # made if needed
         for param in self.params:
             param.register_unsharded(self.compute_dtype)
-        self.presence.watch(unsharded)
 
     def register_sharded(self) -> None:
         for param in self.params:
@@ -343,9 +342,6 @@ class ParamGroup:
         self.presence.apply(used_anywhere, self.sharded)
         if self.reducer.handle is None:  # else wait_for_reduce runs them
             self._run_hooks()
-
-    def release_dropped_gradients(self) -> None:
-        self.reducer.release_dropped()
 
     def discard_iteration(self) -> None:
         """Drop every in-flight collective and pending gradient (``reset_iter_state``)."""

@@ -21,8 +21,7 @@ backward, for all groups together (never per group).
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -42,28 +41,9 @@ class Presence:
         self.exact = False
         self.used = [False] * count
         self.due: list[bool] | None = None  # after a reduction: which had a .grad before
-        # id -> weak reference of the parameters hooked (tensors compare elementwise, so no set)
-        self._hooked: dict[int, weakref.ref[nn.Parameter]] = {}
 
     def reset(self) -> None:
         self.used = [False] * len(self.used)
-
-    def watch(self, params: Sequence[nn.Parameter]) -> None:
-        """Note, with a post-accumulate hook, which unsharded parameters get a gradient."""
-        if not self.exact:
-            return
-        for i, param in enumerate(params):
-            seen = self._hooked.get(id(param))
-            if (seen is not None and seen() is param) or not param.requires_grad:
-                continue
-            param.register_post_accumulate_grad_hook(self._marker(i))  # type: ignore[no-untyped-call]
-            self._hooked[id(param)] = weakref.ref(param)
-
-    def _marker(self, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
-            self.used[i] = True
-
-        return hook
 
     def note_used(self, used: Sequence[bool]) -> None:
         self.used = [a or b for a, b in zip(self.used, used, strict=True)]

@@ -36,6 +36,7 @@ from dbuffer import DBuffer, Handle, ReduceScatterComm
 from fsdp_engine._private import compat
 from fsdp_engine._private.compact import Reduction, compact_buffer, reduction_for_mask
 from fsdp_engine._private.grads import ShardedGrads
+from fsdp_engine._private.handover import handover_for
 from fsdp_engine._private.param import FSDPParam
 from fsdp_engine._private.storage import ShardStorage
 
@@ -83,9 +84,10 @@ class GradReducer:
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.align = align
-        self.unsharded_grads = storage.buffer.new_like(compute_dtype)
-        self.unsharded_grads.shard.untyped_storage().resize_(0)  # only its unsharded part is used
-        self._unsharded_views: list[torch.Tensor] | None = None
+        # only its unsharded part is used: no shard memory ([Note: gradient hand-over])
+        self.unsharded_grads = storage.buffer.new_like(compute_dtype, zero=False)
+        self.unsharded_grads.shard.untyped_storage().resize_(0)
+        self.handover = handover_for(storage, self.unsharded_grads, compute_dtype)
         self.grads = ShardedGrads(storage, params)  # [Note: gradient storage lifetimes]
         self.reduction: Reduction | None = None
         self.accum: DBuffer | None = None
@@ -114,7 +116,7 @@ class GradReducer:
         live = [p.sharded.grad for p in self.params]
         self.reduction = reduction
         self.accum = None
-        if current is not None and self.grads.buffer is not None:
+        if current is not None:
             self.grads.forget()
             if any(g is not None for g in live):
                 self.grads.adopt(reduction, live)
@@ -143,17 +145,10 @@ class GradReducer:
                 f"fully_shard: trainable {self.storage.dtype} parameters {names}: gradients of "
                 "this dtype cannot be reduced; keep them frozen (requires_grad=False)"
             )
-        if reduction.kind == "full" and self.storage.copies:
-            pass  # [Note: placed groups]: autograd makes the gradients; copied in at reduce
-        elif reduction.kind == "full":
-            self.unsharded_grads.alloc_unsharded(zero=True)
-            if self._unsharded_views is None:  # made once (a DTensor each for TP)
-                full = self.storage.full_views(self.unsharded_grads, self.compute_dtype)
-                self._unsharded_views = [
-                    self.storage.unsharded_view(i, v) for i, v in enumerate(full)
-                ]
-            for param, view in zip(unsharded, self._unsharded_views, strict=True):
-                param.grad = view
+        if reduction.kind == "full" and not self.storage.copies:
+            self.handover.prepare(unsharded)
+        # else: autograd makes the gradients; post-backward collects them (compact, and
+        # [Note: placed groups] copied into FSDP2's order)
         started = not self.accumulated
         self.pending = True
         return started
@@ -173,7 +168,8 @@ class GradReducer:
         used = [False] * len(self.params)
         issued = self.issued = False
         if reduction is not None and reduction.kind == "full":
-            self._reduce_full(reduction, unsharded, settings, sync=sync, async_op=async_op)
+            used = self._reduce_full(reduction, unsharded, settings, sync=sync, async_op=async_op)
+            used = used or [False] * len(self.params)
         elif reduction is not None and reduction.kind == "compact":
             used = self._reduce_compact(
                 reduction, unsharded, settings, sync=sync, async_op=async_op
@@ -182,8 +178,7 @@ class GradReducer:
         return Reduced(used, had, issued)
 
     def _detach(self, unsharded: Sequence[torch.nn.Parameter]) -> None:
-        for param in unsharded:  # autograd's references go before the storage is released
-            param.grad = None
+        self.handover.detach(unsharded)  # autograd's references go before the storage is freed
 
     def _accumulator(self, like: DBuffer) -> DBuffer:
         if self.accum is None:
@@ -193,18 +188,20 @@ class GradReducer:
             self.accum.alloc_unsharded(zero=True)
         return self.accum
 
-    def _copy_in(self, unsharded: Sequence[torch.nn.Parameter]) -> None:
+    def _copy_in(self, unsharded: Sequence[torch.nn.Parameter]) -> list[bool]:
         """[Note: placed groups]: autograd's gradients into FSDP2's rank-major order, the
-        reduce-scatter's input (zeros where a parameter got none, and in the padding)."""
+        reduce-scatter's input (zeros where a parameter got none, and in the padding); returns
+        which parameters had one."""
         placed = self.storage.placed
         if not self.storage.copies or placed is None:
-            return
+            return []
         self.unsharded_grads.alloc_unsharded(zero=True)
         flat = self.unsharded_grads.unsharded_flat()
         with torch.no_grad():
             for i, param in enumerate(unsharded):
                 if param.grad is not None:
                     placed.copy_in(param.grad, i, flat)
+        return [p.grad is not None for p in unsharded]
 
     def _reduce_full(
         self,
@@ -214,28 +211,32 @@ class GradReducer:
         *,
         sync: bool,
         async_op: bool,
-    ) -> None:
+    ) -> list[bool]:
         if not self.busy:
-            return
+            return []
+        used: list[bool] = []
+        if self.pending and not self.storage.copies:
+            used = self.handover.collect(unsharded)
         # no-sync accumulation runs in reduce_dtype (FSDP2): a compute-dtype microbatch gradient
         # is added into a reduce_dtype accumulator and the compute buffer is let go
         separate = self.reduce_dtype != self.compute_dtype
         if self.pending and (self.accumulated or (separate and not sync)):
-            self._copy_in(unsharded)
+            used = self._copy_in(unsharded) or used
             accum = self._accumulator(self.unsharded_grads)
             accum.unsharded_flat().add_(self.unsharded_grads.unsharded_flat())
             self._detach(unsharded)
             self.unsharded_grads.reshard()
             self.pending, self.accumulated = False, True
         if not sync:
-            return  # same dtype: autograd keeps accumulating into the unsharded views
+            return used  # same dtype: the next microbatch adds into the unsharded storage
         source = self.accum if self.accumulated else self.unsharded_grads
         assert source is not None
         if not self.accumulated:
-            self._copy_in(unsharded)
+            used = self._copy_in(unsharded) or used
         self._detach(unsharded)
         self._issue(reduction, source, settings, async_op=async_op)
         self.pending = self.accumulated = False
+        return used
 
     def _reduce_compact(
         self,
@@ -279,9 +280,7 @@ class GradReducer:
         """One reduce-scatter (plus one all-reduce per replicate axis for HSDP) of ``source``
         into the sharded gradient storage; each trainable parameter's ``.grad`` becomes its
         view (accumulating into a ``.grad`` already there, which must be ours)."""
-        views = self.grads.views(reduction)
-        accumulate = self.grads.prepare_accumulation(views)
-        assert self.grads.buffer is not None
+        grads, views, accumulate = self.grads.target(reduction)
         spec = source.reduce_spec(
             "avg",
             self.reduce_dtype,
@@ -292,7 +291,7 @@ class GradReducer:
             spec=spec,
             reduce_dtype=self.reduce_dtype,
             accumulate=accumulate,
-            into=self.grads.buffer,
+            into=grads,
             free_unsharded=True,
             async_op=async_op,
             hook=settings.hook,
@@ -324,11 +323,6 @@ class GradReducer:
                 continue
             for hook in compat.post_accumulate_grad_hooks(sharded):
                 hook(sharded)
-
-    def release_dropped(self) -> None:
-        """Let the sharded gradient memory go once no parameter's .grad refers to it."""
-        if not self.pending and self.handle is None:
-            self.grads.release_dropped()
 
     def discard(self, unsharded: Sequence[torch.nn.Parameter]) -> None:
         """Drop every pending gradient (``reset_iter_state``)."""

@@ -207,7 +207,6 @@ class FSDPState:
         args, kwargs = cast_inputs(self.mp_policy, args, kwargs)
         for group in self.groups:
             group.wait_for_reduce()
-            group.release_dropped_gradients()
             group.unshard(ready=self.ctx.inputs_ready)
             group.register_unsharded()
         if first_in_pass:
