@@ -24,7 +24,6 @@ from torch.distributed.tensor import _dispatch as dtensor_dispatch
 from torch.distributed.tensor import _redistribute as dtensor_redistribute
 from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
 
-import ragged_dtensor
 from ragged_dtensor import (
     DTensorIntegrationError,
     RaggedShard,
@@ -245,6 +244,8 @@ def test_the_integration_changes_only_its_targets_and_removal_restores_them(
         [
             *(f"DTensor.{name}" for name in ("__create_chunk_list__", "__create_write_items__")),
             "DTensor.__get_tensor_shard__",
+            "_api globals",  # the trampoline's target
+            "_api.distribute_tensor.__code__",  # [Note: distribute_tensor's code]
             "dispatch mode stack",  # the collective checks the environment asked for
             "dispatcher instance attributes",
             "dispatcher._dispatch_get_local_results_slow_path",
@@ -256,13 +257,13 @@ def test_the_integration_changes_only_its_targets_and_removal_restores_them(
         ]
     )
     assert fresh["installed: parts"] == dict.fromkeys(
-        ("redistribute", "propagator", "random", "checkpoint"), True
+        ("redistribute", "propagator", "random", "checkpoint", "distribute_tensor"), True
     )
     assert fresh["installed: collective checks on"] is True
     assert fresh["removed: named targets changed"] == []
     assert fresh["removed: torch attributes changed"] == []
     assert fresh["removed: parts"] == dict.fromkeys(
-        ("redistribute", "propagator", "random", "checkpoint"), False
+        ("redistribute", "propagator", "random", "checkpoint", "distribute_tensor"), False
     )
     assert fresh["removed: collective checks on"] is False
     assert fresh["lazy: installed"] is True
@@ -427,19 +428,38 @@ def test_op_results_hold_plain_local_tensors_so_the_checkpoint_protocol_stays_on
         assert result == dict.fromkeys(result, "Tensor"), result
 
 
-def _distribute_with_torch(rank: int, world: int) -> str:
+def _distribute_with_torch(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (world,))
-    ours = distribute_tensor(torch.zeros(4, 2), mesh, [RaggedShard((0,), (1, 1))])
-    assert ours.to_local().numel() == 4
+    full = torch.arange(8.0).view(4, 2)
+    ours = distribute_tensor(full, mesh, [RaggedShard((0,), (1, 3))])
+    theirs = torch_distribute_tensor(full, mesh, [RaggedShard((0,), (1, 3))])
+    return {
+        "same": torch.equal(ours.to_local(), theirs.to_local()),
+        "placements": theirs.placements == ours.placements,
+    }
+
+
+def _refused_without(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (world,))
+    placement = RaggedShard((0,), (1,))
+    uninstall_dtensor_integration()  # torch's own code again: it refuses the placement
     try:
-        torch_distribute_tensor(torch.zeros(4, 2), mesh, [RaggedShard((0,), (1, 1))])
+        torch_distribute_tensor(torch.zeros(4, 2), mesh, [placement])
+        return "no error"
     except RuntimeError as exc:
         return str(exc)
-    return "no error"
+    finally:
+        install_dtensor_integration()
 
 
-def test_torchs_distribute_tensor_is_not_patched_and_refuses_a_raggedshard() -> None:
+def test_torchs_distribute_tensor_cuts_a_raggedshard_while_installed() -> None:
+    """[Note: distribute_tensor's code]: the function object users bound at import keeps its
+    identity; while the integration is installed it cuts a RaggedShard share (what FSDP2 users
+    do to load full weights into sharded parameters), and without it torch's own code refuses
+    the placement."""
     assert torch_distribute_tensor is dtensor_api.distribute_tensor
-    assert ragged_dtensor.distribute_tensor is not torch_distribute_tensor
-    for message in run_threaded(_distribute_with_torch, 2):
-        assert "unsupported placements RS((0,), (1, 1))" in message, message
+    for result in run_threaded(_distribute_with_torch, 2, timeout=60):
+        assert result["same"] and result["placements"], result
+    # one rank: the refusal comes before any collective, and no other rank races the removal
+    (message,) = run_threaded(_refused_without, 1, timeout=60)
+    assert "unsupported placements RS((0,), (1,))" in message, message

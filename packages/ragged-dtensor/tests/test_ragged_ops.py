@@ -41,6 +41,7 @@ def test_a_raggedshard_installs_every_part_of_the_integration() -> None:
         "propagator": True,
         "checkpoint": True,
         "random": True,
+        "distribute_tensor": True,
     }
 
 

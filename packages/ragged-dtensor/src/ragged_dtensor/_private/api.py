@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import distribute_tensor as torch_distribute_tensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
@@ -85,7 +84,7 @@ def distribute_ragged(
         raise ValueError("distribute_tensor with a RaggedShard placement needs device_mesh")
     axis, placement, xs = _check_placements(device_mesh, placements, tuple(tensor.shape))
     standard = [Replicate() if i == axis else p for i, p in enumerate(placements)]
-    base = torch_distribute_tensor(tensor, device_mesh, standard, src_data_rank=src_data_rank)
+    base = compat.torch_distribute(tensor, device_mesh, standard, src_data_rank=src_data_rank)
     coordinate = device_mesh.get_local_rank(axis)
     flat = placement.flat_range(xs, coordinate)
     local = base.to_local().detach().reshape(-1)[flat.start : flat.stop].clone()
@@ -117,7 +116,7 @@ def distribute_tensor(
     function, unchanged.
     """
     if not _has_ragged(placements):
-        return torch_distribute_tensor(tensor, device_mesh, placements, src_data_rank=src_data_rank)
+        return compat.torch_distribute(tensor, device_mesh, placements, src_data_rank=src_data_rank)
     assert placements is not None
     compat.ensure_installed()
     return distribute_ragged(tensor, device_mesh, placements, src_data_rank=src_data_rank)

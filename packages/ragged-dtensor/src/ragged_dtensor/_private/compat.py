@@ -28,8 +28,21 @@ wrapped, each delegating to torch's own function unless a RaggedShard is involve
    ``__get_tensor_shard__``): a ragged share is written as the few boxes its flat range covers
    (checkpoint.py). See [Note: why the checkpoint protocol stays on the class].
 
-``distribute_tensor`` and ``DTensor.from_local`` are *not* patched: ``ragged_dtensor`` exports its
-own (api.py); torch's ``distribute_tensor`` refuses a RaggedShard with its own error.
+5. ``distribute_tensor``'s code object ([Note: distribute_tensor's code]): torch's own function
+   cuts a RaggedShard share from the (source rank's) full tensor. No extension point: a placement
+   that is not Shard/Replicate/Partial raises "unsupported placements".
+
+``DTensor.from_local`` is *not* patched: ``ragged_dtensor.from_local`` checks a ragged share;
+torch's builds the DTensor unchecked when given ``shape=`` and ``stride=``.
+
+[Note: distribute_tensor's code]
+``distribute_tensor(full, param.device_mesh, param.placements)`` is how FSDP2 users load full
+weights into sharded parameters and how parity checks compare them (torch's own FSDP2 tests do),
+and they bind the name at import, long before a RaggedShard exists: rebinding module attributes
+would miss them. So the function object keeps its identity and gets a trampoline as its code
+object while the integration is installed; the trampoline runs ``ragged_dtensor``'s cut for a
+RaggedShard and a private copy of torch's code (made at import, a read) for anything else. The
+original code object is put back by ``uninstall_dtensor_integration``.
 
 [Note: why the checkpoint protocol stays on the class]
 DTensor hands the three checkpoint methods to its local tensor when the local tensor defines
@@ -91,10 +104,23 @@ __all__ = [
     "hooks_installed",
     "install_dtensor_integration",
     "ragged_redistribute_local",
+    "torch_distribute",
     "uninstall_dtensor_integration",
 ]
 
 SUPPORTED_TORCH = (2, 13)
+_TORCH_DISTRIBUTE = dtensor_api.distribute_tensor  # the object everyone bound
+_TORCH_DISTRIBUTE_CODE = _TORCH_DISTRIBUTE.__code__
+# torch's distribute_tensor as it is at import, callable while the public one runs ours
+torch_distribute: Callable[..., DTensor] = types.FunctionType(
+    _TORCH_DISTRIBUTE_CODE,
+    _TORCH_DISTRIBUTE.__globals__,
+    "distribute_tensor",
+    _TORCH_DISTRIBUTE.__defaults__,
+    _TORCH_DISTRIBUTE.__closure__,
+)
+torch_distribute.__kwdefaults__ = _TORCH_DISTRIBUTE.__kwdefaults__
+_IMPL_NAME = "_ragged_dtensor_distribute"  # injected into torch's _api namespace while installed
 _TORCH_ROOT = str(Path(torch.__file__).resolve().parent)
 _CHECKPOINT_METHODS = {
     "__create_write_items__": ("self", "fqn", "object"),
@@ -385,10 +411,92 @@ class _Change:
 _MISSING = object()
 
 
-def _plan() -> tuple[_Originals, list[_Change]]:
+@attrs.frozen
+class _CodeChange:
+    """``function.__code__`` swapped ([Note: distribute_tensor's code])."""
+
+    function: Any
+    where: str
+    found: Any
+    ours: Any
+
+    @property
+    def name(self) -> str:
+        return "__code__"
+
+    def apply(self) -> None:
+        self.function.__code__ = self.ours
+
+    def still_ours(self) -> bool:
+        return self.function.__code__ is self.ours
+
+    def undo(self) -> None:
+        self.function.__code__ = self.found
+
+
+def _distribute_impl(
+    tensor: torch.Tensor,
+    device_mesh: DeviceMesh | None,
+    placements: Sequence[Placement] | None,
+    src_data_rank: int | None,
+) -> DTensor:
+    if placements is None or not any(isinstance(p, RaggedShard) for p in placements):
+        return torch_distribute(tensor, device_mesh, placements, src_data_rank=src_data_rank)
+    from ragged_dtensor._private.api import distribute_ragged
+
+    return distribute_ragged(tensor, device_mesh, placements, src_data_rank=src_data_rank)
+
+
+def _distribute_trampoline(  # type: ignore[no-untyped-def]
+    tensor, device_mesh=None, placements=None, *, src_data_rank=0
+):
+    # Runs as the code of torch's own distribute_tensor, so its globals are torch's _api
+    # module's: the name below is injected there while the integration is installed.
+    return _ragged_dtensor_distribute(  # type: ignore[name-defined]  # noqa: F821
+        tensor, device_mesh, placements, src_data_rank
+    )
+
+
+def _distribute_changes() -> list[Any]:
+    where = "torch.distributed.tensor.distribute_tensor"
+    if vars(dtensor_api).get("distribute_tensor") is not _TORCH_DISTRIBUTE:
+        raise DTensorIntegrationError(
+            f"ragged_dtensor: {where} is not the function torch defined at import but "
+            f"{_describe(vars(dtensor_api).get('distribute_tensor'))}. {_REFUSING}"
+        )
+    params = list(inspect.signature(_TORCH_DISTRIBUTE).parameters)
+    if (
+        _TORCH_DISTRIBUTE.__code__ is not _TORCH_DISTRIBUTE_CODE
+        or params != ["tensor", "device_mesh", "placements", "src_data_rank"]
+        or _TORCH_DISTRIBUTE_CODE.co_freevars
+    ):
+        raise DTensorIntegrationError(
+            f"ragged_dtensor: {where} is not torch 2.13's (its code was replaced, or its "
+            f"parameters are {params}). {_REFUSING}"
+        )
+    if _IMPL_NAME in vars(dtensor_api):
+        raise DTensorIntegrationError(
+            f"ragged_dtensor: torch.distributed.tensor._api already has {_IMPL_NAME}. {_REFUSING}"
+        )
+    return [
+        _Change(
+            dtensor_api,
+            _IMPL_NAME,
+            f"torch.distributed.tensor._api.{_IMPL_NAME}",
+            False,
+            None,
+            _distribute_impl,
+        ),
+        _CodeChange(
+            _TORCH_DISTRIBUTE, where, _TORCH_DISTRIBUTE_CODE, _distribute_trampoline.__code__
+        ),
+    ]
+
+
+def _plan() -> tuple[_Originals, list[Any]]:
     """Check every target (raising before anything is changed) and describe the changes."""
     _check_version()
-    changes: list[_Change] = []
+    changes: list[Any] = []
     redistribute_name = "torch.distributed.tensor._redistribute.redistribute_local_tensor"
     redistribute = _expect_torch_function(
         vars(dtensor_redistribute).get("redistribute_local_tensor"),
@@ -487,6 +595,7 @@ def _plan() -> tuple[_Originals, list[_Change]]:
                 _checkpoint_hook(name, original),
             )
         )
+    changes.extend(_distribute_changes())
     originals = _Originals(
         redistribute=redistribute,
         propagate=types.MethodType(propagate, propagator),
@@ -499,7 +608,7 @@ def _plan() -> tuple[_Originals, list[_Change]]:
 # -- install / uninstall -----------------------------------------------------------------------
 
 _LOCK = threading.RLock()
-_CHANGES: list[_Change] = []
+_CHANGES: list[Any] = []
 _INSTALLED = False
 
 
@@ -518,7 +627,7 @@ def install_dtensor_integration() -> None:
             return
         originals, changes = _plan()
         _ORIGINALS = originals
-        applied: list[_Change] = []
+        applied: list[Any] = []
         try:
             for change in changes:
                 change.apply()
@@ -596,6 +705,7 @@ def hooks_installed() -> dict[str, bool]:
         "propagator": ("propagate_op_sharding_non_cached", "propagate_op_sharding"),
         "random": ("_dispatch_get_local_results_slow_path",),
         "checkpoint": tuple(_CHECKPOINT_METHODS),
+        "distribute_tensor": (_IMPL_NAME,),
     }
     with _LOCK:
         names = {c.name for c in _CHANGES if c.still_ours()}
