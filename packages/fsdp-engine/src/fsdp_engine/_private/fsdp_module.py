@@ -271,6 +271,21 @@ class FSDPModule:
             "buffers, which are not symmetric-memory allocations"
         )
 
+    def to_empty(self, *, device: Any, recurse: bool = True) -> Any:
+        """``nn.Module.to_empty``: the managed parameters' storage is reserved on ``device``
+        without being written ([Note: meta-device parameters]); their values are undefined until
+        initialized or loaded, as with torch's ``to_empty``."""
+        states = _states_under(self, recurse)
+        for state in states:
+            for group in state.groups:
+                group.values_undefined = True
+        try:
+            return super().to_empty(device=device, recurse=recurse)  # type: ignore[misc]
+        finally:
+            for state in states:
+                for group in state.groups:
+                    group.values_undefined = False
+
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``.to(dtype)``, ``.float()``, ``to_empty`` replace or re-type the sharded parameters'
         # local tensors: adopt what they became into our storage (children do their own).

@@ -80,6 +80,7 @@ def lay_out_group(
             chosen = frozenset(n for n, q in zip(names, selected, strict=True) if q)
             block_policy = TileAlignedBlocks(quantization, chosen, block_policy)
         plan = build_plan(names, originals, world, block_policy, aligned, planner)
+    meta = all(p.is_meta for p in originals)  # [Note: meta-device parameters]
     storage = ShardStorage(
         plan,
         names,
@@ -90,11 +91,10 @@ def lay_out_group(
         device=device,
         tp_specs=tp_specs,
         placed=placed,
+        meta=meta,
     )
     quantized = quantized_gather(quantization, storage.buffer, selected)
-    if all(p.is_meta for p in originals):
-        storage.release()  # [Note: meta-device parameters]
-    else:
+    if not meta:
         for i, p in enumerate(originals):
             if not p.is_meta:
                 storage.load_full(i, p.detach().to(storage.device))

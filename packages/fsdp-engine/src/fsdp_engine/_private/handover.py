@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from dbuffer import DBuffer
 from fsdp_engine._private import compat
-from fsdp_engine._private.storage import ShardStorage
+from fsdp_engine._private.storage import ShardStorage, gap_index
 
 __all__ = ["Handover", "PrezeroedHandover", "TakeHandover", "handover_for"]
 
@@ -127,11 +127,9 @@ class TakeHandover(Handover):
     def _gap_index(self) -> torch.Tensor:
         if self._gaps is None:
             flat = self.grads.unsharded_flat()
-            used = torch.zeros(flat.numel(), dtype=torch.bool)
-            for view in self.views():
-                offset = view.storage_offset() - flat.storage_offset()
-                used[offset : offset + view.numel()] = True
-            self._gaps = (~used).nonzero().view(-1).to(flat.device)
+            base = flat.storage_offset()
+            spans = [(int(v.storage_offset()) - base, v.numel()) for v in self.views()]
+            self._gaps = gap_index(spans, flat.numel(), flat.device)
         return self._gaps
 
     def _write(self, i: int, grad: torch.Tensor) -> None:

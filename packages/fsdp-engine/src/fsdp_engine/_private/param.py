@@ -174,7 +174,6 @@ class FSDPParam:
                 f"parameter {fqn!r}: the assigned value has shape {tuple(value.shape)}, "
                 f"fully_shard manages it with shape {tuple(self.sharded.shape)}"
             )
-        ours = storage.local(i)
         same_layout = isinstance(value, DTensor) and tuple(value.placements) == tuple(
             self.dtensor.placements
         )
@@ -191,12 +190,12 @@ class FSDPParam:
                 f"{storage.dtype}; convert the module with .to({local.dtype}) instead"
             )
         if local.is_meta:
-            new_local = torch.empty(ours.shape, dtype=ours.dtype, device="meta")
+            new_local = storage.local_or_meta(i, True)
         else:
-            storage.materialize()
+            storage.materialize()  # before taking our view: materializing replaces the buffer
+            new_local = storage.local(i)
             with torch.no_grad():
-                ours.copy_(local.detach().reshape(ours.shape))
-            new_local = ours
+                new_local.copy_(local.detach().reshape(new_local.shape))
         if same_layout and isinstance(value, nn.Parameter):
             assert isinstance(value, DTensor)
             compat.set_local_tensor(value, new_local)
@@ -207,22 +206,22 @@ class FSDPParam:
         self.register_sharded()
         self.forget_unsharded()
 
-    def adopt_applied(self, current: DTensor) -> None:
+    def adopt_applied(self, current: DTensor, *, copy: bool = True) -> None:
         """After ``nn.Module._apply`` (``.to``, ``.float()``, ``to_empty``): ``current`` (the
         registered DTensor, in the group's new dtype) gets a view of our storage as its local
         tensor, holding the converted values (``_apply`` either swapped the parameter, so its
-        local tensor holds them, or set ``param.data``, so only the wrapper changed)."""
+        local tensor holds them, or set ``param.data``, so only the wrapper changed).
+        ``copy=False`` (``to_empty``): the values are undefined, nothing is copied."""
         storage, i = self.storage, self.index
-        ours = storage.local(i)
         local = compat.local_tensor(current)
         if current.device.type == "meta":
-            new_local = torch.empty(ours.shape, dtype=ours.dtype, device="meta")
+            new_local = storage.local_or_meta(i, True)
         else:
-            storage.materialize()
-            if not local.is_meta and not _starts_at(local, ours):
+            storage.materialize()  # before taking our view: materializing replaces the buffer
+            new_local = storage.local(i)
+            if copy and not local.is_meta and not _starts_at(local, new_local):
                 with torch.no_grad():
-                    ours.copy_(local.reshape(ours.shape))
-            new_local = ours
+                    new_local.copy_(local.reshape(new_local.shape))
         compat.set_local_tensor(current, new_local)
         meta = compat.spec_of(current).tensor_meta
         if meta is None or meta.dtype != new_local.dtype:

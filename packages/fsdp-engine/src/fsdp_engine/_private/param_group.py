@@ -98,6 +98,8 @@ class ParamGroup:
         self.state = ShardedState.SHARDED
         self.unshard_handle: Handle | None = None
         self.conversion_incomplete: list[str] | None = None
+        # inside ``to_empty``: what ``_apply`` leaves are undefined values, not to be copied
+        self.values_undefined = False
         self._set_dtypes()
         for param in self.params:
             param.register_sharded()
@@ -275,6 +277,7 @@ class ParamGroup:
         True)``."""
         if self.state is not ShardedState.SHARDED:
             return
+        generation = self.storage.generation
         adopted = False
         for param in self.params:
             current = param.ref.registered()
@@ -287,8 +290,10 @@ class ParamGroup:
                 )
             param.adopt(current)
             adopted = True
-        if adopted:
-            self._choose_gather()  # materialized now, perhaps
+        if self.storage.generation != generation:  # materialized: a new buffer
+            self._set_dtypes()
+        elif adopted:
+            self._choose_gather()
 
     def reset_after_apply(self) -> None:
         """After ``nn.Module._apply`` (``.to(dtype)``, ``.float()``, ``to_empty``...): adopt the
@@ -304,12 +309,15 @@ class ParamGroup:
         check_applied_device(self.params, currents, self.storage.device)
         new_dtype = dtypes.pop()
         grads = [c.grad for c in currents]
+        generation = self.storage.generation
         if new_dtype != self.storage.dtype:
             self.storage.retype(new_dtype)
-            self._set_dtypes()
         for param, current in zip(self.params, currents, strict=True):
-            param.adopt_applied(current)
-        self._choose_gather()
+            param.adopt_applied(current, copy=not self.values_undefined)
+        if self.storage.generation != generation:  # retyped or materialized: a new buffer
+            self._set_dtypes()
+        else:
+            self._choose_gather()
         if any(g is not None for g in grads):
             self.reducer.adopt_grads(grads)
 

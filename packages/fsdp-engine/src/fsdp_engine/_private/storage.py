@@ -14,9 +14,13 @@ Three layouts share this storage:
   alone excepted).
 
 [Note: meta-device parameters]
-A group built from meta parameters keeps meta sharded parameters (FSDP2's behaviour) and
-releases its shard storage; ``to_empty``/``load_state_dict(assign=True)``/a replaced parameter
-allocates it again (same storage object, so every view stays valid).
+A group built from meta parameters keeps meta sharded parameters (FSDP2's behaviour), and its
+buffer is a ``meta`` buffer: ``fully_shard`` of a meta model allocates and touches nothing.
+``to_empty`` / ``load_state_dict(assign=True)`` / a replaced parameter materializes it: a buffer
+of the same layout on the real device, reserved, not written (only the padding between the
+parameters is zeroed: values there travel in the collectives), and every sharded parameter's
+local tensor becomes its view (``FSDPParam.adopt*``); the group rebuilds what viewed the meta
+buffer (``generation``).
 
 [Note: bit-cast storage]
 Collectives do not carry every dtype (gloo rejects float8). A group of such a dtype stores its
@@ -43,7 +47,7 @@ from fsdp_engine._private.placed import PlacedLayout
 from ragged_dtensor import from_local as ragged_from_local
 from shard_planner import Plan
 
-__all__ = ["ShardStorage", "storage_dtype"]
+__all__ = ["ShardStorage", "gap_index", "storage_dtype"]
 
 _BITCAST = {
     dtype: torch.uint8
@@ -76,6 +80,7 @@ class ShardStorage:
         device: torch.device,
         tp_specs: Sequence[TPSpec | None],
         placed: PlacedLayout | None = None,
+        meta: bool = False,
     ) -> None:
         self.plan = plan
         self.mesh = mesh
@@ -97,11 +102,13 @@ class ShardStorage:
             names=[plan.names[0]] if placed is not None else list(names),
             shard_axis=shard_axis,
             check=True,
-            device=device,
+            device=torch.device("meta") if meta else device,
+            zero=not meta,
         )
         self.rank = self.buffer.rank
-        self.device = self.buffer.device
-        self.materialized = True
+        self.device = torch.device(device)  # where the values live once materialized
+        self.materialized = not meta
+        self.generation = 0  # bumped when the buffer is replaced (materialize, retype)
         self._full: weakref.WeakKeyDictionary[DBuffer, dict[torch.dtype, list[torch.Tensor]]]
         self._full = weakref.WeakKeyDictionary()
 
@@ -222,29 +229,38 @@ class ShardStorage:
         )
 
     # -- meta and dtype changes ---------------------------------------------------------------
-    def release(self) -> None:
-        """[Note: meta-device parameters]: no memory until materialized."""
-        self.buffer.shard.untyped_storage().resize_(0)
-        self.materialized = False
-
     def materialize(self) -> bool:
-        """Give the shard storage its memory (zeroed); True if it had none."""
+        """[Note: meta-device parameters]: the buffer on the real device, reserved, only the
+        padding written; True if it was on meta."""
         if self.materialized:
             return False
-        shard = self.buffer.shard
-        shard.untyped_storage().resize_(shard.numel() * shard.element_size())
-        with compat.no_grad_and_preserved(shard):
-            shard.zero_()
+        self.buffer = self.buffer.new_like(zero=False, device=self.device)
+        self._zero_padding()
         self.materialized = True
+        self.generation += 1
         return True
+
+    def _zero_padding(self) -> None:
+        shard = self.buffer.shard
+        base = int(shard.storage_offset())
+        spans = [
+            (int(local.storage_offset()) - base, local.numel())
+            for local in self.local_views(self.buffer)
+        ]
+        gaps = gap_index(spans, shard.numel(), shard.device)
+        if gaps.numel():
+            with compat.no_grad_and_preserved(shard):
+                shard.index_fill_(0, gaps, 0)
 
     def retype(self, dtype: torch.dtype) -> None:
         """Hold the parameters in ``dtype`` from now on (``module.to(dtype)``): a new buffer
-        of the same layout, values to be written by the caller."""
-        self.buffer = self.buffer.new_like(storage_dtype(dtype))
-        if not self.materialized:
-            self.buffer.shard.untyped_storage().resize_(0)
+        of the same layout (on meta while not materialized), values to be written by the
+        caller."""
+        self.buffer = self.buffer.new_like(storage_dtype(dtype), zero=False)
+        if self.materialized:
+            self._zero_padding()
         self.dtype = dtype
+        self.generation += 1
 
 
 def is_view_of(tensor: torch.Tensor, local: torch.Tensor) -> bool:
@@ -254,3 +270,18 @@ def is_view_of(tensor: torch.Tensor, local: torch.Tensor) -> bool:
         inner.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
         and inner.storage_offset() == local.storage_offset()
     )
+
+
+def gap_index(spans: Sequence[tuple[int, int]], total: int, device: torch.device) -> torch.Tensor:
+    """The indices of ``[0, total)`` that no ``(start, length)`` span covers (the padding
+    between a buffer's tensors: small, whatever the buffer's size)."""
+    gaps: list[torch.Tensor] = []
+    cursor = 0
+    for start, length in sorted(s for s in spans if s[1] > 0):
+        if start > cursor:
+            gaps.append(torch.arange(cursor, start))
+        cursor = max(cursor, start + length)
+    if cursor < total:
+        gaps.append(torch.arange(cursor, total))
+    index = torch.cat(gaps) if gaps else torch.empty(0, dtype=torch.int64)
+    return index.to(device)
