@@ -127,7 +127,7 @@ class TakeHandover(Handover):
     def _gap_index(self) -> torch.Tensor:
         if self._gaps is None:
             flat = self.grads.unsharded_flat()
-            base = flat.storage_offset()
+            base = int(flat.storage_offset())
             spans = [(int(v.storage_offset()) - base, v.numel()) for v in self.views()]
             self._gaps = gap_index(spans, flat.numel(), flat.device)
         return self._gaps
