@@ -219,7 +219,16 @@ def preflight(args: argparse.Namespace) -> dict[str, Any]:
 
     cuda = torch.cuda.is_available()
     status = compat_status()
-    problems = sorted(k for k, v in status.items() if v in {"unsupported", "missing"})
+    problems = [
+        f"{k}: {v}" for k, v in status.items() if k != "torch" and v not in {"torch", "marked"}
+    ]
+    if status.get("torch") == "unsupported":
+        problems.insert(0, "torch version not the one the engine was checked against (2.13)")
+    nccl = "-"
+    if cuda:
+        with contextlib.suppress(Exception):  # a tuple on recent torch, an int on old ones
+            version = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
     commit = os.environ.get("GPU_CHECK_COMMIT", "")
     if not commit:
         with contextlib.suppress(OSError, subprocess.CalledProcessError):
@@ -236,11 +245,11 @@ def preflight(args: argparse.Namespace) -> dict[str, Any]:
         "cuda": torch.version.cuda or "-",
         "gpus": torch.cuda.device_count() if cuda else 0,
         "device_name": torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)",
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
+        "nccl": nccl,
         "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
         if cuda
         else None,
-        "compat": "ok" if not problems else "issues: " + ", ".join(problems),
+        "compat": "ok" if not problems else "; ".join(problems),
         "compat_status": status,
         "engine_from": str(Path(fsdp_engine.__file__).parent),
         "commit": commit or "unknown",

@@ -227,7 +227,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         for layer in model.layers:
             api.fully_shard(layer, mesh=ctx.mesh, mp_policy=mp)
         api.fully_shard(model, mesh=ctx.mesh, mp_policy=mp)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)  # CUDA's default
         gen = torch.Generator().manual_seed(1 + ctx.rank)
         batches = [
             torch.randint(0, cfg.vocab, (args.batch, cfg.seq + 1), generator=gen).to(ctx.device)
@@ -421,7 +421,7 @@ def stress(args: argparse.Namespace) -> dict[str, Any]:
         for block in model.blocks:
             api.fully_shard(block, mesh=ctx.mesh, mp_policy=mp)
         api.fully_shard(model, mesh=ctx.mesh, mp_policy=mp)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
         # a real world: rank r's rows of the global batch; fake: rank 0's rows of a world of one
         real = ctx.backend != "fake"
         data = stress_data(args, ctx.world if real else 1, ctx.device)
@@ -483,7 +483,7 @@ def _all_losses(ctx: Dist, local: Any) -> Any:
     import torch.distributed as dist
 
     gathered = torch.empty(ctx.world * local.numel(), dtype=local.dtype, device=local.device)
-    dist.all_gather_into_tensor(gathered, local.contiguous())
+    dist.all_gather_single(gathered, local.contiguous())  # aliased on older torch (torch_shims)
     return gathered.view(ctx.world, -1)
 
 
@@ -500,7 +500,7 @@ def reference(args: argparse.Namespace, world: int, device: Any) -> tuple[Any, A
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     work = copy.deepcopy(model).to(torch.bfloat16) if args.mixed else model
     pairs = list(zip(model.parameters(), work.parameters(), strict=True))
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
     data = stress_data(args, world, device)
     losses = torch.empty(world, args.steps, device=device)
     for step in range(args.steps):
