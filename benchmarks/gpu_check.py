@@ -1,48 +1,64 @@
-"""The pieces of ``gpu_check.sh``: world-size-1 training on one device, and the report.
+"""The pieces of ``gpu_check.sh`` (read its header first): one entry point per launch.
 
-    python benchmarks/gpu_check.py train --engine ours --device cuda --steps 20 --out run.json
-    python benchmarks/gpu_check.py report --out results/gpu_check
+    python benchmarks/gpu_check.py preflight --out DIR          # versions, GPUs, engine compat
+    python benchmarks/gpu_check.py train --engine ours --steps 20 --out run.json
+    torchrun --nproc-per-node 4 benchmarks/gpu_check.py bench --engine fsdp2 --out b.json
+    torchrun --nproc-per-node 4 benchmarks/gpu_check.py stress --mixed --out s.json
+    python benchmarks/gpu_check.py many < runs.txt              # several runs, one process
+    python benchmarks/gpu_check.py report --out DIR [--parts parity,race,...]
+    python benchmarks/gpu_check.py host ARGS...                 # bench_scale_host.py ARGS
 
 ``train`` trains a small residual MLP (fp32, or bf16 mixed precision with ``--mixed``) with AdamW
 on one rank (NCCL on CUDA, gloo on CPU: a real world of one; or rank 0 of ``--fake-world`` on
 the fake process group) and writes every loss (as exact float hex), the final shards' digest
-and, on CUDA, ``torch.cuda.memory_stats`` peaks and ``max_memory_reserved``. ``report``
-compares the runs ``gpu_check.sh`` made:
+and, on CUDA, ``torch.cuda.memory_stats`` peaks and ``max_memory_reserved``. It makes the
+world-size-1 parity runs (ours and FSDP2: bitwise equal losses and parameters, the same
+arithmetic) and the stream-race runs (rank 0 of 4 on the fake process group, repeated with
+``CUDA_LAUNCH_BLOCKING=0`` twice and ``=1`` once: bitwise identical; world size 1 would not do:
+there the engine issues no collective and uses no communication stream).
 
-- parity: ours and FSDP2 give bitwise equal losses and parameters (same arithmetic: world size 1,
-  the same kernels in the same order, deterministic algorithms on);
-- stream race: the same run of ours, as rank 0 of 4 on the fake process group (``--fake-world
-  4``: every all-gather, reduce-scatter, prefetch and cast runs on its stream; the fake backend's
-  copies keep the data deterministic), repeated with ``CUDA_LAUNCH_BLOCKING=0`` (twice) and
-  ``=1`` (kernels serialised: the reference) gives bitwise identical, finite losses and shards
-  (a missing stream wait reads or frees memory early and changes them). World size 1 would not
-  do: there the engine issues no collective and uses no communication stream;
-- the CUDA sanitizer's verdict on 5 steps of the race run (``sanitizer.txt``, its log);
-- memory: peaks ours vs FSDP2;
-- the host benchmark's table (``bench_scale_host.py --device cuda``).
+``bench`` and ``stress`` (``gpu_check_runs.py``): one engine's side-by-side benchmark run, and
+the stress race check of ours against a one-process reference; under ``torchrun`` they run on
+every rank (NCCL on GPUs, gloo on CPU), otherwise on one process (``--fake-world``).
 
-It writes ``summary.md`` and exits non-zero if parity or the race check fails.
+``many`` reads runs from stdin (or ``--file``), one a line: ``[VAR=value ...] SUBCOMMAND
+ARGS...``, and runs them in order in this process (the dry mode: one torch import for all;
+under torchrun the runs share one process group, so a variable read when the process group is
+made, such as ``TORCH_NCCL_AVOID_RECORD_STREAMS``, is only recorded there).
+
+``report`` (``gpu_check_report.py``) writes ``summary.md``, ``gpu_bench.md`` and
+``gpu_check.json`` and exits non-zero if a selected part failed or is missing.
+
+Every launch stops itself: with ``GPU_CHECK_DEADLINE_S`` set (the script sets it to the
+launch's time limit), all threads' stacks are dumped and the process exits 10 s before it, and
+process groups time out within the limit, so a hung collective ends as a failure, not a hang.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import faulthandler
 import hashlib
 import json
-import math
 import os
-import socket
+import platform
+import shlex
+import subprocess
 import sys
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "examples"))
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    from gpu_check_runs import _free_port as free
+
+    return free()
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -142,94 +158,118 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-def _load(path: Path) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads(path.read_text())
-    return data
+def torch_shims() -> list[str]:
+    """Alias the ``torch.distributed`` names the packages call that this torch lacks to their
+    older spellings, for this process only: ``all_gather_single`` and ``reduce_scatter_single``
+    (torch 2.13; the same signatures as ``all_gather_into_tensor`` / ``reduce_scatter_tensor``),
+    so the check runs on a GPU machine's own, older torch. Returns what was aliased (the
+    report's header names it)."""
+    import torch.distributed as dist
+
+    aliased = []
+    for new, old in (
+        ("all_gather_single", "all_gather_into_tensor"),
+        ("reduce_scatter_single", "reduce_scatter_tensor"),
+    ):
+        if not hasattr(dist, new) and hasattr(dist, old):
+            setattr(dist, new, getattr(dist, old))
+            aliased.append(f"torch.distributed.{new} = {old}")
+    return aliased
 
 
-def report(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    lines = ["# gpu_check", ""]
-    failures: list[str] = []
-    lines.append("## parity at world size 1 (bitwise: losses and final parameters)")
-    lines.append("")
-    for case in ("fp32", "bf16"):
-        ours, theirs = (
-            _load(out / f"parity_ours_{case}.json"),
-            _load(out / f"parity_fsdp2_{case}.json"),
-        )
-        same = (
-            ours["losses"] == theirs["losses"] and ours["params_sha256"] == theirs["params_sha256"]
-        )
-        first = next(
-            (
-                i
-                for i, (a, b) in enumerate(zip(ours["losses"], theirs["losses"], strict=True))
-                if a != b
-            ),
-            None,
-        )
-        lines.append(
-            f"- {case}: {'equal' if same else 'DIFFERENT'} over {ours['steps']} steps"
-            + ("" if first is None else f" (first differing loss at step {first})")
-            + f"; last loss {float.fromhex(ours['losses'][-1]):.6g}"
-        )
-        if not same:
-            failures.append(f"parity {case}")
-    lines += ["", "## stream race (bitwise identical losses run to run)", ""]
-    runs = sorted(out.glob("race_*.json"))
-    reference = _load(runs[0]) if runs else None
-    for path in runs:
-        run = _load(path)
-        same = reference is not None and run["losses"] == reference["losses"]
-        same = same and reference is not None and run["params_sha256"] == reference["params_sha256"]
-        finite = all(math.isfinite(float.fromhex(v)) for v in run["losses"])
-        lines.append(
-            f"- {path.stem}: CUDA_LAUNCH_BLOCKING={run['launch_blocking'] or 'unset'}, "
-            f"world {run.get('world', 1)} (fake process group), {run['steps']} steps: "
-            f"{'identical' if same else 'DIFFERENT'}"
-            + ("" if finite else " (non-finite losses: the comparison proves nothing)")
-        )
-        if not same:
-            failures.append(f"race {path.stem}")
-        if not finite:
-            failures.append(f"race {path.stem} not finite")
-    if len(runs) < 3:
-        failures.append(f"race: {len(runs)} runs found, expected 3")
-    sanitizer = out / "sanitizer.txt"
-    verdict = sanitizer.read_text().strip() if sanitizer.exists() else "(missing)"
-    lines += ["", "## CUDA sanitizer (TORCH_CUDA_SANITIZER=1, 5 steps of the race run)", ""]
-    lines.append(f"- {verdict}")
-    if not verdict.startswith(("passed", "not run")):
-        failures.append("sanitizer")
-        log = out / "sanitizer.log"
-        if log.exists():
-            lines += ["", "```", *log.read_text().splitlines()[-40:], "```"]
-    lines += ["", "## memory (torch.cuda.memory_stats, one training run each)", ""]
-    mem = {e: _load(out / f"parity_{e}_bf16.json").get("memory") for e in ("ours", "fsdp2")}
-    if mem["ours"] and mem["fsdp2"]:
-        lines.append("| stat | ours MiB | FSDP2 MiB | ours / FSDP2 |")
-        lines.append("|---|---|---|---|")
-        for key, value in mem["ours"].items():
-            other = mem["fsdp2"][key]
-            ratio = f"{value / other:.2f}x" if other else "-"
-            scale = 2**20 if "bytes" in key or key == "max_memory_reserved" else 1
-            lines.append(f"| {key} | {value / scale:.1f} | {other / scale:.1f} | {ratio} |")
-    else:
-        lines.append("(no CUDA: no memory statistics in the dry run)")
-    host = out / "scale_host.md"
-    lines += ["", "## host benchmark (fake process group, device tensors)", ""]
-    lines.append(host.read_text() if host.exists() else "(missing)")
-    lines += ["", "result: " + ("FAILED: " + ", ".join(failures) if failures else "passed")]
-    text = "\n".join(lines) + "\n"
-    (out / "summary.md").write_text(text)
-    print(text)
-    return 1 if failures else 0
+def smoke(device: Any) -> None:
+    """Two steps of each engine as rank 0 of 2 on the fake process group (all-gathers and
+    reduce-scatters run): fails at once where the packages do not run on this torch."""
+    import torch
+    import torch.distributed as dist
+    from bench_scale_host import build_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    for engine in ("ours", "fsdp2"):
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        try:
+            mesh = init_device_mesh(device.type, (2,))
+            model = build_model(2, 16, 32).to(device)
+            if engine == "ours":
+                import fsdp_engine as api
+            else:
+                import torch.distributed.fsdp as api  # type: ignore[no-redef]
+            for block in model.blocks:
+                api.fully_shard(block, mesh=mesh)
+            api.fully_shard(model, mesh=mesh)
+            opt = torch.optim.AdamW(model.parameters())
+            for _ in range(2):
+                model(torch.randn(4, 16, device=device)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        finally:
+            dist.destroy_process_group()
 
 
-def main() -> None:
+def preflight(args: argparse.Namespace) -> dict[str, Any]:
+    """What the run depends on: torch, CUDA, NCCL, the GPUs, the engine's torch compatibility;
+    then ``smoke`` on the first GPU (or the CPU)."""
+    import torch
+
+    import fsdp_engine
+    from fsdp_engine._private.compat import compat_status
+
+    cuda = torch.cuda.is_available()
+    status = compat_status()
+    problems = [
+        f"{k}: {v}" for k, v in status.items() if k != "torch" and v not in {"torch", "marked"}
+    ]
+    if status.get("torch") == "unsupported":
+        problems.insert(0, "torch version not the one the engine was checked against (2.13)")
+    nccl = "-"
+    if cuda:
+        with contextlib.suppress(Exception):  # a tuple on recent torch, an int on old ones
+            version = torch.cuda.nccl.version()
+            nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+    commit = os.environ.get("GPU_CHECK_COMMIT", "")
+    if not commit:
+        with contextlib.suppress(OSError, subprocess.CalledProcessError):
+            commit = subprocess.run(
+                ["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+    info: dict[str, Any] = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda or "-",
+        "gpus": torch.cuda.device_count() if cuda else 0,
+        "device_name": torch.cuda.get_device_name(0) if cuda else f"CPU ({os.cpu_count()} cores)",
+        "nccl": nccl,
+        "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        if cuda
+        else None,
+        "compat": "ok" if not problems else "; ".join(problems),
+        "compat_status": status,
+        "engine_from": str(Path(fsdp_engine.__file__).parent),
+        "commit": commit or "unknown",
+        "shims": torch_shims(),
+    }
+    if args.require_cuda and not cuda:
+        raise SystemExit("no CUDA device: use --dry")
+    smoke(torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    print(json.dumps(info, indent=1))
+    print(f"gpu_count={info['gpus']}")
+    return info
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
+    pre = sub.add_parser("preflight")
+    pre.add_argument("--require-cuda", action="store_true")
+    pre.add_argument("--out", required=True, help="folder: writes preflight.json there")
+
     t = sub.add_parser("train")
     t.add_argument("--engine", choices=["ours", "fsdp2"], required=True)
     t.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -248,31 +288,147 @@ def main() -> None:
     )
     t.add_argument("--foreach", type=lambda s: None if s == "default" else s == "1", default=None)
     t.add_argument("--out", required=True)
-    many = sub.add_parser("train-many", help="runs from stdin, one process (the dry run)")
-    many.add_argument("--device", default="cpu", choices=["cuda", "cpu"])
-    for name, default in (("layers", 8), ("dim", 256), ("hidden", 1024), ("batch", 32)):
-        many.add_argument(f"--{name}", type=int, default=default)
+
+    def common(q: argparse.ArgumentParser) -> None:
+        q.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+        q.add_argument(
+            "--fake-world", type=int, default=1, help="one process: rank 0 of this many (fake)"
+        )
+        q.add_argument("--mixed", action="store_true", help="bf16 compute, fp32 reduction")
+        q.add_argument("--pg-timeout", type=float, default=300.0, help="process group, seconds")
+        q.add_argument("--out", required=True)
+
+    b = sub.add_parser("bench", help="one engine's run of the side-by-side benchmark")
+    common(b)
+    b.add_argument("--engine", choices=["ours", "fsdp2"], required=True)
+    b.add_argument("--config", required=True, help="label of the configuration (report rows)")
+    b.add_argument("--index", type=int, default=0, help="the run's number (1, 2, ...)")
+    for name, default in (
+        ("dim", 2048),
+        ("layers", 8),
+        ("heads", 16),
+        ("ffn", 5632),
+        ("vocab", 32000),
+        ("seq", 1024),
+        ("batch", 4),
+        ("warmup", 3),
+        ("steps", 15),
+    ):
+        b.add_argument(f"--{name}", type=int, default=default)
+
+    s = sub.add_parser("stress", help="ours under sleeps and empty_cache vs a reference")
+    common(s)
+    for name, default in (("dim", 1024), ("hidden", 4096), ("layers", 8), ("batch", 64)):
+        s.add_argument(f"--{name}", type=int, default=default)
+    s.add_argument("--steps", type=int, default=50)
+    s.add_argument("--lr", type=float, default=1e-3)
+    s.add_argument("--sleep-cycles", type=int, default=2_000_000, help="max per sleep kernel")
+    s.add_argument("--host-sleep", type=float, default=0.0, help="CPU stand-in, max seconds")
+    s.add_argument("--serial", action="store_true", help="no sleeps or empty_cache: the reference")
+
+    h = sub.add_parser("host", help="bench_scale_host.py ARGS (with this torch's shims)")
+    h.add_argument("args", nargs=argparse.REMAINDER)
+    many = sub.add_parser("many", help="runs from stdin or --file, one a line, one process")
+    many.add_argument("--file")
     r = sub.add_parser("report")
     r.add_argument("--out", required=True)
-    args = p.parse_args()
+    r.add_argument("--parts", default="all", help="comma-separated, of: parity,race,stress,...")
+    r.add_argument("--dry", action="store_true")
+    return p
+
+
+def run(args: argparse.Namespace) -> None:
+    """One subcommand; writes its JSON to ``--out`` (rank 0 only under torchrun)."""
+    import gpu_check_runs
+
+    deadline = float(os.environ.get("GPU_CHECK_DEADLINE_S", "0") or 0)
+    if deadline > 0 and hasattr(args, "pg_timeout"):  # a hung collective fails before then
+        args.pg_timeout = min(args.pg_timeout, max(20.0, deadline - 15.0))
+
+    if args.cmd == "preflight":
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "preflight.json").write_text(json.dumps(preflight(args), indent=1))
+        return
+    if args.cmd == "host":
+        import runpy
+
+        argv, sys.argv = sys.argv, [str(HERE / "bench_scale_host.py"), *args.args]
+        try:
+            runpy.run_path(sys.argv[0], run_name="__main__")
+        finally:
+            sys.argv = argv
+        return
     if args.cmd == "train":
         result = train(args)
+    elif args.cmd == "bench":
+        result = gpu_check_runs.bench(args)
+    elif args.cmd == "stress":
+        result = gpu_check_runs.stress(args)
+    else:
+        raise SystemExit(f"gpu_check.py: {args.cmd} cannot run here")
+    if int(os.environ.get("RANK", "0")) == 0:
         Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+def _parse(parser: argparse.ArgumentParser, words: list[str]) -> argparse.Namespace:
+    if words[:1] == ["host"]:  # every argument is bench_scale_host.py's (argparse would take them)
+        return argparse.Namespace(cmd="host", args=words[1:])
+    return parser.parse_args(words)
+
+
+def many(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    import gpu_check_runs
+
+    gpu_check_runs.KEEP_PROCESS_GROUP = True
+    text = Path(args.file).read_text() if args.file else sys.stdin.read()
+    try:
+        for line in text.splitlines():
+            words = shlex.split(line)
+            if not words:
+                continue
+            env = {}
+            while words and "=" in words[0] and not words[0].startswith("-"):
+                key, value = words.pop(0).split("=", 1)
+                env[key] = value
+            saved: dict[str, str | None] = {key: os.environ.get(key) for key in env}
+            os.environ.update(env)
+            try:
+                print(f"== {line}", flush=True)
+                run(_parse(parser, words))
+            finally:
+                for name, before in saved.items():
+                    if before is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = before
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main() -> None:
+    deadline = float(os.environ.get("GPU_CHECK_DEADLINE_S", "0") or 0)
+    if deadline > 0:  # never hang: stacks to stderr and exit before the launch's time limit
+        faulthandler.dump_traceback_later(max(5.0, deadline - 10.0), exit=True)
+    parser = _parser()
+    args = _parse(parser, sys.argv[1:])
+    if args.cmd != "report":
+        torch_shims()
+    if args.cmd == "report":
+        from gpu_check_report import PARTS, report
+
+        parts = list(PARTS) if args.parts == "all" else args.parts.split(",")
+        unknown = sorted(set(parts) - set(PARTS))
+        if unknown:
+            raise SystemExit(f"gpu_check.py report: unknown parts {unknown}; known: {PARTS}")
+        sys.exit(report(Path(args.out), parts, args.dry))
+    if args.cmd == "many":
+        many(args, parser)
         return
-    if args.cmd == "train-many":
-        for line in sys.stdin.read().splitlines():
-            engine, case, steps, world, blocking, out = line.split()
-            run = argparse.Namespace(**vars(args))
-            run.engine, run.mixed, run.steps, run.out = engine, case == "bf16", int(steps), out
-            run.fake_world = int(world)
-            run.foreach = None
-            if blocking != "-":
-                os.environ["CUDA_LAUNCH_BLOCKING"] = blocking
-            else:
-                os.environ.pop("CUDA_LAUNCH_BLOCKING", None)
-            Path(out).write_text(json.dumps(train(run), indent=1))
-        return
-    sys.exit(report(args))
+    run(args)
 
 
 if __name__ == "__main__":

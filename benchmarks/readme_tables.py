@@ -1,8 +1,10 @@
 """Write the README's benchmark tables from the benchmarks' JSON output (never by hand).
 
 Reads ``results/bench_engine.json`` and ``results/bench_optim_engine.json`` (written by
-``bench_engine.py`` and ``bench_optim_engine.py``; ``nox -s bench`` runs all three) and replaces
-the text between each pair of markers in ``README.md``::
+``bench_engine.py`` and ``bench_optim_engine.py``; ``nox -s bench`` runs all three) and
+``results/gpu_check/gpu_check.json`` (written by ``benchmarks/gpu_check.sh`` on a GPU machine;
+until it exists the GPU section says the check was not run) and replaces the text between each
+pair of markers in ``README.md``::
 
     <!-- generated: bench_engine (benchmarks/readme_tables.py) -->
     ...
@@ -23,6 +25,7 @@ import json
 import math
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +149,64 @@ def optim_section(data: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-SECTIONS = {"bench_engine": engine_section, "bench_optim_engine": optim_section}
+def gpu_section(data: dict[str, Any] | None) -> str:
+    """The GPU check's verdicts and its side-by-side table (``gpu_check.json``), or that it was
+    not run."""
+    if data is None:
+        return (
+            "**Not run yet**: no GPU was available to this work, so there are no GPU figures. "
+            "`bash benchmarks/gpu_check.sh` on a machine with CUDA GPUs writes "
+            "`results/gpu_check/` (`summary.md`, `gpu_bench.md`, `gpu_check.json`); "
+            "`python benchmarks/readme_tables.py --only gpu_check` then writes this section "
+            "from `results/gpu_check/gpu_check.json`."
+        )
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_check_report import bench_table
+
+    m = data["machine"]
+    out = [
+        ("DRY RUN on CPU (not GPU figures). " if data.get("dry") else "")
+        + f"{m['date']}; {m['device_name']} x {m['gpus']}; torch {m['torch']} (CUDA "
+        f"{m['cuda']}, NCCL {m['nccl']}); commit {m['commit']}. `bash benchmarks/gpu_check.sh` "
+        f"(parts: {', '.join(data['parts'])}): **{data['result']}**; everything in "
+        "`results/gpu_check/summary.md`.",
+        "",
+    ]
+    if "parity" in data:
+        cases = ", ".join(f"{case} {verdict}" for case, verdict in data["parity"].items())
+        out.append(f"- parity with FSDP2 at world size 1 (losses and parameters): {cases}")
+    if "race" in data:
+        out.append(f"- stream race, rank 0 of 4 on the fake process group: {data['race']}")
+    for row in data.get("stress", []):
+        out.append(f"- stress race check, {row['case']}, {row['where']}: {row['verdict']}")
+    if "sanitizer" in data:
+        out.append(f"- CUDA sanitizer: {data['sanitizer']}")
+    bench = data.get("bench")
+    if bench and bench.get("rows"):
+        model = bench["model"]
+        out += [
+            "",
+            f"Ours vs FSDP2, each run its own launch, alternating; LLaMA-like model, dim "
+            f"{model['dim']}, {model['layers']} layers, {model['seq']} tokens x "
+            f"{model['batch_per_rank']} sequences per rank, {model['parameters'] / 1e6:.3g}M "
+            "parameters, bf16 mixed precision, AdamW. Step ratio: median of the runs' medians "
+            "(min / min in brackets); memory: `max_memory_allocated` / `max_memory_reserved`, "
+            "the largest rank, median over runs. Ratios < 1: ours faster or smaller.",
+            "",
+            *bench_table(bench["rows"]),
+        ]
+    return "\n".join(out)
+
+
+SECTIONS: dict[str, Callable[[Any], str]] = {
+    "bench_engine": engine_section,
+    "bench_optim_engine": optim_section,
+    "gpu_check": gpu_section,
+}
+# where a section's JSON is, under --results (default: NAME.json); those in OPTIONAL render
+# without it (the GPU check runs only where a GPU is at hand)
+SOURCES = {"gpu_check": "gpu_check/gpu_check.json"}
+OPTIONAL = {"gpu_check"}
 
 
 def render(readme: str, results: Path, only: list[str] | None = None) -> str:
@@ -158,16 +218,21 @@ def render(readme: str, results: Path, only: list[str] | None = None) -> str:
         pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), flags=re.S)
         if not pattern.search(readme):
             raise SystemExit(f"README has no markers {begin!r} ... {end!r}")
-        source = results / f"{name}.json"
-        if not source.exists():
+        source = results / SOURCES.get(name, f"{name}.json")
+        data = None
+        if source.exists():
+            data = json.loads(source.read_text())
+        elif name not in OPTIONAL:
             raise SystemExit(f"{source} is missing: run benchmarks/{name}.py first")
-        data = json.loads(source.read_text())
+        if data is not None and data.get("dry"):
+            raise SystemExit(f"{source} is a --dry run's (CPU): not figures for the README")
         try:
             block = f"{begin}\n{make(data)}\n{end}"
         except KeyError as exc:
+            script = "gpu_check.sh" if name == "gpu_check" else f"{name}.py"
             raise SystemExit(
                 f"{source} lacks {exc}: it was written by an older benchmark; rerun "
-                f"benchmarks/{name}.py"
+                f"benchmarks/{script}"
             ) from exc
         readme = pattern.sub(lambda _m, block=block: block, readme)
     return readme

@@ -516,3 +516,109 @@ def test_allocator_pools_are_per_stream(case: str, race: bool) -> None:
     without ordering, and only that."""
     races = _pools(case)
     assert bool(races) == race, races
+
+
+# -- the before_collective hook (race checks on a device: a sleep kernel before each collective)
+
+_KINDS = {
+    "all_gather_single": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "all_reduce": "all_reduce",
+}
+
+
+def _log_hook_and_collectives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Append every ``before_collective`` call and every collective issued, in order, to the
+    calling rank's ``_TLS.log`` (stream names: the simulation's, or None without streams)."""
+
+    def name(stream: Any) -> str | None:
+        return None if stream is None else str(stream.name)
+
+    def current() -> str | None:
+        return sim().current().name if getattr(_TLS, "sim", None) is not None else None
+
+    def hook(kind: str, stream: Any) -> None:
+        _TLS.log.append(("hook", kind, name(stream), name(stream) == current()))
+
+    monkeypatch.setattr(streams, "before_collective", hook)
+
+    def logged(real: Callable[..., Any], kind: str) -> Callable[..., Any]:
+        def issued(*args: Any, **kwargs: Any) -> Any:
+            _TLS.log.append(("issued", kind, current()))
+            return real(*args, **kwargs)
+
+        return issued
+
+    for fn, kind in _KINDS.items():
+        monkeypatch.setattr(dist, fn, logged(getattr(dist, fn), kind))
+
+
+def _packed_gather(buf: DBuffer) -> None:
+    from dbuffer import PackedAllGather, packed_layout
+
+    layout = packed_layout([[4 * buf.shard_size]] * buf.world_size)
+    gather = PackedAllGather(buf, layout, check=False)
+
+    def encode(send: torch.Tensor) -> None:
+        send.view(torch.float32)[: buf.shard_size].copy_(buf.shard)
+
+    def decode(recv: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(recv.view(torch.float32)[: out.numel()])
+
+    gather.unshard(encode, decode, dtype=torch.float32).wait()
+    buf.reshard()
+
+
+def _hooked(rank: int, world: int, case: str, simulate: bool) -> list[tuple[Any, ...]]:
+    buf = _buffer((world, 1) if case == "hsdp" else (world,))
+    _TLS.log = []
+    with simulated() if simulate else contextlib.nullcontext():
+        if case == "packed":
+            _packed_gather(buf)
+        elif simulate:
+            _gather(buf, "gather")
+            _reduce(buf, "reduce-hook" if case == "hsdp" else "reduce")
+        else:
+            buf.unshard()
+            buf.reshard()
+            grads = buf.new_like()
+            grads.alloc_unsharded()
+            grads.unsharded.fill_(1.0)
+            grads.reduce_scatter(op="avg")
+            grads.wait()
+    log: list[tuple[Any, ...]] = _TLS.log
+    del _TLS.log
+    return log
+
+
+@pytest.mark.parametrize(
+    ("case", "simulate", "kinds"),
+    [
+        ("sharded", True, {"all_gather", "reduce_scatter"}),
+        # 2 replicas of 1 shard rank: no reduce-scatter (one rank copies), the all-reduce
+        ("hsdp", True, {"all_gather", "all_reduce"}),
+        ("packed", True, {"all_gather"}),
+        ("sharded", False, {"all_gather", "reduce_scatter"}),  # CPU: no streams
+    ],
+)
+def test_before_collective_runs_once_per_collective_on_its_stream(
+    case: str, simulate: bool, kinds: set[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``streams.before_collective`` (default None) is called once right before each collective
+    dbuffer issues, with its kind and its communication stream, then the current stream (the
+    simulated streams stand in for a device's); None where there are no streams (gloo)."""
+    assert streams.before_collective is None  # opt-in
+    if simulate:
+        install(monkeypatch)
+    _log_hook_and_collectives(monkeypatch)
+    for log in run_threaded(_hooked, 2, case, simulate, timeout=60):
+        hooks, issued = log[0::2], log[1::2]
+        assert len(hooks) == len(issued) > 0, log
+        assert {h[1] for h in hooks} == kinds, log
+        for hook, collective in zip(hooks, issued, strict=True):
+            assert hook[0] == "hook" and collective[0] == "issued", log
+            assert hook[1] == collective[1], log  # the kind of the collective that follows
+            if simulate:  # its own communication stream, current, and the collective's
+                assert hook[2:] == (hook[1], True) and collective[2] == hook[1], log
+            else:
+                assert hook[2] is None and collective[2] is None, log

@@ -145,6 +145,7 @@ def all_gather_flat(
     works: list[Any] = []
     cpu_async = async_op and stream is None
     with streams.on_stream(stream):
+        streams.collective_starts("all_gather", stream)
         if comm is None:
             work = dist.all_gather_single(out, inp, group=group, async_op=cpu_async)
         else:
@@ -243,6 +244,7 @@ def reduce_scatter_flat(
             elif recv is not send:
                 recv.copy_(send)
         elif comm is not None:
+            streams.collective_starts("reduce_scatter", rs_stream)
             work = comm(
                 output_tensor=recv,
                 input_tensor=send,
@@ -255,6 +257,7 @@ def reduce_scatter_flat(
             elif not defer:
                 _wait_work(work)
         else:
+            streams.collective_starts("reduce_scatter", rs_stream)
             work = dist.reduce_scatter_single(
                 recv, send, op=_OPS[spec.scatter_op], group=shard_group, async_op=defer
             )
@@ -269,6 +272,7 @@ def reduce_scatter_flat(
             stream = _follow(stream, ar_stream, device)
             with streams.on_stream(stream):
                 for group in replicate_groups:
+                    streams.collective_starts("all_reduce", stream)
                     dist.all_reduce(recv, op=_OPS[spec.all_reduce_op], group=group)
         if hook is not None:
             target = hook_stream if hook_stream is not None else ar_stream

@@ -32,19 +32,23 @@ returns. On CPU (gloo) there are no streams and every call here is a no-op.
 
 The protocol is checked on CPU against a model of streams, events and the caching allocator,
 including blocks given back to the device (``tests/test_dbuffer_streams.py``, and the engine's
-use of it in the repository's ``tests/test_integration_streams.py``).
+use of it in the repository's ``tests/test_integration_streams.py``). On a device, race checks
+widen the windows through ``before_collective`` (``benchmarks/gpu_check.py``: a sleep kernel on
+the communication stream before each collective, so a missing wait reads unfinished data).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
 
 __all__ = [
     "StreamKind",
+    "before_collective",
+    "collective_starts",
     "comm_stream_for",
     "current_stream",
     "event_after",
@@ -54,6 +58,14 @@ __all__ = [
 ]
 
 StreamKind = Literal["all_gather", "reduce_scatter", "all_reduce"]
+
+before_collective: Callable[[StreamKind, torch.Stream | None], None] | None = None
+"""Opt-in test hook, default None (nothing runs). When set, ``collective_starts`` calls it on
+the host once per collective dbuffer issues (all-gather, reduce-scatter, replica all-reduce;
+none where one rank copies instead), right before the issue, with the collective's kind and its
+communication stream, which is then the current stream (None on devices without streams, where
+collectives run in issue order). A race check sets it to enqueue a sleep kernel there
+(``torch.cuda._sleep``), delaying the collective without changing what it computes."""
 
 _COMM_STREAMS: dict[tuple[torch.device, str], torch.Stream] = {}
 # FSDP2's priorities: the all-gather and reduce-scatter streams high, the all-reduce normal
@@ -70,6 +82,14 @@ def comm_stream_for(device: torch.device, kind: StreamKind = "all_gather") -> to
         stream = torch.Stream(device=device, priority=_PRIORITY[kind])
         _COMM_STREAMS[(device, kind)] = stream
     return stream
+
+
+def collective_starts(kind: StreamKind, stream: torch.Stream | None) -> None:
+    """Called right before a collective of ``kind`` is issued on ``stream`` (the current one):
+    runs ``before_collective`` if set."""
+    hook = before_collective
+    if hook is not None:
+        hook(kind, stream)
 
 
 def current_stream(device: torch.device) -> torch.Stream:
