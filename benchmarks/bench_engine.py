@@ -65,6 +65,7 @@ from torch.distributed.tensor import DTensor
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU (read when it is imported)
 BETAS = (0.9, 0.95)
+MIXED = (torch.bfloat16, torch.float32)  # the bf16 case's (param_dtype, reduce_dtype)
 LR = 1e-3
 WD = 0.1
 
@@ -76,6 +77,7 @@ class Case:
     optimizer: str  # adamw | muon | adamw8bit
     engines: tuple[str, ...]
     batch: int  # sequences per rank
+    mixed: bool = False  # bf16 parameters in forward/backward, fp32 reduction
 
 
 def cases(quick: bool) -> list[Case]:
@@ -92,6 +94,14 @@ def cases(quick: bool) -> list[Case]:
         Case("MoE 16 experts", moe, "adamw", dense, 4),
         Case("Muon", small, "muon", ("ours", "fsdp2", "fsdp2-a2a"), 4),
         Case("AdamW8bit", small, "adamw8bit", ("ours", "fsdp2", "ours-naive"), 4),
+        Case(
+            "bf16 mixed precision",
+            small,
+            "adamw",
+            ("ours", "fsdp2", "ours-torch-adamw"),
+            4,
+            mixed=True,
+        ),
     ]
 
 
@@ -129,6 +139,9 @@ class Runner:
     opt_step: Callable[[], None]
     roots: Callable[[], list[torch.Tensor]]  # everything kept between steps
     padding: tuple[int, int]  # (padding elements, buffer elements)
+    # the step's phases, for the memory profile: forward -> loss, backward, optimizer, zero_grad
+    phases: tuple[Callable[..., Any], ...] = ()
+    state_bytes: Callable[[], int] = lambda: 0  # optimizer state held per rank
     times: list[float] = field(default_factory=list)
     opt_times: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -159,6 +172,7 @@ def _tensors_in(obj: Any, depth: int = 8, seen: set[int] | None = None) -> Itera
         "torch",
         "deepspeed",
         "optim_blockwise",
+        "fsdp_engine",
         "bench_engine",
         "__main__",
         "__mp_main__",
@@ -176,12 +190,8 @@ def _model_roots(model: nn.Module) -> list[torch.Tensor]:
         if isinstance(ds, torch.Tensor):
             out.append(ds)
     for m in model.modules():
-        state = m.__dict__.get("_fsdp_engine_state")  # ours: the persistent gradient shard
-        group = getattr(state, "group", None)
-        if group is not None:
-            out += [group.params.shard, group.unsharded_grads.shard]
-            if group.grads is not None:  # None while released (engines that release it)
-                out.append(group.grads.shard)
+        # ours: the parameters' local tensors view the group's shard storage (counted whole by
+        # the tally), the gradients live only while a .grad holds them (above)
         handle = getattr(m, "_handle", None)  # FSDP1's flat parameter
         flat = getattr(handle, "flat_param", None)
         if isinstance(flat, torch.Tensor):
@@ -353,16 +363,23 @@ def build_runner(case: Case, engine: str, cfg: ModelConfig, mesh: DeviceMesh) ->
         elif case.optimizer == "muon":
             policy = ob.Muon.block_policy()
         planner = "naive" if engine == "ours-naive" else "auto"
+        mp = fsdp_engine.MixedPrecisionPolicy(*MIXED) if case.mixed else None
+        kw: dict[str, Any] = {"block_policy": policy, "planner": planner}
+        if mp is not None:
+            kw["mp_policy"] = mp
         for layer in model.layers:  # type: ignore[union-attr]
-            fsdp_engine.fully_shard(layer, mesh=mesh, block_policy=policy, planner=planner)
-        fsdp_engine.fully_shard(model, mesh=mesh, block_policy=policy, planner=planner)
+            fsdp_engine.fully_shard(layer, mesh=mesh, **kw)
+        fsdp_engine.fully_shard(model, mesh=mesh, **kw)
         padding = _ours_padding(model, world)
     elif engine.startswith("fsdp2"):
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        kw2: dict[str, Any] = {"mesh": mesh}
+        if case.mixed:
+            kw2["mp_policy"] = MixedPrecisionPolicy(*MIXED)
         for layer in model.layers:  # type: ignore[union-attr]
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, **kw2)
+        fully_shard(model, **kw2)
         padding = _dim0_padding(shapes, world)
     elif engine == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -394,7 +411,43 @@ def build_runner(case: Case, engine: str, cfg: ModelConfig, mesh: DeviceMesh) ->
     def roots() -> list[torch.Tensor]:
         return _model_roots(model) + list(_tensors_in(opt))
 
-    return Runner(engine, model, step, opt_step, roots, padding)
+    phases = (
+        lambda tokens: loss_fn(model, tokens),
+        lambda loss: loss.backward(),
+        opt.step,
+        opt.zero_grad,
+    )
+    return Runner(
+        engine,
+        model,
+        step,
+        opt_step,
+        roots,
+        padding,
+        phases,
+        lambda: _state_bytes(opt),
+    )
+
+
+def _state_bytes(opt: Any) -> int:
+    """Optimizer state per rank: what the optimizer holds beyond the parameters and gradients."""
+    params = {id(_local(p)) for p in _params_of(opt)}
+    seen: set[int] = set()
+    total = 0
+    for t in _tensors_in(getattr(opt, "state", {})):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if id(t) in params or key in seen or t.device.type == "meta":
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    for sub in getattr(opt, "opts", ()):  # several optimizers stepped as one
+        total += _state_bytes(sub)
+    return total
+
+
+def _params_of(opt: Any) -> list[torch.Tensor]:
+    return [p for g in getattr(opt, "param_groups", []) for p in g["params"]]
 
 
 def _fsdp1_padding(model: nn.Module, world: int) -> tuple[int, int]:
@@ -458,7 +511,13 @@ def _deepspeed_runner(case: Case, cfg: ModelConfig, model: nn.Module, world: int
     def roots() -> list[torch.Tensor]:
         return _model_roots(engine.module) + list(_tensors_in(engine.optimizer))
 
-    return Runner("deepspeed", engine, step, opt_step, roots, (pad, total))
+    phases = (
+        lambda tokens: loss_fn(engine, tokens),
+        engine.backward,
+        engine.step,
+        lambda: None,
+    )
+    return Runner("deepspeed", engine, step, opt_step, roots, (pad, total), phases)
 
 
 def _deepspeed_available() -> bool:
@@ -481,6 +540,45 @@ def _timed(runner: Runner, tokens: torch.Tensor) -> tuple[float, float, float]:
     dist.barrier()
     t2 = time.perf_counter()
     return t2 - t0, t2 - t1, float(loss)
+
+
+def memory_floor(
+    case: Case,
+    cfg: ModelConfig,
+    world: int,
+    tokens: torch.Tensor,
+    measured: dict[str, dict[str, Any]],
+) -> dict[str, int]:
+    """[Issue 25] What a rank must hold at a step's peak, whatever the engine: its share of the
+    parameters and gradients (fp32, no padding), the optimizer state (the least any engine of the
+    case holds), one layer's unsharded parameters and gradients (compute dtype), and the
+    activations saved for backward at the end of forward (measured on an unsharded copy of the
+    model with this rank's batch, in the compute dtype)."""
+    from dbuffer import LiveBytes
+
+    torch.manual_seed(0)
+    model = LlamaModel(cfg)
+    if case.mixed:
+        model = model.to(MIXED[0])
+    params = [p for p in model.parameters()]
+    itemsize = params[0].element_size()
+    numel = sum(p.numel() for p in params)
+    layer = max(sum(p.numel() for p in block.parameters()) for block in model.layers)  # type: ignore[union-attr]
+    with LiveBytes(seed=params) as live:
+        seeded = live.current
+        loss = loss_fn(model, tokens)
+        activations = live.current - seeded
+    del loss
+    shard = 4 * numel // world
+    state = min(e["state_bytes"] for e in measured.values())
+    parts = {
+        "parameters": shard,
+        "gradients": shard,
+        "optimizer state": state,
+        "one layer unsharded": 2 * layer * itemsize,
+        "activations": activations,
+    }
+    return {**parts, "total": sum(parts.values())}
 
 
 def worker(rank: int, world: int, names: list[str], steps: int, warmup: int, quick: bool) -> Any:
@@ -508,12 +606,26 @@ def worker(rank: int, world: int, names: list[str], steps: int, warmup: int, qui
             for r in order:
                 if i == warmup - 1:  # optimizer state exists now: the measured step
                     tally = CollectiveTally()
+                    phase_peaks: dict[str, int] = {}
                     with LiveBytes(seed=r.roots()) as live, CopiedBytes() as copied, tally:
-                        loss = r.step(tokens)
-                        r.opt_step()
+                        forward, backward, optimize, zero = r.phases
+                        start = live.current  # between steps: what the engine keeps
+                        loss = forward(tokens)
+                        phase_peaks["forward"] = live.peak
+                        live.reset_peak()
+                        backward(loss)
+                        phase_peaks["backward"] = live.peak
+                        live.reset_peak()
+                        optimize()
+                        phase_peaks["optimizer"] = live.peak
+                        zero()
+                        loss = loss.detach()
                     r.losses.append(float(loss))
                     measured[r.name] = {
-                        "peak_live_bytes": live.peak,
+                        "peak_live_bytes": max(phase_peaks.values()),
+                        "phase_peaks": phase_peaks,
+                        "kept_before_bytes": start,
+                        "state_bytes": r.state_bytes(),
                         "persistent_bytes": live.current,
                         "copied_bytes": copied.total,
                         "collectives": dict(tally.calls),
@@ -529,6 +641,7 @@ def worker(rank: int, world: int, names: list[str], steps: int, warmup: int, qui
             "model": cfg.as_dict(),
             "batch": case.batch,
             "optimizer": case.optimizer,
+            "floor": memory_floor(case, cfg, world, batches[warmup - 1], measured),
             "engines": {
                 r.name: {
                     "times": r.times,
@@ -676,6 +789,8 @@ def summarize(all_results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
                     "opt_median_ms": 1e3 * statistics.median(e["opt_times"]),
                     "peak_mib": e["peak_live_bytes"] / 2**20,
                     "persistent_mib": e["persistent_bytes"] / 2**20,
+                    "phase_mib": {k: v / 2**20 for k, v in e.get("phase_peaks", {}).items()},
+                    "floor_mib": res.get("floor", {}).get("total", 0) / 2**20,
                     "collectives": calls,
                     "collective_kinds": e["collectives"],
                     "collective_mib": sum(e["collective_bytes"].values()) / 2**20,
@@ -688,6 +803,7 @@ def summarize(all_results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
                     row["min_vs_fsdp2"] = _ratio(min(e["times"]), min(ref["times"]))
                     row["opt_vs_fsdp2"] = _paired(e["opt_times"], ref["opt_times"])
                     row["mem_vs_fsdp2"] = _ratio(e["peak_live_bytes"], ref["peak_live_bytes"])
+                    row["kept_vs_fsdp2"] = _ratio(e["persistent_bytes"], ref["persistent_bytes"])
                     row["loss_diff_vs_fsdp2"] = abs(e["losses"][-1] - ref["losses"][-1])
                 row["paired_vs"] = {
                     peer: _paired(e["times"], other["times"]) for peer, other in engines.items()
@@ -831,6 +947,36 @@ def markdown(
             f"{r['collective_mib']:.2f} | "
             f"{r['copied_mib']:.2f} | {100 * pad / max(total, 1):.2f}% | "
             f"{r['final_loss']:.4f} ({r.get('loss_diff_vs_fsdp2', math.nan):.1e}) |"
+        )
+    out += [
+        "",
+        "## Memory (issue 25)",
+        "",
+        "Per rank, one measured step (the dispatch-mode tally of live storage): kept between "
+        "steps (after `zero_grad`), the peak of each phase (forward, backward, optimizer step) "
+        "and of the step, and the floor: this rank's share of the parameters and gradients "
+        "(fp32, no padding) + the optimizer state (the least any engine of the case holds) + one "
+        "layer's unsharded parameters and gradients (compute dtype) + the activations saved at "
+        "the end of forward (measured on an unsharded copy). Targets: kept <= 1.00x FSDP2 and "
+        "peak <= 1.00x FSDP2 on every row, peak <= 0.95x on the parameter-bound rows.",
+        "",
+        "| case | world | engine | kept MiB | kept / FSDP2 | peak MiB | peak / FSDP2 | "
+        "peak forward / backward / optimizer MiB | floor MiB | peak / floor |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["engine"] not in ("ours", "fsdp2", "ours-torch-adamw"):
+            continue
+        phases = r.get("phase_mib", {})
+        phase_cell = " / ".join(
+            f"{phases.get(k, math.nan):.2f}" for k in ("forward", "backward", "optimizer")
+        )
+        floor = r.get("floor_mib", 0.0)
+        out.append(
+            f"| {r['case']} | {r['world']} | {r['label']} | {r['persistent_mib']:.2f} | "
+            f"{r.get('kept_vs_fsdp2', math.nan):.2f}x | {r['peak_mib']:.2f} | "
+            f"{r.get('mem_vs_fsdp2', math.nan):.2f}x | {phase_cell} | {floor:.2f} | "
+            f"{_ratio(r['peak_mib'], floor):.2f}x |"
         )
     out += [
         "",

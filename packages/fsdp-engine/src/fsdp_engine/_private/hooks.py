@@ -46,7 +46,12 @@ def hidden_from_dynamo(fn: Callable[_P, _R]) -> Callable[_P, _R]:
 
 
 def grad_tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors of a nested container that require grad, in traversal order."""
+    """The tensors of a nested container that require grad, in traversal order.
+
+    torch's traversal (``_apply_to_tensors``) is a recursive closure, i.e. a reference cycle
+    that keeps the function it was given alive until the garbage collector runs: so the list
+    the callback fills is emptied before returning (a copy is returned), else the activations
+    it held would outlive the step (measured: one step's outputs kept per module)."""
     found: list[torch.Tensor] = []
 
     def collect(t: torch.Tensor) -> torch.Tensor:
@@ -55,7 +60,9 @@ def grad_tensors(output: Any) -> list[torch.Tensor]:
         return t
 
     compat.apply_to_tensors(collect, output)
-    return found
+    result = list(found)
+    found.clear()
+    return result
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
@@ -94,10 +101,13 @@ def register_post_backward(
     found = grad_tensors((args, kwargs))
     if not found:
         return args, kwargs
-    outputs = iter(compat.PostBackwardFunction.apply(state, *found))
+    outputs = list(compat.PostBackwardFunction.apply(state, *found))
+    found.clear()
+    position = iter(range(len(outputs)))
 
     def replace(t: torch.Tensor) -> torch.Tensor:
-        return next(outputs) if t.requires_grad else t
+        return outputs[next(position)] if t.requires_grad else t
 
     new = compat.apply_to_tensors(replace, (args, kwargs))
+    outputs.clear()  # the closure outlives this call ([grad_tensors]'s cycle): hold nothing
     return tuple(new[0]), dict(new[1])
