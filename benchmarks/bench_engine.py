@@ -542,6 +542,62 @@ def _timed(runner: Runner, tokens: torch.Tensor) -> tuple[float, float, float]:
     return t2 - t0, t2 - t1, float(loss)
 
 
+class MovedBytes:
+    """Bytes the aten ops read and write while active: the memory traffic of a step, to compare
+    gradient hand-overs ([Note: gradient hand-over]). Views move nothing; an op's outputs are
+    written; its other tensor arguments are read, and the ones it writes in place are read too
+    (``add_``) except by the ops that only store (``copy_``, ``fill_``, ``zero_``)."""
+
+    _STORE_ONLY = frozenset({"copy_", "fill_", "zero_", "index_fill_"})
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                outer.count(func, args, kwargs, out)
+                return out
+
+        self.total = 0
+        self._mode = Mode()
+
+    def count(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        from torch.utils._pytree import tree_leaves
+
+        schema = func._schema
+        if schema.returns and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+        ):
+            return  # a view
+        store_only = schema.name.split("::")[-1] in self._STORE_ONLY
+        values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args) :]]
+        written: set[int] = set()
+        for arg, value in zip(schema.arguments, values, strict=False):
+            is_write = arg.alias_info is not None and arg.alias_info.is_write
+            for t in tree_leaves(value):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    size = t.numel() * t.element_size()
+                    if is_write:
+                        written.add(id(t))
+                        self.total += size if store_only else 2 * size
+                    else:
+                        self.total += size
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and id(t) not in written and t.device.type != "meta":
+                self.total += t.numel() * t.element_size()
+
+    def __enter__(self) -> MovedBytes:
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+
+
 def memory_floor(
     case: Case,
     cfg: ModelConfig,
@@ -591,6 +647,15 @@ def worker(rank: int, world: int, names: list[str], steps: int, warmup: int, qui
     mesh = init_device_mesh("cpu", (world,))
     corpus = load_corpus()
     have_ds = _deepspeed_available()
+    handover = os.environ.get("BENCH_HANDOVER")
+    if handover:  # [Note: gradient hand-over]: the alternatives, for the memory comparison
+        from fsdp_engine._private import handover as handover_module
+
+        handover_module.DEFAULT = {
+            "take": handover_module.TakeHandover,
+            "hold": handover_module.HoldHandover,
+            "prezeroed": handover_module.PrezeroedHandover,
+        }[handover]
     results: dict[str, Any] = {}
     for case in cases(quick):
         if case.name not in names:
@@ -607,7 +672,8 @@ def worker(rank: int, world: int, names: list[str], steps: int, warmup: int, qui
                 if i == warmup - 1:  # optimizer state exists now: the measured step
                     tally = CollectiveTally()
                     phase_peaks: dict[str, int] = {}
-                    with LiveBytes(seed=r.roots()) as live, CopiedBytes() as copied, tally:
+                    moved = MovedBytes()
+                    with LiveBytes(seed=r.roots()) as live, CopiedBytes() as copied, tally, moved:
                         forward, backward, optimize, zero = r.phases
                         start = live.current  # between steps: what the engine keeps
                         loss = forward(tokens)
@@ -628,6 +694,7 @@ def worker(rank: int, world: int, names: list[str], steps: int, warmup: int, qui
                         "state_bytes": r.state_bytes(),
                         "persistent_bytes": live.current,
                         "copied_bytes": copied.total,
+                        "moved_bytes": moved.total,
                         "collectives": dict(tally.calls),
                         "collective_bytes": dict(tally.bytes),
                     }
@@ -795,6 +862,7 @@ def summarize(all_results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
                     "collective_kinds": e["collectives"],
                     "collective_mib": sum(e["collective_bytes"].values()) / 2**20,
                     "copied_mib": e["copied_bytes"] / 2**20,
+                    "moved_mib": e.get("moved_bytes", 0) / 2**20,
                     "padding": e["padding"],
                     "final_loss": e["losses"][-1],
                 }
@@ -1062,6 +1130,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cases", nargs="+", default=None, help="case names (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny models (a smoke test)")
     p.add_argument("--timeout", type=float, default=1800.0)
+    p.add_argument(
+        "--handover",
+        choices=["take", "hold", "prezeroed"],
+        default=None,
+        help="the engine's unsharded-gradient hand-over (default: the engine's)",
+    )
     args = p.parse_args(argv)
     names = args.cases or [c.name for c in cases(args.quick)]
     if not _deepspeed_available():
@@ -1072,8 +1146,16 @@ def main(argv: list[str] | None = None) -> None:
     all_results: dict[int, dict[str, Any]] = {}
     for world in args.worlds:
         start = time.perf_counter()
+        env = {"BENCH_HANDOVER": args.handover} if args.handover else None
         per_rank = run_processes(
-            worker, world, names, args.steps, args.warmup, args.quick, timeout=args.timeout
+            worker,
+            world,
+            names,
+            args.steps,
+            args.warmup,
+            args.quick,
+            timeout=args.timeout,
+            env=env,
         )
         all_results[world] = per_rank[0]
         for case, res in per_rank[0].items():  # peak memory: the largest over ranks

@@ -338,11 +338,13 @@ class FSDPState:
         self.training_state = TrainingState.POST_BACKWARD
         sync = self.config.requires_gradient_sync
         for group in self.groups:
+            # reshard first (FSDP2's order): the unsharded parameters go before the reduction's
+            # memory comes (autograd's gradients are tensors of their own, or already handed over)
+            if self.config.reshard_after_backward and group.state is ShardedState.UNSHARDED:
+                group.reshard()
             if sync:
                 self.ctx.before_reduction(group)  # [Note: reductions in flight]
             group.reduce(sync=sync, async_op=sync)
-            if self.config.reshard_after_backward and group.state is ShardedState.UNSHARDED:
-                group.reshard()
 
     def _final_callback(self) -> None:
         """Root only: runs once when the whole backward pass has finished."""
