@@ -29,6 +29,9 @@ from fsdp_engine._private.checkpoint_errors import (
 )
 from fsdp_engine._private.checkpoint_load import load_checkpoint, verify_checkpoint
 from fsdp_engine._private.checkpoint_save import save_checkpoint
+from fsdp_engine._private.checkpoint_staging import install_dtensor_data_ptr
+
+install_dtensor_data_ptr()  # see [Note: a DTensor's data_ptr]
 
 __all__ = [
     "COMMIT_MARKER",
