@@ -20,9 +20,11 @@ from fsdp_engine._private.api import (
 )
 from fsdp_engine._private.checkpoint import (
     AfterCommitError,
+    AsyncSaveHandle,
     CheckpointError,
     CheckpointIntegrityError,
     IncompleteCheckpointError,
+    async_save_checkpoint,
     checkpoint_info,
     is_complete_checkpoint,
     latest_checkpoint,
@@ -60,6 +62,8 @@ __all__ = [
     "QuantizedAllGather",
     "QuantizedWeight",
     "save_checkpoint",
+    "async_save_checkpoint",
+    "AsyncSaveHandle",
     "load_checkpoint",
     "latest_checkpoint",
     "is_complete_checkpoint",

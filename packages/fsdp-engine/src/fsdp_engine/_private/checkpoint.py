@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+from fsdp_engine._private.checkpoint_async import AsyncSaveHandle, async_save_checkpoint
 from fsdp_engine._private.checkpoint_common import COMMIT_MARKER
 from fsdp_engine._private.checkpoint_discovery import (
     checkpoint_info,
@@ -36,9 +37,11 @@ install_dtensor_data_ptr()  # see [Note: a DTensor's data_ptr]
 __all__ = [
     "COMMIT_MARKER",
     "AfterCommitError",
+    "AsyncSaveHandle",
     "CheckpointError",
     "CheckpointIntegrityError",
     "IncompleteCheckpointError",
+    "async_save_checkpoint",
     "checkpoint_info",
     "is_complete_checkpoint",
     "latest_checkpoint",

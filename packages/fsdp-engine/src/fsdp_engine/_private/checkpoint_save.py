@@ -68,7 +68,7 @@ from fsdp_engine._private.checkpoint_common import (
 )
 from fsdp_engine._private.checkpoint_errors import AfterCommitError, CheckpointError
 
-__all__ = ["SaveRequest", "prepare_request", "save_checkpoint", "wait_for_pending", "write"]
+__all__ = ["SaveRequest", "check_locally", "save_checkpoint", "wait_for_pending", "write"]
 
 
 @attrs.frozen
@@ -97,40 +97,36 @@ def wait_for_pending(op: str) -> None:
         _PENDING.pop(0)(op)
 
 
-def prepare_request(
+def check_locally(
     state_dict: Any,
     path: str | os.PathLike[str],
     *,
     op: str,
-    process_group: dist.ProcessGroup | None,
     metadata: Mapping[str, Any] | None,
     check_replicated: bool,
     digest: str,
-) -> SaveRequest:
-    """The local checks of a save, then the agreement all-gather: every rank raises the same
-    error, or every rank goes on with the same request."""
+) -> tuple[SaveRequest, Exception | None]:
+    """The request, and what is wrong with it on this rank (``None``: nothing); the caller
+    then lets every rank agree (``check_every_rank``) before any collective of the save."""
     final = Path(path)
-    local_error: Exception | None = check_state_dict(state_dict, op)
+    error: Exception | None = check_state_dict(state_dict, op)
     record: dict[str, Any] = {}
-    if local_error is None and digest not in checkpoint_files.DIGESTS:
-        local_error = ValueError(
-            f"{op}: digest={digest!r}; expected one of {checkpoint_files.DIGESTS}"
-        )
-    if local_error is None:
+    if error is None and digest not in checkpoint_files.DIGESTS:
+        error = ValueError(f"{op}: digest={digest!r}; expected one of {checkpoint_files.DIGESTS}")
+    if error is None:
         try:  # a copy (the caller may change its dict while an asynchronous save runs)
             record = json.loads(json.dumps(dict(metadata or {})))
         except (TypeError, ValueError) as exc:
-            local_error = TypeError(
+            error = TypeError(
                 f"{op}: metadata must be a JSON-serializable mapping (it goes into the "
                 f"{COMMIT_MARKER} marker), got {describe(exc)}"
             )
-    if local_error is None and final.exists():
-        local_error = FileExistsError(
+    if error is None and final.exists():
+        error = FileExistsError(
             f"{op}: {str(final)!r} already exists; checkpoints are never "
             f"overwritten in place (save under a new step directory)"
         )
-    check_every_rank(final, local_error, op, process_group)
-    return SaveRequest(op, final, digest, record, check_replicated)
+    return SaveRequest(op, final, digest, record, check_replicated), error
 
 
 def save_checkpoint(
@@ -159,15 +155,15 @@ def save_checkpoint(
     """
     op = "save_checkpoint"
     wait_for_pending(op)
-    request = prepare_request(
+    request, error = check_locally(
         state_dict,
         path,
         op=op,
-        process_group=process_group,
         metadata=metadata,
         check_replicated=check_replicated,
         digest=digest,
     )
+    check_every_rank(request.final, error, op, process_group)
     return write(state_dict, request, process_group)
 
 
