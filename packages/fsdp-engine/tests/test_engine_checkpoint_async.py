@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Iterator
@@ -52,6 +53,7 @@ class _Gate:
     def __init__(self) -> None:
         self.opened = threading.Event()
         self.threads: set[str] = set()
+        self.nice: set[int] = set()
 
     def open(self) -> None:
         self.opened.set()
@@ -64,6 +66,8 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Gate]:
 
     def held(*args: Any, **kwargs: Any) -> Path:
         held_gate.threads.add(threading.current_thread().name)
+        if sys.platform.startswith("linux"):
+            held_gate.nice.add(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         assert held_gate.opened.wait(60), "the test never opened the gate"
         return real_write(*args, **kwargs)
 
@@ -121,6 +125,10 @@ def test_returns_after_staging_and_commits_the_state_at_the_call(
     assert handle.done() and handle.exception() is None and "committed" in repr(handle)
     # the write and every digest ran on the writer thread, none on this one
     assert gate.threads and all(WRITER in name for name in gate.threads), gate.threads
+    # at the lowest CPU priority: it takes the cores training leaves idle (this thread keeps its)
+    if sys.platform.startswith("linux"):
+        assert gate.nice == {19}, gate.nice
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 19
     assert latest_checkpoint(tmp_path) == tmp_path / "step_7"
     assert checkpoint_info(tmp_path / "step_7")["metadata"] == {"step": 7}
     verify_checkpoint(tmp_path / "step_7")

@@ -19,7 +19,9 @@ The writer's collectives run on a process group of its own (gloo, the ranks of
 ``process_group``, made by the first asynchronous save of that group, a collective of its
 ranks), so they never interleave with the training's collectives on ``process_group``;
 ``dcp.async_save`` asks the caller for the same (a CPU backend). One writer thread per process
-group.
+group, at the lowest CPU priority (nice 19 on Linux, that thread only): its work (DCP's
+serialization, the writes, the digests) takes the cores training leaves idle, and on a machine
+whose cores training keeps busy it yields to training instead of slowing its steps.
 
 The handle's ``result()`` returns the path or raises what ``save_checkpoint`` raises, the same on
 every rank. A failure nobody retrieved is not lost: the next save of this process (either API)
@@ -33,7 +35,9 @@ its writer writes leaves a partial directory without a marker: the previous chec
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Mapping
@@ -143,6 +147,14 @@ def _alive(group: dist.ProcessGroup | None) -> bool:
     return True
 
 
+def _lowest_cpu_priority() -> None:
+    """The writer thread takes the cores training leaves idle: nice 19 for this thread alone
+    (Linux: a thread id is a ``PRIO_PROCESS`` target); elsewhere it keeps its priority."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
 def _writer_for(process_group: dist.ProcessGroup | None) -> _Writer:
     """The writer of ``process_group`` (made at its first asynchronous save: a collective of
     its ranks when there is a process group)."""
@@ -160,7 +172,10 @@ def _writer_for(process_group: dist.ProcessGroup | None) -> _Writer:
         ranks = dist.get_process_group_ranks(parent)
         group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
     name = f"fsdp_engine-checkpoint-writer-{len(_WRITERS)}"
-    writer = _Writer(parent, group, ThreadPoolExecutor(max_workers=1, thread_name_prefix=name))
+    executor = ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix=name, initializer=_lowest_cpu_priority
+    )
+    writer = _Writer(parent, group, executor)
     _WRITERS.append(writer)
     return writer
 
