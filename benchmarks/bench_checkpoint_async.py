@@ -3,23 +3,30 @@
 The demo's medium model (``examples/llama.py`` "medium", AdamW state included) at world size 2
 on gloo, one thread per rank. Both engines train their own copy in the same processes (ours:
 ``fsdp_engine.fully_shard`` + ``FlatAdamW``, the demo's; FSDP2: ``torch.distributed.fsdp`` +
-``torch.optim.AdamW``). The time is cut into windows of ``--window`` training steps; a window
-either saves once, between its first two steps, or does not, and the windows alternate (the
-order reversed every round). Save kinds:
+``torch.optim.AdamW``). Save kinds:
 
 - ours ``async_save_checkpoint`` (committed atomically, digests computed by the writer thread);
 - FSDP2 + ``dcp.async_save`` (the peer; on a gloo group of its own, as DCP asks);
 - ours + ``dcp.async_save`` (the same call on our state dict);
 - ours ``save_checkpoint`` (synchronous, for scale).
 
-Per save: the *stall*, the time the training thread spends in the save call (checks and the
-copy to CPU memory), and the *cost*, the window's time minus the paired no-save window's of the
-same engine in the same round (the stall plus every step the writer thread slowed down: on
-this CPU machine it competes with training for the cores), both as a share of the engine's
-median step; medians and minimums over the rounds. The writer's own time (call to commit) and
-whether it finished inside its window are recorded. Rank 0's clock, between barriers.
+Each round runs, for every kind, a pair of adjacent windows of ``--window`` training steps of
+that kind's engine: one saves once (between its first two steps), the other does not; the
+order within pairs and of the kinds flips every round. Per save:
 
-    python benchmarks/bench_checkpoint_async.py                        # ~15 min on 2 cores
+- the *stall*: the training thread's wall time inside the save call (checks, the copy to CPU
+  memory, for ``save_checkpoint`` the whole save), and its CPU time there;
+- the *background CPU*: the CPU time of the thread that writes (our writer thread, DCP's
+  executor thread: the time inside DCP's ``save`` / our ``write``), which the training thread
+  no longer pays; on a machine whose cores training keeps busy it competes for them;
+- the *window cost*: the save window minus its paired no-save window (the stall plus every
+  step the background work slowed down), which on a shared, oversubscribed machine is mostly
+  noise: read it with its minimum.
+
+Shares are of the engine's median step (wall) or median step CPU; medians and minimums over the
+rounds; rank 0's clocks, windows between barriers.
+
+    python benchmarks/bench_checkpoint_async.py                        # ~10 min on 2 cores
     python benchmarks/bench_checkpoint_async.py --from-json --readme packages/fsdp-engine/README.md
 
 Writes ``bench_checkpoint_async.md`` / ``.json`` into ``--out``; ``--readme`` replaces the table
@@ -49,15 +56,14 @@ import torch
 import torch.distributed as dist
 
 MARK = "checkpoint_async"
-KINDS = {  # kind -> (engine, what the window does)
-    "ours, no save": ("fsdp-engine", None),
+KINDS = {  # save kind -> (engine, how it saves)
     "ours, async_save_checkpoint": ("fsdp-engine", "ours"),
+    "FSDP2, dcp.async_save": ("fsdp2", "dcp"),
     "ours, dcp.async_save": ("fsdp-engine", "dcp"),
     "ours, save_checkpoint (sync)": ("fsdp-engine", "sync"),
-    "FSDP2, no save": ("fsdp2", None),
-    "FSDP2, dcp.async_save": ("fsdp2", "dcp"),
 }
-BASELINE = {"fsdp-engine": "ours, no save", "fsdp2": "FSDP2, no save"}
+SAVES = list(KINDS)
+BASELINE = ("fsdp-engine", "fsdp2")
 
 
 def _build(engine: str, world: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -102,8 +108,29 @@ def _start_save(
     return None
 
 
+def _timed(module: Any, name: str, into: list[float]) -> None:
+    """Record the calling thread's CPU time in ``module.name`` (the background write)."""
+    real = getattr(module, name)
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = time.thread_time()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            into.append(time.thread_time() - start)
+
+    setattr(module, name, timed)
+
+
 def worker(rank: int, world: int, rounds: int, window: int, warmup: int) -> dict[str, Any]:
+    import torch.distributed.checkpoint.state_dict_saver as dcp_saver
+
+    from fsdp_engine._private import checkpoint_save
+
     torch.set_num_threads(1)
+    background: list[float] = []
+    _timed(checkpoint_save, "write", background)  # ours: the writer thread (sync: this one)
+    _timed(dcp_saver, "save", background)  # dcp.async_save's executor thread imports it there
     group = dist.new_group(backend="gloo")  # dcp.async_save's thread: not the training group
     models = {engine: _build(engine, world) for engine in BASELINE}
     counters = dict.fromkeys(BASELINE, 0)
@@ -113,40 +140,47 @@ def worker(rank: int, world: int, rounds: int, window: int, warmup: int) -> dict
             counters[engine] += 1
     root = Path(tempfile.mkdtemp(prefix="bench_ckpt_async_")) if rank == 0 else None
     root = Path(_shared(str(root) if root else None))
+    fields = ("window", "base", "steps", "step_cpu", "stall", "stall_cpu", "background")
     rows: dict[str, dict[str, list[Any]]] = {
-        kind: {"window": [], "cpu": [], "steps": [], "stall": [], "writer": [], "in_window": []}
-        for kind in KINDS
+        kind: {f: [] for f in (*fields, "writer", "in_window")} for kind in SAVES
     }
-    order = list(KINDS)
     for index in range(rounds):
-        for kind in order if index % 2 == 0 else order[::-1]:
+        for kind in SAVES if index % 2 == 0 else SAVES[::-1]:
             engine, how = KINDS[kind]
             model, opt = models[engine]
-            path = root / f"r{index}_{kind.split(',')[0]}_{how}"
-            pending: Any = None
-            steps = []
-            dist.barrier()
-            t0, cpu0 = time.perf_counter(), time.process_time()
-            for j in range(window):
-                s0 = time.perf_counter()
-                _step(model, opt, counters[engine], rank)
-                counters[engine] += 1
-                steps.append(time.perf_counter() - s0)
-                if j == 0 and how is not None:
-                    c0 = time.perf_counter()
-                    pending = _start_save(how, model, opt, path, group)
-                    rows[kind]["stall"].append(time.perf_counter() - c0)
-            dist.barrier()
-            rows[kind]["window"].append(time.perf_counter() - t0)
-            rows[kind]["steps"].append(steps)
-            if how is not None:
+            for saving in (False, True) if index % 2 == 0 else (True, False):
+                path = root / f"r{index}_{kind.split(',')[0]}_{how}"
+                pending: Any = None
+                steps, step_cpu = [], []
+                background.clear()
+                dist.barrier()
+                t0 = time.perf_counter()
+                for j in range(window):
+                    s0, c0 = time.perf_counter(), time.thread_time()
+                    _step(model, opt, counters[engine], rank)
+                    counters[engine] += 1
+                    steps.append(time.perf_counter() - s0)
+                    step_cpu.append(time.thread_time() - c0)
+                    if j == 0 and saving:
+                        c0, cpu0 = time.perf_counter(), time.thread_time()
+                        pending = _start_save(how, model, opt, path, group)
+                        rows[kind]["stall"].append(time.perf_counter() - c0)
+                        rows[kind]["stall_cpu"].append(time.thread_time() - cpu0)
+                dist.barrier()
+                elapsed = time.perf_counter() - t0
+                if not saving:
+                    rows[kind]["base"].append(elapsed)
+                    rows[kind]["steps"].append(steps)
+                    rows[kind]["step_cpu"].append(step_cpu)
+                    continue
+                rows[kind]["window"].append(elapsed)
                 rows[kind]["in_window"].append(pending is None or pending.done())
                 if pending is not None:
                     pending.result()
                 rows[kind]["writer"].append(time.perf_counter() - t0 - steps[0])
-            # the process's CPU time (every thread: training, the writer, gloo's), writer done
-            rows[kind]["cpu"].append(time.process_time() - cpu0)
-            dist.barrier()
+                # the background thread's CPU (a synchronous save's write is the stall's)
+                rows[kind]["background"].append(0.0 if how == "sync" else sum(background))
+                dist.barrier()
         if rank == 0:
             for child in root.iterdir():
                 if child.is_dir():
@@ -165,34 +199,40 @@ def _shared(value: str | None) -> str:
     return str(box[0])
 
 
-def summarize(rows: dict[str, dict[str, list[Any]]], window: int) -> dict[str, Any]:
-    """Per kind: the median step (no-save windows), and per save the stall and the cost against
-    the paired no-save window of the same round, as shares of that median step."""
+def summarize(rows: dict[str, dict[str, list[Any]]]) -> dict[str, Any]:
+    """Per save kind: the engine's median step (its no-save windows), the stall, the background
+    CPU and the paired window cost, medians and minimums, also as shares of a step."""
     out: dict[str, Any] = {}
-    for kind, (engine, how) in KINDS.items():
+    for kind in SAVES:
+        engine = KINDS[kind][0]
         r = rows[kind]
-        base = rows[BASELINE[engine]]
-        step = statistics.median(s for steps in base["steps"] for s in steps)
-        entry: dict[str, Any] = {"engine": engine, "step_s": step}
-        if how is not None:
-            costs = [w - b for w, b in zip(r["window"], base["window"], strict=True)]
-            cpu = [w - b for w, b in zip(r["cpu"], base["cpu"], strict=True)]
-            entry.update(
-                stall_s=statistics.median(r["stall"]),
-                stall_min_s=min(r["stall"]),
-                stall_share=statistics.median(r["stall"]) / step,
-                stall_min_share=min(r["stall"]) / step,
-                cost_s=statistics.median(costs),
-                cost_min_s=min(costs),
-                cost_share=statistics.median(costs) / step,
-                cost_min_share=min(costs) / step,
-                cpu_s=statistics.median(cpu),
-                cpu_share=statistics.median(cpu) / statistics.median(base["cpu"]) * window,
-                writer_s=statistics.median(r["writer"]),
-                in_window=f"{sum(r['in_window'])}/{len(r['in_window'])}",
-                saves=len(r["stall"]),
-            )
-        out[kind] = entry
+        step = statistics.median(
+            s for k in SAVES if KINDS[k][0] == engine for steps in rows[k]["steps"] for s in steps
+        )
+        step_cpu = statistics.median(
+            s for k in SAVES if KINDS[k][0] == engine for cpu in rows[k]["step_cpu"] for s in cpu
+        )
+        costs = [w - b for w, b in zip(r["window"], r["base"], strict=True)]
+        out[kind] = {
+            "engine": engine,
+            "step_s": step,
+            "step_cpu_s": step_cpu,
+            "stall_s": statistics.median(r["stall"]),
+            "stall_min_s": min(r["stall"]),
+            "stall_share": statistics.median(r["stall"]) / step,
+            "stall_min_share": min(r["stall"]) / step,
+            "stall_cpu_s": statistics.median(r["stall_cpu"]),
+            "stall_cpu_share": statistics.median(r["stall_cpu"]) / step_cpu,
+            "background_cpu_s": statistics.median(r["background"]),
+            "background_cpu_share": statistics.median(r["background"]) / step_cpu,
+            "cost_s": statistics.median(costs),
+            "cost_min_s": min(costs),
+            "cost_share": statistics.median(costs) / step,
+            "cost_min_share": min(costs) / step,
+            "writer_s": statistics.median(r["writer"]),
+            "in_window": f"{sum(r['in_window'])}/{len(r['in_window'])}",
+            "saves": len(r["stall"]),
+        }
     return out
 
 
@@ -200,28 +240,29 @@ def markdown(data: dict[str, Any]) -> str:
     a, s = data["args"], data["summary"]
     lines = [
         f"{data['info']}; demo medium model + AdamW state, world size 2, gloo, fp32, one thread "
-        f"per rank; {a['rounds']} rounds of windows of {a['window']} steps (one save per saving "
-        f"window), kinds alternating, order reversed every round; {data['checkpoint_mib']:.1f} "
-        "MiB per checkpoint. `python benchmarks/bench_checkpoint_async.py`. Stall: the training "
-        "thread inside the save call; cost: the window minus the paired no-save window of the "
-        "same engine (stall + the steps the writer thread slowed); both per save, as a share of "
-        "the engine's median step; median (min).",
+        f"per rank; {data['checkpoint_mib']:.1f} MiB per checkpoint; {a['rounds']} rounds, each a "
+        f"pair of adjacent windows of {a['window']} steps (one save, no save) per kind, orders "
+        "flipped every round. `python benchmarks/bench_checkpoint_async.py`. Stall: the training "
+        "thread inside the save call, wall and CPU; background CPU: the thread that writes; "
+        "window cost: the save window minus its paired no-save window; per save, as shares of "
+        "the engine's median step (wall, or CPU for CPU times); median (min).",
         "",
-        "| save | median step | stall per save | stall / step | cost per save | cost / step "
-        "| CPU per save (rank 0) | writer, call to commit | done within its window |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| save | median step | stall | stall / step | stall CPU / step CPU | background CPU "
+        "/ step CPU | window cost / step | writer: call to commit |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for kind, e in s.items():
-        if "stall_s" not in e:
-            continue
+        background = (
+            "- (in the stall)"
+            if KINDS[kind][1] == "sync"
+            else f"{1e3 * e['background_cpu_s']:.0f} ms: {100 * e['background_cpu_share']:.0f}%"
+        )
         lines.append(
             f"| {kind} | {e['step_s']:.3f} s | {1e3 * e['stall_s']:.1f} ms "
-            f"({1e3 * e['stall_min_s']:.1f}) | {100 * e['stall_share']:.1f}% "
-            f"({100 * e['stall_min_share']:.1f}%) | {1e3 * e['cost_s']:.0f} ms "
-            f"({1e3 * e['cost_min_s']:.0f}) | {100 * e['cost_share']:+.1f}% "
-            f"({100 * e['cost_min_share']:+.1f}%) | {1e3 * e['cpu_s']:.0f} ms "
-            f"({100 * e['cpu_share']:.0f}% of a step's) | {e['writer_s']:.2f} s | "
-            f"{e['in_window']} |"
+            f"({1e3 * e['stall_min_s']:.1f}) | **{100 * e['stall_share']:.1f}%** "
+            f"({100 * e['stall_min_share']:.1f}%) | {100 * e['stall_cpu_share']:.1f}% | "
+            f"{background} | {100 * e['cost_share']:+.0f}% ({100 * e['cost_min_share']:+.0f}%) "
+            f"| {e['writer_s']:.2f} s ({e['in_window']} within the window) |"
         )
     return "\n".join(lines)
 
@@ -289,7 +330,7 @@ def main(argv: list[str] | None = None) -> None:
             ),
             "checkpoint_mib": _checkpoint_mib(2),
             "rows": rows,
-            "summary": summarize(rows, args.window),
+            "summary": summarize(rows),
             "seconds": time.perf_counter() - start,
         }
         out.mkdir(parents=True, exist_ok=True)

@@ -318,6 +318,13 @@ def _async_run(rank: int, world: int, root: str) -> dict[str, Any]:
         )
         train(model, opt, rank, world, start=2, steps=1)  # collectives while the writer's run
         out[f"{engine} path"] = str(handle.result(timeout=120))
+    # ranks that name different paths: the writers' agreement, before anything is written
+    model_sd, optim_sd = get_state_dict(model, opt)
+    handle = async_save_checkpoint(
+        {"model": model_sd, "optim": optim_sd}, Path(root) / engine / f"rank_{rank}"
+    )
+    error = handle.exception(timeout=120)
+    out["paths"] = f"{type(error).__name__}: {error}"
     checkpoint_files.DigestingWriter = _FullDiskWriter  # type: ignore[misc]
     model_sd, optim_sd = get_state_dict(model, opt)
     handle = async_save_checkpoint(
@@ -344,13 +351,16 @@ def test_async_saves_at_2_load_bitwise_at_1_and_3_and_every_rank_learns_a_failur
 ) -> None:
     """Ours and FSDP2's state dicts (the control: the API takes any DTensor state dict), saved
     asynchronously at world size 2 while training goes on, load into ours at 1 and 3 and into
-    FSDP2 at 3 with the values at the call; digests computed on the writer thread only; a full
-    disk on rank 1 is the same CheckpointError on both ranks, nothing committed."""
+    FSDP2 at 3 with the values at the call; digests computed on the writer thread only; ranks
+    that name different paths, and a full disk on rank 1, are the same CheckpointError on both
+    ranks, nothing committed."""
     out = run_processes(_async_run, 2, str(tmp_path), timeout=240)
     want = out[0]
     assert_bitwise_equal(want["ours"], want["fsdp2"])
     for rank_out in out:
         assert rank_out["threads"] and all(WRITER in t for t in rank_out["threads"]), rank_out
+    assert out[0]["paths"] == out[1]["paths"], out
+    assert "the ranks were given different paths" in out[0]["paths"], out[0]["paths"]
     assert out[0]["failure"] == out[1]["failure"], out
     assert out[0]["failure"].startswith("CheckpointError: async_save_checkpoint: writing")
     assert "ranks [1]: OSError" in out[0]["failure"] and "No space left" in out[0]["failure"]
@@ -366,3 +376,48 @@ def test_async_saves_at_2_load_bitwise_at_1_and_3_and_every_rank_learns_a_failur
     for got in run_threaded(_load, 3, str(tmp_path / "ours" / "step_00000002"), "fsdp2"):
         assert_bitwise_equal(got, want["ours"])
     assert sorted(os.listdir(tmp_path / "ours")) == ["latest", "step_00000002"]
+
+
+_AT_EXIT = """
+import sys, torch
+from pathlib import Path
+from fsdp_engine import async_save_checkpoint
+from fsdp_engine._private import checkpoint_files
+
+class Full(checkpoint_files.DigestingWriter):
+    def write_data(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+root = Path(sys.argv[1])
+if sys.argv[2] == "fail":
+    checkpoint_files.DigestingWriter = Full
+async_save_checkpoint({"w": torch.arange(1000.0)}, root / "step_00000001")
+print("returned", flush=True)
+"""
+
+
+def test_a_process_ending_while_its_save_writes_finishes_it_or_reports_its_error(
+    tmp_path: Path,
+) -> None:
+    """The interpreter joins the writer thread at exit: the save commits. Had it failed, with
+    nobody asking, the exit reports the error (a warning on stderr), instead of losing it."""
+    import subprocess
+
+    script = tmp_path / "ends.py"
+    script.write_text(_AT_EXIT)
+    for mode in ("ok", "fail"):
+        root = tmp_path / mode
+        done = subprocess.run(
+            [sys.executable, "-W", "default", str(script), str(root), mode],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0 and "returned" in done.stdout, done.stderr
+        if mode == "ok":
+            assert latest_checkpoint(root) == root / "step_00000001", done.stderr
+            verify_checkpoint(root / "step_00000001")
+        else:
+            assert latest_checkpoint(root) is None
+            assert "nobody retrieved" in done.stderr and "No space left" in done.stderr, done.stderr

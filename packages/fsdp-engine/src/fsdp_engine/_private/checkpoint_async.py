@@ -8,12 +8,15 @@ committed, integrity-checked save of ``save_checkpoint``:
 - on the training thread: wait for this process's previous asynchronous save (one save at a
   time: the staged copies held stay bounded, and the commit protocol's cleanup of dead partial
   directories never meets a live one); the local checks of ``save_checkpoint``; the copy to CPU
-  ([Note: staging] in ``checkpoint_staging``); one small all-gather on ``process_group`` in which
-  every rank learns that every rank passed its checks and staged (else every rank raises the
-  same error, and nothing was started); then the copy goes to the writer and the call returns;
-- on the writer thread: the check of plain tensors across ranks, then phases 1-4 of
-  [Note: commit protocol]: DCP writes the files, the digests of every byte range are computed
-  there (off the training thread), rank 0 commits atomically, every rank learns the outcome.
+  ([Note: staging] in ``checkpoint_staging``); the copy goes to the writer and the call returns.
+  No collective: the stall is this rank's own work, never a wait for a slower rank. A check
+  that fails here raises here (and the writer still tells the other ranks);
+- on the writer thread: first one small all-gather in which every rank learns that every rank
+  named the same path, passed its checks and staged (else every rank's ``result()`` raises
+  the same error, and nothing was written); the check of plain tensors across ranks; then
+  phases 1-4 of [Note: commit protocol]: DCP writes the files, the digests of every byte range
+  are computed there (off the training thread), rank 0 commits atomically, every rank learns
+  the outcome.
 
 The writer's collectives run on a process group of its own (gloo, the ranks of
 ``process_group``, made by the first asynchronous save of that group, a collective of its
@@ -180,7 +183,16 @@ def _writer_for(process_group: dist.ProcessGroup | None) -> _Writer:
     return writer
 
 
-def _write(staged: StagedStateDict, request: SaveRequest, group: dist.ProcessGroup | None) -> Path:
+def _write(
+    staged: StagedStateDict | None,
+    request: SaveRequest,
+    error: Exception | None,
+    group: dist.ProcessGroup | None,
+) -> Path:
+    """The writer's job (see [Note: asynchronous saves]); every rank submits one, failed or not,
+    so every rank's writer meets the others in the same collectives."""
+    check_every_rank(request.final, error, _OP, group)
+    assert staged is not None
     staged.wait()
     return checkpoint_save.write(staged.state_dict, request, group)
 
@@ -197,12 +209,13 @@ def async_save_checkpoint(
     """``save_checkpoint`` in the background: copy ``state_dict`` to CPU memory, return.
 
     Collective, with ``save_checkpoint``'s arguments and checks (see [Note: asynchronous
-    saves]). Returns once every rank has staged its copy, so training may change the
-    parameters and optimizer state at once; a writer thread then writes the files, computes
-    their digests and commits the checkpoint atomically. Waits first for this process's
-    previous asynchronous save, if one is still writing. Raises at once, on every rank, what
-    is wrong before the write (bad arguments, an existing ``path``, a failed copy on some rank);
-    the write's own outcome comes from the handle's ``result()``.
+    saves]). Returns once this rank has its copy, so training may change the parameters and
+    optimizer state at once; a writer thread then checks that every rank got this far, writes
+    the files, computes their digests and commits the checkpoint atomically. Waits first for
+    this process's previous asynchronous save, if one is still writing. Raises at once what is
+    wrong on this rank before the write (bad arguments, an existing ``path``, a failed copy);
+    the write's outcome, and another rank's early failure, come from the handle's ``result()``,
+    the same on every rank.
     """
     wait_for_pending(_OP)
     request, error = check_locally(
@@ -217,16 +230,17 @@ def async_save_checkpoint(
     if error is None:
         try:
             staged = stage_state_dict(state_dict)
-        except Exception as exc:  # every rank must learn it before anyone starts writing
+        except Exception as exc:  # the other ranks learn it from the writer's agreement
             error = CheckpointError(
                 f"{_OP}: copying the state dict to CPU memory failed ({describe(exc)})"
             )
-    check_every_rank(request.final, error, _OP, process_group)
-    assert staged is not None
     writer = _writer_for(process_group)
-    future = writer.executor.submit(_write, staged, request, writer.group)
+    future = writer.executor.submit(_write, staged, request, error, writer.group)
     handle = AsyncSaveHandle(request.final, future)
     checkpoint_save._PENDING.append(handle._finish)
+    if error is not None:
+        handle._retrieved = True  # raised here; the writer's agreement tells the other ranks
+        raise error
     return handle
 
 
