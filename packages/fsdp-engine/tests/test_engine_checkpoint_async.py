@@ -333,6 +333,13 @@ def _async_run(rank: int, world: int, root: str) -> dict[str, Any]:
     error = handle.exception(timeout=120)
     out["failure"] = f"{type(error).__name__}: {error}"
     out["threads"] = sorted(threads)
+    import torch.distributed as dist
+
+    from fsdp_engine._private.checkpoint_async import _WRITERS, timeout_of
+
+    writer_group = _WRITERS[-1].group
+    assert writer_group is not None and writer_group is not dist.group.WORLD
+    out["timeouts"] = (timeout_of(writer_group), timeout_of(dist.group.WORLD))
     return out
 
 
@@ -359,6 +366,8 @@ def test_async_saves_at_2_load_bitwise_at_1_and_3_and_every_rank_learns_a_failur
     assert_bitwise_equal(want["ours"], want["fsdp2"])
     for rank_out in out:
         assert rank_out["threads"] and all(WRITER in t for t in rank_out["threads"]), rank_out
+    writer, training = out[0]["timeouts"]
+    assert writer == training and training.total_seconds() == 240, out[0]["timeouts"]
     assert out[0]["paths"] == out[1]["paths"], out
     assert "the ranks were given different paths" in out[0]["paths"], out[0]["paths"]
     assert out[0]["failure"] == out[1]["failure"], out

@@ -19,8 +19,9 @@ committed, integrity-checked save of ``save_checkpoint``:
   the outcome.
 
 The writer's collectives run on a process group of its own (gloo, the ranks of
-``process_group``, made by the first asynchronous save of that group, a collective of its
-ranks), so they never interleave with the training's collectives on ``process_group``;
+``process_group`` and its timeout, made by the first asynchronous save of that group, a
+collective of its ranks), so they never interleave with the training's collectives on
+``process_group``;
 ``dcp.async_save`` asks the caller for the same (a CPU backend). One writer thread per process
 group, at the lowest CPU priority (nice 19 on Linux, that thread only): its work (DCP's
 serialization, the writes, the digests) takes the cores training leaves idle, and on a machine
@@ -46,6 +47,7 @@ import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +79,7 @@ class AsyncSaveHandle:
     def __init__(self, path: Path, future: Future[Path]) -> None:
         self._path = path
         self._future = future
-        self._retrieved = False
-        self._lock = threading.Lock()
+        self._retrieved = False  # an error was raised to, or read by, the caller
 
     @property
     def path(self) -> Path:
@@ -105,26 +106,22 @@ class AsyncSaveHandle:
         return error
 
     def __repr__(self) -> str:
-        if not self._future.done():
-            state = "writing"
-        elif self._future.exception() is not None:
-            state = f"failed: {describe(self._future.exception())}"  # type: ignore[arg-type]
-        else:
-            state = "committed"
+        state = "writing"
+        if self._future.done():
+            error = self._future.exception()
+            state = "committed" if error is None else f"failed: {describe(error)}"
         return f"AsyncSaveHandle({str(self._path)!r}, {state})"
 
     def _finish(self, op: str) -> None:
         """Wait for the save; warn with its error if nobody retrieved it (``_PENDING``)."""
         self.wait()
         error = self._future.exception()
-        with self._lock:
-            report = error is not None and not self._retrieved
+        if error is not None and not self._retrieved:
             self._retrieved = True
-        if report:
             warnings.warn(
                 f"{op}: the asynchronous save of {str(self._path)!r} failed and nobody "
                 f"retrieved its error (call .result() on the handle async_save_checkpoint "
-                f"returned): {describe(error)}",  # type: ignore[arg-type]
+                f"returned): {describe(error)}",
                 RuntimeWarning,
                 stacklevel=4,
             )
@@ -150,6 +147,18 @@ def _alive(group: dist.ProcessGroup | None) -> bool:
     return True
 
 
+def timeout_of(group: dist.ProcessGroup) -> timedelta | None:
+    """``group``'s collective timeout (``None``: unknown, the default). The writer's group takes
+    it: a writer waiting for a dead rank gives up when training's collectives do, instead of
+    holding the interpreter's exit for gloo's default 30 minutes."""
+    for device in getattr(group, "_device_types", ()):
+        with contextlib.suppress(Exception):  # torch's private accessors, per backend
+            timeout = group._get_backend(device).options._timeout
+            if isinstance(timeout, timedelta):
+                return timeout
+    return None
+
+
 def _lowest_cpu_priority() -> None:
     """The writer thread takes the cores training leaves idle: nice 19 for this thread alone
     (Linux: a thread id is a ``PRIO_PROCESS`` target); elsewhere it keeps its priority."""
@@ -173,7 +182,9 @@ def _writer_for(process_group: dist.ProcessGroup | None) -> _Writer:
                 f"collectives must not interleave with training's); this torch has no gloo"
             )
         ranks = dist.get_process_group_ranks(parent)
-        group = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        group = dist.new_group(
+            ranks, backend="gloo", timeout=timeout_of(parent), use_local_synchronization=True
+        )
     name = f"fsdp_engine-checkpoint-writer-{len(_WRITERS)}"
     executor = ThreadPoolExecutor(
         max_workers=1, thread_name_prefix=name, initializer=_lowest_cpu_priority
