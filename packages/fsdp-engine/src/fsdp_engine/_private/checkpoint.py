@@ -2,8 +2,9 @@
 
 - ``checkpoint_save``: ``save_checkpoint`` and the commit protocol ([Note: commit protocol]);
 - ``checkpoint_async``: ``async_save_checkpoint``, its handle and its writer thread;
-- ``checkpoint_staging``: copying a state dict off the training tensors, and what torch's
-  copying code needs of our DTensors ([Note: a DTensor's data_ptr]);
+- ``checkpoint_staging``: copying a state dict off the training tensors ([Note: staging]);
+- ``checkpoint_dtensor``: what torch's copying code (DCP's stagers, ``copy.deepcopy``,
+  ``torch.save``) needs of the engine's DTensors ([Note: a DTensor's data_ptr]);
 - ``checkpoint_load``: ``load_checkpoint``, ``verify_checkpoint`` ([Note: strict loading]);
 - ``checkpoint_discovery``: ``latest_checkpoint``, ``checkpoint_info``,
   ``is_complete_checkpoint``;
@@ -30,9 +31,6 @@ from fsdp_engine._private.checkpoint_errors import (
 )
 from fsdp_engine._private.checkpoint_load import load_checkpoint, verify_checkpoint
 from fsdp_engine._private.checkpoint_save import save_checkpoint
-from fsdp_engine._private.checkpoint_staging import install_dtensor_data_ptr
-
-install_dtensor_data_ptr()  # see [Note: a DTensor's data_ptr]
 
 __all__ = [
     "COMMIT_MARKER",

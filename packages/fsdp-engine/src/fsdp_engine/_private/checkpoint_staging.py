@@ -1,23 +1,4 @@
-"""Copying a state dict off the training tensors, and what torch's copying code needs of ours.
-
-[Note: a DTensor's data_ptr]
-The engine's sharded parameters are DTensors whose local tensors are views of one flat shard
-storage per group, at offsets. torch 2.13 builds a DTensor's wrapper with its local tensor's
-``storage_offset`` over a null storage, so ``data_ptr()`` of such a DTensor is
-``0 + offset * itemsize``: 128 for the second parameter of a group, never an address. torch's
-Python code reads ``data_ptr() == 0`` as "a wrapper subclass without storage of its own" and
-``!= 0`` as "copy its storage": ``Tensor.__deepcopy__`` (``copy.deepcopy(model.state_dict())``),
-``Tensor.__reduce_ex__`` (``torch.save``, pickling) and DCP's state-dict stager
-(``dcp.async_save``, ``DefaultStager``, ``BlockingAsyncStager``, ``_copy_state_dict`` through
-``_create_cpu_state_dict``) then take the storage path and fail ("Attempted to call copy_() on
-an invalid python storage"; before that, the stager's ``new_empty([])`` on a ragged DTensor).
-FSDP2's parameters own their storage from offset 0, so their DTensors report 0 and take the
-wrapper path (a copy through the local tensor). ``DTensor.data_ptr`` therefore returns 0, which
-every DTensor FSDP2 makes already returns: a DTensor's data is its local tensor's, whose
-``data_ptr()`` is unchanged. Installed once, when fsdp_engine is imported (its checkpoint module
-calls ``install_dtensor_data_ptr``); a ``data_ptr`` that torch itself defines on DTensor is left
-alone. Building the engine's DTensors with a zero wrapper offset would not do: every op's
-output (``detach`` in ``state_dict()``) is a new wrapper with its local tensor's offset.
+"""Copying a state dict off the training tensors for an asynchronous save.
 
 [Note: staging]
 An asynchronous save must not write from the training tensors: the next optimizer step changes
@@ -41,26 +22,9 @@ import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["StagedStateDict", "install_dtensor_data_ptr", "stage_state_dict"]
+__all__ = ["StagedStateDict", "stage_state_dict"]
 
 _ALIGN = 64  # bytes: a span starts aligned for any dtype the storage is viewed in
-
-
-def _dtensor_data_ptr(self: DTensor) -> int:
-    """0: a DTensor owns no storage; its data is its local tensor's (see [Note: a DTensor's
-    data_ptr] in fsdp_engine's ``checkpoint_staging``)."""
-    return 0
-
-
-def install_dtensor_data_ptr() -> bool:
-    """Make ``DTensor.data_ptr`` return 0 (once); ``False`` when torch defines its own."""
-    current = DTensor.__dict__.get("data_ptr")
-    if current is _dtensor_data_ptr:
-        return True
-    if current is not None:
-        return False
-    DTensor.data_ptr = _dtensor_data_ptr  # type: ignore[assignment,method-assign]
-    return True
 
 
 @attrs.frozen
