@@ -2,14 +2,17 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 1 \\
         engine_reliability_train.py --steps 8 --every 3 --ckpt DIR --out FILE \\
-        [--kill-rank 1 --kill-at 7 --kill-marker FILE]
+        [--kill-rank 1 --kill-at 7 --kill-marker FILE] [--async-save [--kill-in-save 6]]
 
-Every ``--every`` steps all ranks save a committed checkpoint (``save_checkpoint``); at start the
-script resumes from ``latest_checkpoint(DIR)`` when there is one. With ``--kill-at J`` rank
-``--kill-rank`` SIGKILLs itself in the middle of step J (after its backward, before the optimizer
-step) on the first attempt only: the marker file and ``TORCHELASTIC_RESTART_COUNT`` keep the
-restarted job from killing again. Rank 0 writes the final parameters and optimizer state to
-``--out``.
+Every ``--every`` steps all ranks save a committed checkpoint (``save_checkpoint``, or
+``async_save_checkpoint`` with ``--async-save``: training goes on while the writer thread
+writes); at start the script resumes from ``latest_checkpoint(DIR)`` when there is one. With
+``--kill-at J`` rank ``--kill-rank`` SIGKILLs itself in the middle of step J (after its backward,
+before the optimizer step); with ``--kill-in-save J`` its writer thread SIGKILLs the process in
+the asynchronous save of step J, after writing that rank's files and before the commit, while
+the training thread is already in the next steps. Either happens on the first attempt only: the
+marker file and ``TORCHELASTIC_RESTART_COUNT`` keep the restarted job from killing again. Rank 0
+writes the final parameters and optimizer state to ``--out``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +31,31 @@ from engine_models import batches, loss_fn
 from engine_reliability_common import GLOBAL_BATCHES, build, full_snapshot
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from fsdp_engine import latest_checkpoint, load_checkpoint, save_checkpoint
+from fsdp_engine import (
+    AsyncSaveHandle,
+    async_save_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from fsdp_engine._private import checkpoint_files
+
+
+def _kill_in_save(step: int, rank: int, marker: Path) -> None:
+    """The writer of the save of ``step`` on ``rank`` SIGKILLs its process once its files are
+    on disk (the other ranks' writers wait for its digests; no marker is written)."""
+    target = f"step_{step:08d}"
+
+    class KillingWriter(checkpoint_files.DigestingWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            future = super().write_data(plan, planner)
+            future.wait()
+            if target in str(self.path) and dist.get_rank() == rank and not marker.exists():
+                marker.write_text(f"rank {rank} killed itself in the save of {target}\n")
+                os.kill(os.getpid(), signal.SIGKILL)
+            return future
+
+    checkpoint_files.DigestingWriter = KillingWriter  # type: ignore[misc]
 
 
 def main() -> None:
@@ -40,6 +68,8 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--kill-marker", default="")
     parser.add_argument("--pg-timeout", type=float, default=60.0)
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--kill-in-save", type=int, default=0)
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -52,7 +82,10 @@ def main() -> None:
     # active exception").
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.kill_in_save and attempt == 0 and args.kill_marker:
+        _kill_in_save(args.kill_in_save, args.kill_rank, Path(args.kill_marker))
     model, opt = build(world)
+    pending: AsyncSaveHandle | None = None
     start = 0
     resumed_from = None
     path = latest_checkpoint(args.ckpt)
@@ -80,11 +113,17 @@ def main() -> None:
         opt.zero_grad()
         if (step + 1) % args.every == 0:
             model_sd, optim_sd = get_state_dict(model, opt)
-            save_checkpoint(
+            save = async_save_checkpoint if args.async_save else save_checkpoint
+            if pending is not None:
+                pending.result()  # the previous save's outcome (the next save waits for it)
+            outcome = save(
                 {"model": model_sd, "optim": optim_sd},
                 Path(args.ckpt) / f"step_{step + 1:08d}",
                 metadata={"step": step + 1},
             )
+            pending = outcome if isinstance(outcome, AsyncSaveHandle) else None
+    if pending is not None:
+        pending.result()  # before the snapshot's collectives and the exit below
     snapshot = full_snapshot(model, opt)
     if rank == 0:
         result = {"state": snapshot, "attempt": attempt, "resumed_from": resumed_from}

@@ -19,7 +19,7 @@ from engine_reliability_common import assert_bitwise_equal, build, full_snapshot
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import fsdp_engine
-import fsdp_engine._private.checkpoint as ckpt
+import fsdp_engine._private.checkpoint_save as ckpt
 from fsdp_engine import (
     CheckpointError,
     CheckpointIntegrityError,
@@ -366,14 +366,14 @@ def test_a_failed_commit_raises_on_every_rank_commits_nothing_and_cleans_up(
     (disk full writing the marker): all ranks raise the same error saying it was NOT committed,
     and the partial directory is gone (regression, issue 14: it stayed, and with the disk full
     every later save failed until someone deleted it)."""
-    real = ckpt._write_durably
+    real = ckpt.write_durably
 
     def flaky(path: Path, text: str) -> None:
         if path.name == ckpt.COMMIT_MARKER and "step_00000002" in str(path):
             raise OSError(28, "No space left on device")
         real(path, text)
 
-    monkeypatch.setattr(ckpt, "_write_durably", flaky)
+    monkeypatch.setattr(ckpt, "write_durably", flaky)
     messages = run_threaded(_save_twice, 2, str(tmp_path), timeout=120)
     assert messages[0] == messages[1], messages
     message = messages[0]
@@ -420,14 +420,14 @@ def test_a_failed_pointer_update_says_the_checkpoint_is_committed(
     "not committed" although the directory was committed and loadable. Now every rank raises
     AfterCommitError saying it IS committed; the stale pointer is removed, so latest_checkpoint
     finds the new checkpoint by commit time."""
-    real = ckpt._write_durably
+    real = ckpt.write_durably
 
     def flaky(path: Path, text: str) -> None:
         if path.name == ".latest.tmp" and text == "step_00000002":
             raise OSError(28, "No space left on device")
         real(path, text)
 
-    monkeypatch.setattr(ckpt, "_write_durably", flaky)
+    monkeypatch.setattr(ckpt, "write_durably", flaky)
     messages = run_threaded(_save_twice, 2, str(tmp_path), timeout=120)
     assert messages[0] == messages[1], messages
     assert messages[0].startswith("AfterCommitError:"), messages[0]
