@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Replicate
 
-from fsdp_engine._private import checkpoint_dtensor
+from ragged_dtensor import hooks_installed
 from ragged_dtensor.testing import run_processes, run_threaded
 
 pytestmark = pytest.mark.numerics
@@ -90,11 +90,9 @@ def _compare(original: Any, copied: Any, *, aliases: bool) -> str:
 
 def test_state_dict_dtensors_report_no_storage_of_their_own_like_fsdp2s() -> None:
     """The engine's sharded parameters view one flat storage at offsets; torch reads a DTensor's
-    ``data_ptr() != 0`` as "copy its storage". Every DTensor reports 0, as FSDP2's do, once
-    ``fully_shard`` ran (importing fsdp_engine changes nothing in torch; ragged-dtensor's
-    ``test_ragged_import_side_effects`` checks the import)."""
-    checkpoint_dtensor.uninstall_dtensor_data_ptr()  # as after the import
-    assert not checkpoint_dtensor.dtensor_data_ptr_installed()
+    ``data_ptr() != 0`` as "copy its storage". Every DTensor reports 0, as FSDP2's do, while
+    ragged_dtensor's integration is installed (by the engine's first RaggedShard; importing
+    changes nothing in torch: ragged-dtensor's ``test_ragged_import_side_effects``)."""
 
     def body(rank: int, world: int, engine: str) -> dict[str, Any]:
         model, opt = build(world, engine=engine)
@@ -109,13 +107,10 @@ def test_state_dict_dtensors_report_no_storage_of_their_own_like_fsdp2s() -> Non
         }
 
     fsdp2, ours = (run_threaded(body, 2, engine, timeout=120)[0] for engine in ENGINES)
-    assert checkpoint_dtensor.dtensor_data_ptr_installed()  # by ours' fully_shard
+    assert hooks_installed()["data_ptr"]  # by the engine's first RaggedShard
     assert fsdp2 == {"offsets": [0], "wrapper data_ptr": [0], "locals have data": True}
     assert len(ours["offsets"]) > 1, ours  # views of a flat storage, at offsets
     assert ours["wrapper data_ptr"] == [0] and ours["locals have data"], ours
-    checkpoint_dtensor.uninstall_dtensor_data_ptr()
-    assert "data_ptr" not in vars(DTensor)  # torch's own again
-    assert checkpoint_dtensor.install_dtensor_data_ptr()
 
 
 def _saved_and_loaded(state_dict: dict[str, Any]) -> Any:

@@ -26,7 +26,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
-from ragged_dtensor import RaggedShard, distribute_tensor, from_local
+from ragged_dtensor import (
+    RaggedShard,
+    distribute_tensor,
+    from_local,
+    install_dtensor_integration,
+    uninstall_dtensor_integration,
+)
 from ragged_dtensor.testing import run_processes, run_threaded
 
 # -- new_* factories: torch's Shard(0) is the control ----------------------------------------------
@@ -288,10 +294,11 @@ def test_staged_and_async_checkpoints_load_bitwise_at_any_world_size(
 
 
 def _offset_views(rank: int, world: int, root: str) -> dict[str, str]:
-    """A DTensor over a view into a larger buffer (as a flat-buffer FSDP keeps its parameters)
-    reports ``data_ptr() != 0``; torch 2.13's state-dict stager then copies the DTensor's own
-    (empty) storage and fails, for Shard(0) exactly as for RaggedShard. A copy of each DTensor
-    (``detach().clone()``: fresh local tensors) stages and saves."""
+    """A DTensor over a view into a larger buffer (as a flat-buffer FSDP keeps its parameters):
+    torch 2.13 gives it ``data_ptr() != 0`` and its state-dict stager then copies the DTensor's
+    own (empty) storage and fails, for Shard(0) exactly as for RaggedShard; with the integration
+    installed every DTensor reports 0 ([Note: a DTensor's data_ptr]) and both save as is, as do
+    copies (``detach().clone()``: fresh local tensors) without it."""
     mesh = init_device_mesh("cpu", (world,))
     full = torch.arange(24.0).reshape(6, 4)
     buffer = torch.zeros(64)
@@ -306,8 +313,14 @@ def _offset_views(rank: int, world: int, root: str) -> dict[str, str]:
         "shard": DTensor.from_local(shard_view, mesh, [Shard(0)], run_check=False),
     }
     out: dict[str, str] = {}
+    uninstall_dtensor_integration()  # torch's own data_ptr: the limit
+    try:
+        out["torch data_ptr"] = str(cases["shard"].data_ptr())
+        out["torch stager"] = _saved(cases["shard"], f"{root}/shard-torch", mesh, full)
+    finally:
+        install_dtensor_integration()
     for name, dt in cases.items():
-        assert dt.storage_offset() != 0 and dt.data_ptr() != 0
+        assert dt.storage_offset() != 0 and dt.data_ptr() == 0
         for how, value in (("as is", dt), ("copied", dt.detach().clone())):
             path = f"{root}/{name}-{how.replace(' ', '_')}"
             try:
@@ -321,13 +334,23 @@ def _offset_views(rank: int, world: int, root: str) -> dict[str, str]:
     return out
 
 
+def _saved(value: DTensor, path: str, mesh: Any, full: torch.Tensor) -> str:
+    try:
+        dcp.async_save({"t": value}, checkpoint_id=path).result()
+    except RuntimeError as exc:
+        return f"RuntimeError: {exc}"
+    target = {"t": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)])}
+    dcp.load(target, checkpoint_id=path)
+    return "ok" if torch.equal(target["t"].full_tensor(), full) else "WRONG"
+
+
 @pytest.mark.multiprocess
-def test_async_save_of_dtensors_over_offset_views_fails_in_torch_for_shard_too(
-    tmp_path: Path,
-) -> None:
-    """Pins torch 2.13's limit (the README states it): when this starts passing for Shard(0),
-    drop the note."""
+def test_async_save_of_dtensors_over_offset_views(tmp_path: Path) -> None:
+    """Pins torch 2.13's limit for a Shard(0) over an offset view (when torch's own stager
+    saves it, drop the data_ptr part), and that with the integration both layouts save."""
     for outcome in run_processes(_offset_views, 2, str(tmp_path), timeout=240):
+        assert outcome["torch data_ptr"] != "0", outcome
+        assert "invalid python storage" in outcome["torch stager"], outcome
         for name in ("ragged", "shard"):
-            assert "invalid python storage" in outcome[f"{name} as is"], outcome
+            assert outcome[f"{name} as is"] == "ok", outcome
             assert outcome[f"{name} copied"] == "ok", outcome

@@ -74,7 +74,7 @@ def named_targets():
     out["torch.distributed.tensor.distribute_tensor"] = torch.distributed.tensor.distribute_tensor
     out["_api globals"] = tuple(sorted(k for k in vars(_api) if "ragged" in k))
     for name in ("from_local", "__create_write_items__", "__create_chunk_list__",
-                 "__get_tensor_shard__", "redistribute", "full_tensor", "__new__"):
+                 "__get_tensor_shard__", "redistribute", "full_tensor", "__new__", "data_ptr"):
         out[f"DTensor.{name}"] = vars(DTensor).get(name, MISSING)
     out["propagator instance attributes"] = tuple(sorted(vars(propagator)))
     for name in ("propagate_op_sharding", "propagate_op_sharding_non_cached"):
@@ -244,6 +244,7 @@ def test_the_integration_changes_only_its_targets_and_removal_restores_them(
         [
             *(f"DTensor.{name}" for name in ("__create_chunk_list__", "__create_write_items__")),
             "DTensor.__get_tensor_shard__",
+            "DTensor.data_ptr",  # [Note: a DTensor's data_ptr]
             "_api globals",  # the trampoline's target
             "_api.distribute_tensor.__code__",  # [Note: distribute_tensor's code]
             "dispatch mode stack",  # the collective checks the environment asked for
@@ -257,13 +258,15 @@ def test_the_integration_changes_only_its_targets_and_removal_restores_them(
         ]
     )
     assert fresh["installed: parts"] == dict.fromkeys(
-        ("redistribute", "propagator", "random", "checkpoint", "distribute_tensor"), True
+        ("redistribute", "propagator", "random", "checkpoint", "distribute_tensor", "data_ptr"),
+        True,
     )
     assert fresh["installed: collective checks on"] is True
     assert fresh["removed: named targets changed"] == []
     assert fresh["removed: torch attributes changed"] == []
     assert fresh["removed: parts"] == dict.fromkeys(
-        ("redistribute", "propagator", "random", "checkpoint", "distribute_tensor"), False
+        ("redistribute", "propagator", "random", "checkpoint", "distribute_tensor", "data_ptr"),
+        False,
     )
     assert fresh["removed: collective checks on"] is False
     assert fresh["lazy: installed"] is True

@@ -32,7 +32,6 @@ from fsdp_engine._private.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from fsdp_engine._private.checkpoint_dtensor import installs_dtensor_data_ptr
 from fsdp_engine._private.export import load_full_state_dict
 from fsdp_engine._private.flat_optim import FlatAdam, FlatAdamW
 from fsdp_engine._private.fsdp_module import (
@@ -41,12 +40,7 @@ from fsdp_engine._private.fsdp_module import (
     register_fsdp_forward_method,
     share_comm_ctx,
 )
-from fsdp_engine._private.fully_shard import fully_shard as _fully_shard
-
-# The first fully_shard makes DTensor.data_ptr() 0, as FSDP2's DTensors report, so that DCP's
-# stagers, copy.deepcopy and torch.save copy the engine's state dicts (see [Note: a DTensor's
-# data_ptr] in _private/checkpoint_dtensor.py); importing changes nothing in torch.
-fully_shard = installs_dtensor_data_ptr(_fully_shard)
+from fsdp_engine._private.fully_shard import fully_shard
 
 try:
     __version__ = version("fsdp-engine")

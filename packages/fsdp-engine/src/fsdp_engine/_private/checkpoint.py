@@ -3,8 +3,8 @@
 - ``checkpoint_save``: ``save_checkpoint`` and the commit protocol ([Note: commit protocol]);
 - ``checkpoint_async``: ``async_save_checkpoint``, its handle and its writer thread;
 - ``checkpoint_staging``: copying a state dict off the training tensors ([Note: staging]);
-- ``checkpoint_dtensor``: what torch's copying code (DCP's stagers, ``copy.deepcopy``,
-  ``torch.save``) needs of the engine's DTensors ([Note: a DTensor's data_ptr]);
+- what torch's copying code (DCP's stagers, ``copy.deepcopy``, ``torch.save``) needs of the
+  engine's DTensors is ragged_dtensor's ([Note: a DTensor's data_ptr] in its compat module);
 - ``checkpoint_load``: ``load_checkpoint``, ``verify_checkpoint`` ([Note: strict loading]);
 - ``checkpoint_discovery``: ``latest_checkpoint``, ``checkpoint_info``,
   ``is_complete_checkpoint``;
