@@ -13,6 +13,7 @@ means: [Note: dividing a mean of gradients] (reduction.py).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -223,8 +224,9 @@ def reduce_scatter_flat(
     direct = not accumulate and rdtype == out.dtype and hook is None
     rs_stream = streams.comm_stream_for(device, "reduce_scatter")
     ar_stream = streams.comm_stream_for(device, "all_reduce")
-    if rs_stream is None:
-        hook_stream = None  # a device without streams: everything runs in order on the host
+    host_hook_stream = None
+    if rs_stream is None:  # a device without streams: everything runs in order on the host,
+        host_hook_stream, hook_stream = hook_stream, None  # the hook "on" its stream (FSDP2)
     # Without streams (gloo) async work can be chained only for the reduce-scatter; the
     # all-reduce over replicas, the hook and the epilogue run in wait().
     defer = async_op and rs_stream is None
@@ -277,7 +279,7 @@ def reduce_scatter_flat(
         if hook is not None:
             target = hook_stream if hook_stream is not None else ar_stream
             stream = _follow(stream, target, device)
-            with streams.on_stream(stream):
+            with streams.on_stream(stream), _as_current(host_hook_stream, device):
                 hook(recv)
         with streams.on_stream(stream):
             _write(out, recv, spec.post_divide, direct=direct, accumulate=accumulate)
@@ -306,6 +308,15 @@ def reduce_scatter_flat(
     if not async_op:
         handle.wait()
     return handle
+
+
+def _as_current(stream: torch.Stream | None, device: torch.device) -> Any:
+    """``stream`` as the current stream of ``device``'s module for the body, on a device whose
+    streams order nothing (CPU): a hook that asks for its stream sees the one it was given, as
+    with FSDP2."""
+    if stream is None:
+        return contextlib.nullcontext()
+    return torch.get_device_module(device.type).stream(stream)
 
 
 def _follow(

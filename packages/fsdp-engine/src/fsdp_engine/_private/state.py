@@ -174,17 +174,17 @@ class FSDPState:
         for state in ctx.all_states:
             for group in state.groups:
                 group.to_sharded()
-        meta = [
-            fqns.get(id(g.params[i].sharded), g.params[i].fqn)
-            for state in ctx.all_states
-            for g in state.groups
-            for i in g.meta_indices()
-        ]
-        if meta:
-            raise RuntimeError(
-                "FSDP parameters should be materialized from meta device before training, "
-                f"but the following were still on meta device: {meta}"
-            )
+        for state in ctx.all_states:  # FSDP2's error: the first state with meta parameters
+            meta = [
+                fqns.get(id(g.params[i].sharded), g.params[i].fqn)
+                for g in state.groups
+                for i in g.meta_indices()
+            ]
+            if meta:
+                raise RuntimeError(
+                    "FSDP parameters should be materialized from meta device before training, "
+                    f"but the following were still on meta device: {meta}"
+                )
 
     # -- forward -----------------------------------------------------------------------------
     @hidden_from_dynamo
