@@ -34,11 +34,20 @@ from dbuffer import DBuffer
 from fsdp_engine._private import compat
 from fsdp_engine._private.storage import ShardStorage, gap_index
 
-__all__ = ["Handover", "HoldHandover", "PrezeroedHandover", "TakeHandover", "handover_for"]
+__all__ = [
+    "Handover",
+    "HoldHandover",
+    "PrezeroedHandover",
+    "TakeHandover",
+    "handover_casts",
+    "handover_for",
+]
 
 
 class Handover:
-    """Fills ``grads``' unsharded storage (compute dtype) with the group's gradients."""
+    """Fills ``grads``' unsharded storage with the group's gradients."""
+
+    casts = True  # may the storage be in another dtype than the gradients (the reduce dtype)?
 
     def __init__(self, storage: ShardStorage, grads: DBuffer, dtype: torch.dtype) -> None:
         self.storage = storage
@@ -85,6 +94,8 @@ class Handover:
 
 
 class PrezeroedHandover(Handover):
+    casts = False  # autograd accumulates into the storage: the gradients' dtype
+
     def prepare(self, unsharded: Sequence[nn.Parameter]) -> None:
         self._hook(unsharded)
         if not self.grads.is_unsharded():
@@ -181,3 +192,8 @@ DEFAULT: type[Handover] = HoldHandover
 
 def handover_for(storage: ShardStorage, grads: DBuffer, dtype: torch.dtype) -> Handover:
     return DEFAULT(storage, grads, dtype)
+
+
+def handover_casts() -> bool:
+    """Whether the default hand-over writes the storage in a dtype of its own choosing."""
+    return DEFAULT.casts

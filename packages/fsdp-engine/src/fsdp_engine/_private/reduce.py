@@ -36,7 +36,7 @@ from dbuffer import DBuffer, Handle, ReduceScatterComm
 from fsdp_engine._private import compat
 from fsdp_engine._private.compact import Reduction, compact_buffer, reduction_for_mask
 from fsdp_engine._private.grads import ShardedGrads
-from fsdp_engine._private.handover import handover_for
+from fsdp_engine._private.handover import handover_casts, handover_for
 from fsdp_engine._private.param import FSDPParam
 from fsdp_engine._private.storage import ShardStorage
 
@@ -85,9 +85,14 @@ class GradReducer:
         self.reduce_dtype = reduce_dtype
         self.align = align
         # only its unsharded part is used: no shard memory ([Note: gradient hand-over])
-        self.unsharded_grads = storage.buffer.new_like(compute_dtype, zero=False)
+        # A hand-over that copies autograd's gradients writes them in the reduce dtype at once
+        # (a cast fused with the copy, FSDP2's copy-in), so the reduction casts nothing and
+        # no-sync microbatches accumulate in the reduce dtype in place; autograd accumulating
+        # into the storage needs the compute dtype.
+        flat_dtype = reduce_dtype if handover_casts() or storage.copies else compute_dtype
+        self.unsharded_grads = storage.buffer.new_like(flat_dtype, zero=False)
         self.unsharded_grads.shard.untyped_storage().resize_(0)
-        self.handover = handover_for(storage, self.unsharded_grads, compute_dtype)
+        self.handover = handover_for(storage, self.unsharded_grads, flat_dtype)
         self.grads = ShardedGrads(storage, params)  # [Note: gradient storage lifetimes]
         self.reduction: Reduction | None = None
         self.accum: DBuffer | None = None
@@ -190,18 +195,23 @@ class GradReducer:
 
     def _copy_in(self, unsharded: Sequence[torch.nn.Parameter]) -> list[bool]:
         """[Note: placed groups]: autograd's gradients into FSDP2's rank-major order, the
-        reduce-scatter's input (zeros where a parameter got none, and in the padding); returns
-        which parameters had one."""
+        reduce-scatter's input in the reduce dtype (zeros where a parameter got none, and in the
+        padding); a later microbatch of the window adds (FSDP2 accumulates in the reduce dtype);
+        the gradients are dropped. Returns which parameters had one."""
         placed = self.storage.placed
         if not self.storage.copies or placed is None:
             return []
-        self.unsharded_grads.alloc_unsharded(zero=True)
+        first = not self.unsharded_grads.is_unsharded()
+        if first:
+            self.unsharded_grads.alloc_unsharded(zero=True)
         flat = self.unsharded_grads.unsharded_flat()
+        used = [p.grad is not None for p in unsharded]
         with torch.no_grad():
             for i, param in enumerate(unsharded):
                 if param.grad is not None:
-                    placed.copy_in(param.grad, i, flat)
-        return [p.grad is not None for p in unsharded]
+                    placed.copy_in(param.grad, i, flat, accumulate=not first)
+                    param.grad = None
+        return used
 
     def _reduce_full(
         self,
@@ -215,13 +225,14 @@ class GradReducer:
         if not self.busy:
             return []
         used: list[bool] = []
-        if self.pending and not self.storage.copies:
+        if self.pending and self.storage.copies:
+            used = self._copy_in(unsharded)  # every microbatch
+        elif self.pending:
             used = self.handover.collect(unsharded)
         # no-sync accumulation runs in reduce_dtype (FSDP2): a compute-dtype microbatch gradient
         # is added into a reduce_dtype accumulator and the compute buffer is let go
-        separate = self.reduce_dtype != self.compute_dtype
+        separate = self.reduce_dtype != self.unsharded_grads.dtype
         if self.pending and (self.accumulated or (separate and not sync)):
-            used = self._copy_in(unsharded) or used
             accum = self._accumulator(self.unsharded_grads)
             accum.unsharded_flat().add_(self.unsharded_grads.unsharded_flat())
             self._detach(unsharded)
@@ -231,8 +242,6 @@ class GradReducer:
             return used  # same dtype: the next microbatch adds into the unsharded storage
         source = self.accum if self.accumulated else self.unsharded_grads
         assert source is not None
-        if not self.accumulated:
-            used = self._copy_in(unsharded) or used
         self._detach(unsharded)
         self._issue(reduction, source, settings, async_op=async_op)
         self.pending = self.accumulated = False
