@@ -314,11 +314,14 @@ class FSDPState:
             if self.config.unshard_in_backward:
                 group.unshard(ready=ctx.inputs_ready)
                 group.register_unsharded()
-            group.pre_backward()
+            group.pre_backward(reduces_and_reshards=self._reduces_and_reshards())
         for other in self._backward_prefetch_targets():
             for group in other.groups:
                 group.unshard(async_op=True, ready=ctx.inputs_ready)
         return grad
+
+    def _reduces_and_reshards(self) -> bool:
+        return self.config.requires_gradient_sync and self.config.reshard_after_backward
 
     def _backward_prefetch_targets(self) -> Sequence[FSDPState]:
         if self.config.backward_prefetch is not None:
@@ -339,12 +342,21 @@ class FSDPState:
         sync = self.config.requires_gradient_sync
         for group in self.groups:
             # reshard first (FSDP2's order): the unsharded parameters go before the reduction's
-            # memory comes (autograd's gradients are tensors of their own, or already handed over)
-            if self.config.reshard_after_backward and group.state is ShardedState.UNSHARDED:
+            # memory comes (autograd's gradients are tensors of their own, or already handed
+            # over); gradients in the parameters' storage are reduced from it first, and it is
+            # freed by that reduction ([Note: gradients in the parameters' storage])
+            in_place = group.gradients_in_place
+            if (
+                not in_place
+                and self.config.reshard_after_backward
+                and group.state is ShardedState.UNSHARDED
+            ):
                 group.reshard()
             if sync:
                 self.ctx.before_reduction(group)  # [Note: reductions in flight]
             group.reduce(sync=sync, async_op=sync)
+            if in_place:  # whatever the settings now: the storage no longer holds parameters
+                group.reshard(release=group.reducer.handle is None)
 
     def _final_callback(self) -> None:
         """Root only: runs once when the whole backward pass has finished."""
