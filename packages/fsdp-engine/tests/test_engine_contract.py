@@ -8,9 +8,18 @@ unsharded values, one thread per rank, a two-rank mean is a two-term sum times 1
 
 from __future__ import annotations
 
+import copy
 import inspect
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
 from engine_fsdp2 import (
@@ -27,7 +36,7 @@ from engine_fsdp2 import (
 from torch import nn
 
 import fsdp_engine
-from ragged_dtensor.testing import run_threaded
+from ragged_dtensor.testing import free_port, run_threaded
 
 ENGINES = ["ours", "fsdp2"]
 
@@ -179,3 +188,255 @@ def test_torchs_register_fsdp_forward_method_works_on_our_modules() -> None:
         assert torch.equal(l1, l2)
         for name, grad in g2.items():
             assert torch.equal(g1[name], grad), name  # type: ignore[arg-type]
+
+
+# -- FSDP2's trace: debug log lines and profiler ranges -------------------------------------------
+_FSDP_LOGGER = "torch.distributed.fsdp.fully_shard"
+
+
+class _ThreadRecords(logging.Handler):
+    """The FSDP debug lines this thread (rank) logs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.thread = threading.get_ident()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread == self.thread:
+            self.lines.append(record.getMessage())
+
+
+class _Chunked(nn.Module):
+    """The root runs ``norm`` only; the ``[norm, head]`` group's ``head`` runs per chunk after
+    forward (FSDP2's chunked-loss case: its post-forward is completed by the root)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = Mlp()
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.body(x))
+
+
+def _debug_lines(rank: int, world: int, impl: str) -> list[str]:
+    torch.set_num_threads(1)
+    api = engine(impl)
+    handler = _ThreadRecords()
+    logger = logging.getLogger(_FSDP_LOGGER)
+    logger.addHandler(handler)
+    try:
+        model = make(Stack)
+        shard_stack(api, model)
+        for step in range(2):
+            model(data(rank, step)).sum().backward()
+        with torch.no_grad():
+            model(data(rank, 2))
+        chunked = make(_Chunked)
+        api.fully_shard(chunked.body)
+        api.fully_shard([chunked.norm, chunked.head])
+        api.fully_shard(chunked)
+        hidden = chunked(data(rank))
+        sum(chunked.head(part).sum() for part in hidden.chunk(2)).backward()
+    finally:
+        logger.removeHandler(handler)
+    return handler.lines
+
+
+def test_fsdp2s_debug_lines_are_ours_line_for_line() -> None:
+    """FSDP2 logs each step of each module (``FSDP::pre_forward (blocks.0)``...) at DEBUG on
+    ``torch.distributed.fsdp.fully_shard``; ours logs the same lines on the same logger, in the
+    same order: training steps, a no-grad forward, a ``fully_shard([norm, head])`` group whose
+    forward the root completes (``FSDP::force_complete_post_forward``)."""
+    logger = logging.getLogger(_FSDP_LOGGER)
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        ours = run_threaded(_debug_lines, 2, "ours")
+        theirs = run_threaded(_debug_lines, 2, "fsdp2")
+    finally:
+        logger.setLevel(level)
+    assert theirs[0] == theirs[1]
+    assert "FSDP::force_complete_post_forward" in theirs[0]
+    assert "FSDP::pre_backward (blocks.1)" in theirs[0]
+    assert ours == theirs
+
+
+# One process (no torch.distributed yet) for what needs a fresh interpreter: fully_shard
+# initializing the default group from the environment, and TORCH_LOGS read at torch's import.
+_FRESH_SCRIPT = """
+import json, os, sys
+import torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from engine_fsdp2 import Stack, make, shard_stack, data
+import torch.distributed.fsdp as torch_fsdp
+import fsdp_engine
+report = {{}}
+for name, api in (("fsdp2", torch_fsdp), ("ours", fsdp_engine)):
+    env = {{k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE")}}
+    try:  # no RANK in the environment: init_process_group's own error
+        api.fully_shard(make(Stack))
+    except Exception as exc:
+        report[name + " without RANK"] = type(exc).__name__ + ": " + str(exc)
+    os.environ.update(env)
+    before = dist.is_initialized()
+    model = make(Stack)
+    shard_stack(api, model)  # no mesh=: the default one
+    print("=== " + name, file=sys.stderr, flush=True)
+    model(data(0)).sum().backward()
+    print("=== end", file=sys.stderr, flush=True)
+    report[name] = [before, dist.is_initialized(), dist.get_world_size(),
+                    model.proj.weight.device_mesh.device_type]
+    dist.destroy_process_group()
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_process() -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "TORCH_LOGS": "+fsdp",
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    script = _FRESH_SCRIPT.format(tests=str(Path(__file__).parent))
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_fully_shard_initializes_the_default_group_from_the_environment_like_fsdp2(
+    fresh_process: subprocess.CompletedProcess[str],
+) -> None:
+    """Without ``mesh=`` and before ``torch.distributed`` is initialized, FSDP2 calls
+    ``init_process_group()`` (the environment's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...)
+    and shards over the default mesh; so does ours. Without ``RANK``, both raise
+    ``init_process_group``'s own error naming the variable."""
+    report = json.loads(fresh_process.stdout.strip().splitlines()[-1])
+    assert report["ours"] == report["fsdp2"] == [False, True, 1, "cpu"], report
+    assert report["ours without RANK"] == report["fsdp2 without RANK"], report
+    assert "RANK" in report["ours without RANK"], report
+
+
+def test_torch_logs_fsdp_prints_our_lines_like_fsdp2s(
+    fresh_process: subprocess.CompletedProcess[str],
+) -> None:
+    """``TORCH_LOGS=+fsdp`` (torch's registered ``fsdp`` log at DEBUG) prints our lines as it
+    prints FSDP2's: the same messages, ours naming our source file."""
+    sections: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for line in fresh_process.stderr.splitlines():
+        if line.startswith("=== "):
+            current = line[4:]
+            sections[current] = []
+        elif current is not None and "] FSDP::" in line:
+            where, message = line.split("] ", 1)
+            sections[current].append((where, message))
+    theirs = [message for _, message in sections["fsdp2"]]
+    ours = [message for _, message in sections["ours"]]
+    assert len(theirs) == 14, theirs
+    assert ours == theirs
+    assert all("fsdp_engine/_private/state.py" in where for where, _ in sections["ours"])
+
+
+def _ranges(rank: int, world: int, impl: str) -> set[str]:
+    torch.set_num_threads(1)
+    api = engine(impl)
+    model = make(Stack)
+    shard_stack(api, model, mp_policy=api.MixedPrecisionPolicy(param_dtype=torch.float64))
+    model(data(rank, 0)).sum().backward()  # the second iteration has a forward order
+    if rank != 0:  # one profiler per process: rank 0's
+        model(data(rank, 1)).sum().backward()
+        return set()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(data(rank, 1)).sum().backward()
+    return {e.name for e in prof.events() if e.name.startswith("FSDP::")}
+
+
+def test_fsdp2s_profiler_ranges_are_ours() -> None:
+    """The profiler shows FSDP2's ranges under FSDP2's names (``FSDP::pre_forward (blocks.0)``,
+    ``FSDP::all_gather``, ``FSDP::post_backward_reduce``, ``FSDP::backward_prefetch for ...``,
+    the casts, the waits for reductions in flight...), except the steps the engine does not
+    have: the copy out of the all-gather buffer and the unsharded-gradient accumulation (the
+    all-gather writes the parameters' storage and autograd accumulates into the reduce-scatter
+    input); ours adds the implicit forward prefetch's."""
+    ours = run_threaded(_ranges, 2, "ours")[0]
+    theirs = run_threaded(_ranges, 2, "fsdp2")[0]
+    base = {name.split(" (")[0].split(" for ")[0] for name in theirs - ours}
+    assert base == {"FSDP::all_gather_copy_out", "FSDP::post_backward_accumulate"}, theirs - ours
+    assert {name.split(" for ")[0] for name in ours - theirs} == {"FSDP::forward_prefetch"}
+    assert {"FSDP::cast_forward_inputs", "FSDP::post_backward_rs_wait (blocks.0)"} <= ours
+
+
+# -- fully_shard's module argument and the module's class -----------------------------------------
+def _module_errors(rank: int, world: int, impl: str) -> dict[str, str]:
+    api = engine(impl)
+    other = engine("fsdp2" if impl == "ours" else "ours")
+    out: dict[str, str] = {}
+
+    def capture(name: str, fn: Any) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            out[name] = "no error"
+
+    sharded = make(Mlp)
+    api.fully_shard(sharded)
+    capture("deepcopy", lambda: copy.deepcopy(sharded))
+    parent = nn.Sequential(make(Mlp))
+    api.fully_shard(parent[0])
+    capture("deepcopy of a parent", lambda: copy.deepcopy(parent))
+    capture("applied twice", lambda: api.fully_shard(sharded))
+    by_other = make(Mlp)
+    other.fully_shard(by_other)
+    capture("applied over the other engine's", lambda: api.fully_shard(by_other))
+    capture("ModuleList", lambda: api.fully_shard(nn.ModuleList([nn.Linear(2, 2)])))
+    capture("ModuleDict", lambda: api.fully_shard(nn.ModuleDict({"a": nn.Linear(2, 2)})))
+    twice = make(Mlp)
+    capture("same module twice in a list", lambda: api.fully_shard([twice.up, twice.up]))
+    out["state"] = type(api.fully_shard.state(sharded)).__name__
+    out["state of a plain module"] = repr(api.fully_shard.state(nn.Linear(2, 2)))
+    return out
+
+
+def test_module_argument_errors_and_deepcopy_match_fsdp2() -> None:
+    """FSDP2's contract for the module: ``copy.deepcopy`` raises its ``AssertionError`` (the
+    copy would share or lose the sharded storage), also through a parent; ``fully_shard`` on a
+    module it was applied to, by either engine, its ``AssertionError`` ("already been
+    applied"; ours says by whom); a ``ModuleList``/``ModuleDict`` (no ``forward``: the hooks
+    would never run) its ``ValueError``; ``fully_shard.state(module)`` the call's state, or
+    None."""
+    ours = run_threaded(_module_errors, 2, "ours")[0]
+    theirs = run_threaded(_module_errors, 2, "fsdp2")[0]
+    deepcopy_error = "AssertionError: FSDP does not support deepcopy. Please use state dict"
+    applied = (
+        "AssertionError: Each distinct composable distributed API can only be applied to a "
+        "module once"
+    )
+    container = "ValueError: fully_shard does not support containers that do not implement forward"
+    for out in (ours, theirs):
+        assert out["deepcopy"].startswith(deepcopy_error), out
+        assert out["deepcopy of a parent"].startswith(deepcopy_error), out
+        for name in ("applied twice", "applied over the other engine's"):
+            assert out[name].startswith(applied) and "already been applied" in out[name], out
+        assert out["ModuleList"].startswith(container), out
+        assert out["ModuleDict"].startswith(container), out
+        assert out["same module twice in a list"].startswith(applied), out
+        assert out["state of a plain module"] == "None", out
+    assert "(by fsdp_engine.fully_shard)" in ours["applied twice"]
+    assert "(by torch.distributed.fsdp.fully_shard)" in ours["applied over the other engine's"]
+    assert (ours["state"], theirs["state"]) == ("FSDPState", "FSDPState")

@@ -45,6 +45,7 @@ __all__ = [
     "PostBackwardFunction",
     "apply_to_tensors",
     "compat_status",
+    "composable_apis",
     "concatenate_meshes",
     "dtensor_from_spec",
     "has_backend_for",
@@ -120,6 +121,15 @@ def mark_fully_sharded(module: nn.Module) -> None:
     key, item = _REGISTRY
     registry = module.__dict__.setdefault(key, OrderedDict())
     registry.setdefault("fully_shard", item())
+
+
+def composable_apis(module: nn.Module) -> tuple[str, ...]:
+    """The composable APIs applied to ``module`` by name, as torch's registry records them
+    ("fully_shard" for torch's FSDP2 and for ours, "replicate", ...)."""
+    if _REGISTRY is None:  # pragma: no cover
+        return ()
+    registry = module.__dict__.get(_REGISTRY[0])
+    return tuple(registry) if isinstance(registry, dict) else ()
 
 
 def _torch_apply_to_tensors() -> Any:

@@ -66,19 +66,18 @@ def _state_of(module: object, what: str) -> FSDPState:
     return state
 
 
-def _prefetch_states(modules: list[TorchFSDPModule]) -> tuple[FSDPState, ...]:
+def _prefetch_states(setter: str, modules: list[TorchFSDPModule]) -> tuple[FSDPState, ...]:
     """The states of prefetch targets: FSDP2's ``ValueError`` for anything that is not a
-    fully_shard module, and a module torch's own FSDP2 manages is named as such."""
+    fully_shard module (one torch's own FSDP2 manages is named as such)."""
     states = []
     for module in modules:
         state = get_state(module) if isinstance(module, nn.Module) else None
         if state is None:
-            whose = (
-                " (sharded by torch's fully_shard)" if isinstance(module, TorchFSDPModule) else ""
-            )
+            torchs = isinstance(module, TorchFSDPModule)
+            whose = " (sharded by torch's fully_shard)" if torchs else ""
             raise ValueError(
-                f"Expects FSDPModule but got {type(module)}{whose}: {module} "
-                "(a module fsdp_engine.fully_shard was applied to)"
+                f"{setter}: Expects FSDPModule (a module fsdp_engine.fully_shard was applied to) "
+                f"but got {type(module)}{whose}: {module}"
             )
         states.append(state)
     return tuple(states)
@@ -98,6 +97,12 @@ class FSDPModule(TorchFSDPModule):
         self = orig.__new__(orig)
         self.__init__(*args, **kwargs)
         return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        # FSDP2's answer: the copy would share (or lose) the flat storage and its hooks
+        raise AssertionError(
+            "FSDP does not support deepcopy. Please use state dict for serialization."
+        )
 
     def _engine_state(self) -> FSDPState:
         return _state_of(self, "fully_shard")
@@ -208,13 +213,13 @@ class FSDPModule(TorchFSDPModule):
     def set_modules_to_forward_prefetch(self, modules: list[TorchFSDPModule]) -> None:
         """All-gather these modules' parameters asynchronously when this module's forward
         starts."""
-        targets = _prefetch_states(modules)
+        targets = _prefetch_states("set_modules_to_forward_prefetch", modules)
         self._engine_state().configure(forward_prefetch=targets)
 
     def set_modules_to_backward_prefetch(self, modules: list[TorchFSDPModule]) -> None:
         """All-gather these modules' parameters asynchronously when this module's backward starts
         (default: the module that ran forward just before this one)."""
-        targets = _prefetch_states(modules)
+        targets = _prefetch_states("set_modules_to_backward_prefetch", modules)
         self._engine_state().configure(backward_prefetch=targets)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:

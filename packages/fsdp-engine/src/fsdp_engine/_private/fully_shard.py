@@ -14,6 +14,7 @@ from fsdp_engine._private.api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
+from fsdp_engine._private.applied import check_modules
 from fsdp_engine._private.compat import mark_fully_sharded
 from fsdp_engine._private.fsdp_module import FSDPModule
 from fsdp_engine._private.init import (
@@ -104,15 +105,7 @@ def fully_shard(
             "(1-D FSDP or 2-D HSDP); tensor-parallel DTensor parameters are sharded on it"
         )
     modules = module if isinstance(module, list) else [module]
-    if not modules:
-        raise ValueError("fully_shard got an empty list of modules")
-    for target in modules:
-        if not isinstance(target, nn.Module):
-            raise TypeError(f"fully_shard expects an nn.Module, got {type(target).__name__}")
-        if get_state(target) is not None:
-            raise ValueError(f"fully_shard was already applied to this {type(target).__name__}")
-    if len({id(m) for m in modules}) != len(modules):
-        raise ValueError("fully_shard got the same module twice in its list")
+    check_modules(modules)
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     mp_policy = check_mp_policy(mp_policy)
@@ -180,3 +173,7 @@ def fully_shard(
         assert isinstance(target, FSDPModule)
         results.append(target)
     return results if isinstance(module, list) else results[0]
+
+
+# FSDP2's ``fully_shard.state(module)``: the state a call attached to the module (ours), or None
+fully_shard.state = get_state  # type: ignore[attr-defined]

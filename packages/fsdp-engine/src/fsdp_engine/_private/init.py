@@ -51,9 +51,11 @@ __all__ = [
 def default_mesh() -> DeviceMesh:
     """FSDP2's default: a 1-D mesh of every rank on the accelerator when there is one and the
     default process group serves it (by capability, never by the backend's name), else on
-    the CPU."""
+    the CPU. Like FSDP2, the default process group is initialized from the environment
+    (``init_process_group()``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) when it is not
+    yet; its error names the missing variable."""
     if not dist.is_initialized():
-        raise RuntimeError("fully_shard needs torch.distributed to be initialized (or pass mesh=)")
+        dist.init_process_group()
     accelerator = torch.accelerator.current_accelerator()
     kind = "cpu"
     world = dist.group.WORLD

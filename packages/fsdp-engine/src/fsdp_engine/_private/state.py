@@ -50,6 +50,7 @@ from fsdp_engine._private.hooks import (
 from fsdp_engine._private.iteration import IterationContext
 from fsdp_engine._private.param_group import ParamGroup, ShardedState
 from fsdp_engine._private.presence import resolve_presence
+from fsdp_engine._private.trace import logger, traced, with_fqn
 
 __all__ = ["STATE_ATTR", "FSDPState", "StateConfig", "TrainingState", "get_state"]
 
@@ -95,6 +96,7 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         self.is_root: bool | None = None
         self.root: FSDPState | None = None
+        self.fqn: str | None = None  # the module's name under the root ([Note: FSDP2's trace])
         self.ctx = IterationContext()
         self._post_forward_indices: list[int] = []
         self._modules_to_run: set[int] = set()  # a list of modules: those yet to run forward
@@ -167,6 +169,10 @@ class FSDPState:
             ctx.all_states.append(state)
         for state in ctx.all_states:
             state.ctx = ctx
+        for name, module in root_module.named_modules():
+            state = get_state(module)
+            if state is not None:
+                state.fqn = name if state.fqn is None else f"{state.fqn}, {name}"
         if self.config.reshard_after_forward is None:
             # the root's parameters are needed again at the start of backward
             self.configure(reshard_after_forward=False)
@@ -205,17 +211,35 @@ class FSDPState:
             if len(self.modules) > 1:
                 self._modules_to_run = {id(m) for m in self.modules}
         args, kwargs = cast_inputs(self.mp_policy, args, kwargs)
-        for group in self.groups:
-            group.wait_for_reduce()
-            group.release_dropped_gradients()
-            group.unshard(ready=self.ctx.inputs_ready)
-            group.register_unsharded()
+        with traced(self.label("FSDP::pre_forward"), log=bool(self.groups)):
+            for group in self.groups:
+                group.wait_for_reduce()
+                group.release_dropped_gradients()
+                self._unshard(self, group)
+                group.register_unsharded()
+            if first_in_pass:
+                args, kwargs = register_post_backward(self, bool(self.groups), args, kwargs)
         if first_in_pass:
-            args, kwargs = register_post_backward(self, bool(self.groups), args, kwargs)
             for other in self._forward_prefetch_targets():
-                for group in other.groups:
-                    group.unshard(async_op=True, ready=self.ctx.inputs_ready)
+                with traced(f"FSDP::forward_prefetch for {other.fqn}", log=False):
+                    for group in other.groups:
+                        self._unshard(other, group, async_op=True)
         return args, kwargs
+
+    def label(self, name: str) -> str:
+        """FSDP2's name of a step of this module ([Note: FSDP2's trace])."""
+        return with_fqn(name, self.fqn)
+
+    def _unshard(self, owner: FSDPState, group: ParamGroup, *, async_op: bool = False) -> None:
+        """Unshard ``owner``'s ``group`` in this state's iteration, in FSDP2's
+        ``FSDP::all_gather`` range when it issues an all-gather (not when the group is unsharded
+        or its all-gather is already in flight)."""
+        ready = self.ctx.inputs_ready
+        if group.state is ShardedState.UNSHARDED or group.unshard_handle is not None:
+            group.unshard(async_op=async_op, ready=ready)
+            return
+        with traced(owner.label("FSDP::all_gather"), log=False):
+            group.unshard(async_op=async_op, ready=ready)
 
     def _forward_prefetch_targets(self) -> Sequence[FSDPState]:
         """Explicit targets, or the predicted next module ([Note: implicit forward
@@ -234,6 +258,11 @@ class FSDPState:
         ctx = self.ctx
         if compat.in_backward() or ctx.iter_forward_root is not None:
             return
+        with traced("FSDP::root_pre_forward"):
+            self._start_iteration()
+
+    def _start_iteration(self) -> None:
+        ctx = self.ctx
         ctx.iter_forward_root = self
         event, ctx.post_optim_event = ctx.post_optim_event, None
         if event is not None and event.device is not None and event.device.type != "cpu":
@@ -267,6 +296,7 @@ class FSDPState:
             for state in reversed(ctx.all_states):
                 if state is not self and state._modules_to_run:
                     # a group of several modules whose forward ran only some of them
+                    logger.debug("FSDP::force_complete_post_forward")
                     state._modules_to_run.clear()
                     output = state._finish_forward(output)
             ran = {id(s) for s in ctx.pre_forward_order}
@@ -283,6 +313,17 @@ class FSDPState:
                 group.reshard()
 
     def _finish_forward(self, output: Any) -> Any:
+        with traced(self.label("FSDP::post_forward"), log=bool(self.groups)):
+            output = self._reshard_after_forward(output)
+        self.training_state = TrainingState.IDLE
+        if torch.is_grad_enabled():
+            for tensor in grad_tensors(output):
+                tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
+        return output
+
+    def _reshard_after_forward(self, output: Any) -> Any:
+        """``reshard_after_forward`` and the backward prefetch order (not in a recompute inside
+        backward)."""
         if not compat.in_backward():
             grad = torch.is_grad_enabled()
             for group in self.groups:
@@ -294,10 +335,6 @@ class FSDPState:
                 ctx = self.ctx
                 self._post_forward_indices.append(len(ctx.post_forward_order))
                 ctx.post_forward_order.append(self)
-        self.training_state = TrainingState.IDLE
-        if torch.is_grad_enabled():
-            for tensor in grad_tensors(output):
-                tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
         return output
 
     # -- backward ----------------------------------------------------------------------------
@@ -311,14 +348,16 @@ class FSDPState:
         if not ctx.final_callback_queued:
             ctx.final_callback_queued = True
             compat.queue_backward_callback(root._final_callback)
-        for group in self.groups:
-            if self.config.unshard_in_backward:
-                group.unshard(ready=ctx.inputs_ready)
-                group.register_unsharded()
-            group.pre_backward()
-        for other in self._backward_prefetch_targets():
-            for group in other.groups:
-                group.unshard(async_op=True, ready=ctx.inputs_ready)
+        with traced(self.label("FSDP::pre_backward"), log=bool(self.groups)):
+            for group in self.groups:
+                if self.config.unshard_in_backward:
+                    self._unshard(self, group)
+                    group.register_unsharded()
+                group.pre_backward()
+            for other in self._backward_prefetch_targets():
+                with traced(f"FSDP::backward_prefetch for {other.fqn}", log=False):
+                    for group in other.groups:
+                        self._unshard(other, group, async_op=True)
         return grad
 
     def _backward_prefetch_targets(self) -> Sequence[FSDPState]:
@@ -336,17 +375,27 @@ class FSDPState:
     def post_backward(self, *unused: Any) -> None:
         """This module's post-backward: reduce (or accumulate) and reshard every group. Safe to
         call when the module took no part in backward (nothing to reduce)."""
+        if self.groups:
+            logger.debug("%s", self.label("FSDP::post_backward"))
         self.training_state = TrainingState.POST_BACKWARD
         sync = self.config.requires_gradient_sync
         for group in self.groups:
             if sync:
-                self.ctx.before_reduction(group)  # [Note: reductions in flight]
-            group.reduce(sync=sync, async_op=sync)
+                # [Note: reductions in flight], in FSDP2's range (its label, verbatim)
+                self.ctx.before_reduction(group, f"FSDP::post_backward_rs_wait ({self.fqn})")
+            with traced(self.label("FSDP::post_backward_reduce"), log=False):
+                group.reduce(sync=sync, async_op=sync)
             if self.config.reshard_after_backward and group.state is ShardedState.UNSHARDED:
-                group.reshard()
+                with traced(self.label("FSDP::post_backward_reshard"), log=False):
+                    group.reshard()
 
     def _final_callback(self) -> None:
         """Root only: runs once when the whole backward pass has finished."""
+        logger.debug("FSDP::root_post_backward")
+        with torch.profiler.record_function("FSDP::root_post_backward_callback"):
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
         ctx = self.ctx
         for state in ctx.all_states:
             if state.training_state is not TrainingState.POST_BACKWARD:
