@@ -32,6 +32,7 @@ from fsdp_engine._private.init import (
 )
 from fsdp_engine._private.param import ParamRef
 from fsdp_engine._private.param_group import ParamGroup
+from fsdp_engine._private.serialization import allow_raggedshard_in_weights_only_load
 from fsdp_engine._private.state import STATE_ATTR, FSDPState, get_state
 from shard_planner import METHODS as PLANNER_METHODS
 
@@ -106,6 +107,7 @@ def fully_shard(
         )
     modules = module if isinstance(module, list) else [module]
     check_modules(modules)
+    allow_raggedshard_in_weights_only_load()  # [Note: the per-rank save]
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     mp_policy = check_mp_policy(mp_policy)

@@ -37,6 +37,7 @@ from typing import Any
 import attrs
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_engine._private import compat, gather
 from fsdp_engine._private.api import MixedPrecisionPolicy
@@ -109,6 +110,13 @@ class FSDPState:
             self._hooks.append(on_save(self._to_sharded_hook))  # type: ignore[no-untyped-call]
             on_load = owner.register_load_state_dict_pre_hook  # untyped in torch
             self._hooks.append(on_load(self._to_sharded_hook))  # type: ignore[no-untyped-call]
+        places = {
+            id(m): m for g in self.groups for r in g.refs for m, _ in ((r.owner, 0), *r.aliases)
+        }
+        for place in places.values():
+            # the saved DTensors pickle like FSDP2's ([Note: DTensors over views] in compat)
+            saved = place.register_state_dict_post_hook  # untyped in torch
+            self._hooks.append(saved(_offset_free_entries))  # type: ignore[no-untyped-call]
         for module in self.modules:
             self._hooks.append(
                 module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -427,6 +435,18 @@ class FSDPState:
         ctx.pre_forward_order = []
         ctx.forward_seen = {}
         ctx.reset()
+
+
+def _offset_free_entries(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """``state_dict()`` post-hook: the module's DTensor parameters (``param.detach()``, whose
+    wrapper takes the local view's storage offset again) rebuilt at offset 0 over the same
+    local tensor, so ``torch.save(model.state_dict())`` works ([Note: DTensors over views])."""
+    for attr, _ in module.named_parameters(recurse=False):
+        value = state_dict.get(prefix + attr)
+        if isinstance(value, DTensor) and value.storage_offset() != 0:
+            state_dict[prefix + attr] = compat.offset_free(value)
 
 
 def _iteration_event(states: Sequence[FSDPState]) -> torch.Event | None:
