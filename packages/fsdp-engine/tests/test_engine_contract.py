@@ -8,7 +8,9 @@ unsharded values, one thread per rank, a two-rank mean is a two-term sum times 1
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import inspect
 import json
 import logging
@@ -16,13 +18,17 @@ import os
 import subprocess
 import sys
 import threading
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 from engine_fsdp2 import (
+    ALL_GATHER,
     REDUCE_SCATTER,
     Mlp,
     Stack,
@@ -35,6 +41,7 @@ from engine_fsdp2 import (
     shard_stack,
 )
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 import fsdp_engine
 from ragged_dtensor.testing import free_port, run_threaded
@@ -528,3 +535,348 @@ def test_clip_grad_norm_of_every_order_works_where_a_rank_holds_no_element() -> 
             torch.testing.assert_close(total, want, rtol=1e-6, atol=0)
             for got, ref in zip(grads.values(), clipped, strict=True):
                 torch.testing.assert_close(got, ref, rtol=0 if exact else 1e-6, atol=0)
+
+
+# -- FSDPModule's setters that trainers and pipelining call ---------------------------------------
+def _microbatches(rank: int, world: int, impl: str, pipelined: bool) -> Any:
+    """Two microbatches then one synced: with ``pipelined``, the steps torch's pipelining
+    schedules do around a stage's backward (``set_is_last_backward(False)``,
+    ``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``, all set back
+    for the last one)."""
+    torch.set_num_threads(1)
+    model = make(Stack)
+    shard_stack(engine(impl), model)
+    counts: list[dict[str, int]] = []
+    registered: list[bool] = []
+    for micro in range(3):
+        last = micro == 2
+        if pipelined:
+            model.set_is_last_backward(last)  # type: ignore[operator]
+            model.set_reshard_after_backward(last)  # type: ignore[operator]
+        model.set_requires_gradient_sync(last)  # type: ignore[operator]
+        with counting() as count:
+            model(data(rank, micro)).sum().backward()
+        counts.append(dict(count))
+        registered.append(isinstance(model.blocks[0].up.weight, DTensor))
+    return counts, registered, full_grads(model)
+
+
+def test_pipelining_setters_keep_parameters_unsharded_and_gradients_like_fsdp2() -> None:
+    """``set_reshard_after_backward(False)`` leaves the parameters unsharded after backward (the
+    next forward gathers nothing: 2 all-gathers, the blocks' re-gathers in backward, instead of
+    5), ``set_is_last_backward(False)`` defers the end of backward to the last microbatch, and
+    the gradients equal plain accumulation; the same collectives as FSDP2's, microbatch by
+    microbatch."""
+    for impl in ENGINES:
+        plain = run_threaded(_microbatches, 2, impl, False)
+        piped = run_threaded(_microbatches, 2, impl, True)
+        for (_, _, want), (counts, registered, got) in zip(plain, piped, strict=True):
+            assert registered == [False, False, True], (impl, registered)
+            assert [c.get(ALL_GATHER, 0) for c in counts] == [5, 2, 2], (impl, counts)
+            assert [c.get(REDUCE_SCATTER, 0) for c in counts] == [0, 0, 3], (impl, counts)
+            for name, grad in want.items():
+                assert torch.equal(got[name], grad), (impl, name)  # type: ignore[arg-type]
+    ours = run_threaded(_microbatches, 2, "ours", True)[0][0]
+    theirs = run_threaded(_microbatches, 2, "fsdp2", True)[0][0]
+    assert ours == theirs, (ours, theirs)
+
+
+@contextlib.contextmanager
+def _reduce_ops() -> Iterator[list[str]]:
+    """The reduce op of every reduce-scatter, whichever engine issues it."""
+    seen: list[str] = []
+    original = dist.reduce_scatter_single
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        op = kwargs.get("op", args[2] if len(args) > 2 else dist.ReduceOp.SUM)
+        seen.append(str(op).rsplit(".", 1)[-1])
+        return original(*args, **kwargs)
+
+    dist.reduce_scatter_single = record
+    try:
+        yield seen
+    finally:
+        dist.reduce_scatter_single = original
+
+
+def _force_sum(rank: int, world: int, impl: str, force: bool) -> Any:
+    torch.set_num_threads(1)
+    model = make(Mlp)
+    engine(impl).fully_shard(model)
+    model.set_force_sum_reduction_for_comms(force)  # type: ignore[operator]
+    model(data(rank)).sum().backward()
+    return full_grads(model)
+
+
+def test_set_force_sum_reduction_for_comms_uses_sum_and_gives_fsdp2s_gradients() -> None:
+    """``set_force_sum_reduction_for_comms(True)``: the reduce-scatter is a SUM, the mean's
+    division runs outside it, and the gradients are FSDP2's (bitwise: a two-rank sum times
+    1/2)."""
+    results = {}
+    for impl in ENGINES:
+        for force in (False, True):
+            with _reduce_ops() as ops:
+                results[impl, force] = run_threaded(_force_sum, 2, impl, force)[0]
+            if force:
+                assert ops and set(ops) == {"SUM"}, (impl, ops)
+    for key, grads in results.items():
+        for name, grad in results["fsdp2", False].items():
+            assert torch.equal(grads[name], grad), (key, name)  # type: ignore[arg-type]
+
+
+def _hints(rank: int, world: int, impl: str) -> dict[str, str]:
+    api = engine(impl)
+    out: dict[str, str] = {}
+
+    def capture(name: str, fn: Any) -> None:
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                fn()
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            out[name] = "; ".join(f"{w.category.__name__}: {w.message}" for w in caught) or "ok"
+
+    model = make(Mlp)
+    api.fully_shard(model)
+    capture("divide factor (old name)", lambda: model.set_reduce_scatter_divide_factor(2.0))  # type: ignore[operator]
+    capture("separate group off", lambda: model.set_separate_reduce_scatter_group(False))  # type: ignore[operator]
+    custom = make(Mlp)
+    api.fully_shard(custom)
+    custom.set_custom_all_gather(object())  # type: ignore[operator]
+    capture("symm mem with a custom all-gather", custom.set_symm_mem_for_comm)  # type: ignore[operator]
+    capture("reset_iter_state on a non-root", lambda: _non_root_reset(api))
+    capture(
+        "reshard_after_forward of another type",
+        lambda: api.fully_shard(Mlp(), reshard_after_forward="yes"),
+    )
+    if impl == "ours":
+        capture("symm mem", model.set_symm_mem_for_comm)  # type: ignore[operator]
+    return out
+
+
+def _non_root_reset(api: Any) -> None:
+    model = make(Stack)
+    shard_stack(api, model)
+    model(data(0)).sum().backward()
+    model.blocks[0].reset_iter_state()  # type: ignore[operator]
+
+
+def test_hints_deprecations_and_refusals_match_fsdp2() -> None:
+    """``set_reduce_scatter_divide_factor`` warns that it is deprecated; turning the separate
+    reduce-scatter group off is accepted; ``set_symm_mem_for_comm`` refuses a custom
+    collective; ``reset_iter_state`` on a non-root and a ``reshard_after_forward`` of another
+    type raise FSDP2's exception types. ``set_symm_mem_for_comm()`` itself raises in FSDP2 on
+    CPU (no NCCL) and allocates NCCL staging buffers on CUDA; ours has no staging buffers
+    (each all-gather writes the planned persistent storage): accepted, no effect."""
+    ours = run_threaded(_hints, 2, "ours")[0]
+    theirs = run_threaded(_hints, 2, "fsdp2")[0]
+    for out in (ours, theirs):
+        assert out["divide factor (old name)"].startswith("DeprecationWarning: Use"), out
+        assert out["separate group off"] == "ok", out
+        assert out["symm mem with a custom all-gather"].startswith(
+            "AssertionError: cannot call set_symm_mem() when all gather comm is custom"
+        ), out
+        assert out["reset_iter_state on a non-root"].startswith(
+            "RuntimeError: reset_iter_state must be called on the root FSDP module"
+        ), out
+        assert out["reshard_after_forward of another type"].startswith(
+            "ValueError: reshard_after_forward should be a bool or an int"
+        ), out
+    assert ours["symm mem"] == "ok", ours
+
+
+# -- public names, signatures, policies ---------------------------------------------------------
+def test_fsdp2s_public_names_and_fully_shard_signature_are_ours() -> None:
+    """Every FSDP2 name of ``torch.distributed.fsdp.__all__`` is in ``fsdp_engine`` (but
+    ``DataParallelMeshDims``, issue 26's ``dp_mesh_dims`` work); ``fully_shard`` takes FSDP2's
+    arguments with FSDP2's names, kinds and defaults (ours adds keyword-only ones) and has
+    ``fully_shard.state``."""
+    fsdp2_names = {
+        "CPUOffloadPolicy",
+        "DataParallelMeshDims",
+        "FSDPModule",
+        "fully_shard",
+        "MixedPrecisionPolicy",
+        "OffloadPolicy",
+        "register_fsdp_forward_method",
+        "UnshardHandle",
+        "share_comm_ctx",
+    }
+    assert fsdp2_names <= set(torch_fsdp.__all__)
+    assert fsdp2_names - set(fsdp_engine.__all__) <= {"DataParallelMeshDims"}
+    theirs = inspect.signature(torch_fsdp.fully_shard).parameters
+    ours = inspect.signature(fsdp_engine.fully_shard).parameters
+    assert list(ours)[: len(theirs)] == list(theirs)
+    for name, param in theirs.items():
+        mine = ours[name]
+        assert mine.kind == param.kind, name
+        if isinstance(param.default, (torch_fsdp.MixedPrecisionPolicy, torch_fsdp.OffloadPolicy)):
+            assert dataclasses.asdict(mine.default) | dataclasses.asdict(
+                param.default
+            ) == dataclasses.asdict(mine.default), name
+            assert isinstance(mine.default, type(param.default)), name
+        else:
+            assert mine.default == param.default, name
+    assert all(p.kind is p.KEYWORD_ONLY for n, p in ours.items() if n not in theirs)
+    assert callable(fsdp_engine.fully_shard.state)  # type: ignore[attr-defined]
+
+
+def test_policies_are_fsdp2s_dataclasses_with_its_fields_and_defaults() -> None:
+    """``MixedPrecisionPolicy`` (frozen), ``OffloadPolicy`` and ``CPUOffloadPolicy`` are
+    dataclasses subclassing FSDP2's: its fields, defaults and frozen-ness (ours adds
+    ``quantized_all_gather``), ``dataclasses.replace`` works, ``isinstance`` against torch's
+    holds, and ``fully_shard`` takes torch's own policies too."""
+    pairs = [
+        (fsdp_engine.MixedPrecisionPolicy, torch_fsdp.MixedPrecisionPolicy),
+        (fsdp_engine.OffloadPolicy, torch_fsdp.OffloadPolicy),
+        (fsdp_engine.CPUOffloadPolicy, torch_fsdp.CPUOffloadPolicy),
+    ]
+    for ours, theirs in pairs:
+        assert issubclass(ours, theirs) and dataclasses.is_dataclass(ours)
+        want = {f.name: f.default for f in dataclasses.fields(theirs)}
+        got = {f.name: f.default for f in dataclasses.fields(ours)}
+        assert {k: got[k] for k in want} == want, ours
+        assert ours.__dataclass_params__.frozen == theirs.__dataclass_params__.frozen  # type: ignore[attr-defined]
+    assert issubclass(fsdp_engine.CPUOffloadPolicy, fsdp_engine.OffloadPolicy)
+    policy = fsdp_engine.MixedPrecisionPolicy(torch.bfloat16)
+    changed = dataclasses.replace(policy, reduce_dtype=torch.float32)
+    assert (changed.param_dtype, changed.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert [f.name for f in dataclasses.fields(policy)][-1] == "quantized_all_gather"
+
+
+def _torch_policies(rank: int, world: int, impl: str) -> Any:
+    torch.set_num_threads(1)
+    model = make(Stack)
+    shard_stack(
+        engine(impl),
+        model,
+        mp_policy=torch_fsdp.MixedPrecisionPolicy(param_dtype=torch.float64),
+        offload_policy=torch_fsdp.CPUOffloadPolicy(pin_memory=False),
+    )
+    model(data(rank)).sum().backward()
+    return full_grads(model)
+
+
+def test_fully_shard_takes_torchs_policy_objects_like_fsdp2() -> None:
+    ours = run_threaded(_torch_policies, 2, "ours")[0]
+    theirs = run_threaded(_torch_policies, 2, "fsdp2")[0]
+    for name, grad in theirs.items():
+        assert torch.equal(ours[name], grad), name  # type: ignore[arg-type]
+
+
+def _returned_and_sliced(rank: int, world: int, impl: str) -> Any:
+    api = engine(impl)
+    pair = [make(Mlp), make(Mlp)]
+    returned = api.fully_shard(pair)
+    seq = make(lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+    same = api.fully_shard(seq)
+    tail = seq[1:]  # nn.Sequential slicing builds type(self)(...): FSDPModule.__new__
+    return (
+        returned is pair,
+        same is seq,
+        type(tail) is nn.Sequential,
+        isinstance(tail, torch_fsdp.FSDPModule),
+        len(tail),
+    )
+
+
+def test_fully_shard_returns_its_argument_and_slicing_builds_the_original_class() -> None:
+    """``fully_shard`` returns the module, or the very list it was given; slicing a sharded
+    ``nn.Sequential`` builds a plain ``nn.Sequential`` of the same children (FSDP2's
+    ``FSDPModule.__new__``), not a fully_shard module."""
+    ours = run_threaded(_returned_and_sliced, 2, "ours")[0]
+    theirs = run_threaded(_returned_and_sliced, 2, "fsdp2")[0]
+    assert ours == theirs == (True, True, True, False, 2)
+
+
+class _ViewOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).view(-1)
+
+
+def _warnings(rank: int, world: int, impl: str) -> None:
+    api = engine(impl)
+    model = make(_ViewOut)
+    api.fully_shard(model)
+    model(data(rank)).sum().backward()
+    if world == 1:  # one thread: "once" is then deterministic for both engines
+        api.fully_shard(make(Mlp), reshard_after_forward=1)
+
+
+class _AllRecords(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_fsdp2s_warnings_and_warning_log_lines_are_ours() -> None:
+    """A module whose output is a view gets FSDP2's warning (an in-place op on it would drop
+    the pre-backward hook); ``reshard_after_forward=1`` FSDP2's warning on its logger, once per
+    process."""
+    from fsdp_engine._private.trace import warning_once
+
+    lines = {}
+    for impl in ENGINES:
+        torch._logging.warning_once.cache_clear()  # type: ignore[attr-defined]  # "once" per test
+        warning_once.cache_clear()  # type: ignore[attr-defined]
+        handler = _AllRecords()
+        logging.getLogger(_FSDP_LOGGER).addHandler(handler)
+        try:  # the warnings module's state is per process: caught here for both ranks
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                run_threaded(_warnings, 2, impl)
+                run_threaded(_warnings, 1, impl)
+        finally:
+            logging.getLogger(_FSDP_LOGGER).removeHandler(handler)
+        views = [str(w.message)[:60] for w in caught if w.category is UserWarning]
+        assert views == ["FSDP2-wrapped module (FSDP_ViewOut) returned a view tensor. "] * 3
+        lines[impl] = handler.lines
+    assert (
+        lines["ours"]
+        == lines["fsdp2"]
+        == [
+            "reshard_after_forward=1 (int) means resharding parameters to world size 1, instead of "
+            "reshard_after_forward=True (bool)"
+        ]
+    )
+
+
+# -- FSDP2's layout one argument away ---------------------------------------------------------
+def _row_indexing(rank: int, world: int, impl: str, placed: bool) -> Any:
+    torch.set_num_threads(1)
+    model = make(Mlp)
+    kwargs: dict[str, Any] = {"shard_placement_fn": lambda p: Shard(0)} if placed else {}
+    engine(impl).fully_shard(model, **kwargs)
+    model(data(rank)).sum().backward()
+    grad = model.up.weight.grad
+    assert isinstance(grad, DTensor)
+    local = grad._local_tensor
+    try:
+        first = local[0, 0].clone()  # what a GradScaler test does
+    except IndexError as exc:
+        first = f"IndexError: {exc}"
+    return grad.placements, tuple(local.shape), first
+
+
+def test_local_shards_are_flat_and_shard0_gives_fsdp2s_row_layout() -> None:
+    """Our local shards are 1-D ranges (``RaggedShard``, by design: the README's "FSDP2's
+    contract"), so ``p.grad._local_tensor[0, 0]`` fails; ``shard_placement_fn=lambda p:
+    Shard(0)`` gives FSDP2's ``Shard(0)`` layout, its local shapes and values."""
+    flat = run_threaded(_row_indexing, 2, "ours", False)
+    assert all(len(shape) == 1 for _, shape, _ in flat)
+    assert all(isinstance(first, str) and "IndexError" in first for _, _, first in flat)
+    placed = run_threaded(_row_indexing, 2, "ours", True)
+    theirs = run_threaded(_row_indexing, 2, "fsdp2", False)
+    for (p1, s1, f1), (p2, s2, f2) in zip(placed, theirs, strict=True):
+        assert p1 == p2 == (Shard(0),)
+        assert s1 == s2 == (6, 8)
+        assert torch.equal(f1, f2)

@@ -84,9 +84,9 @@ ARGUMENT_CASES: dict[str, Case] = {
         ValueError,
         ("reshard_after_forward=3", "divisor of the shard-axis size 2"),
     ),
-    "reshard_after_forward of another type": (
+    "reshard_after_forward of another type (FSDP2's ValueError)": (
         lambda mesh: fully_shard(_linear(), mesh=mesh, reshard_after_forward="yes"),  # type: ignore[call-overload]
-        TypeError,
+        ValueError,
         ("reshard_after_forward", "str"),
     ),
     "shard_placement_fn with an uneven Shard(1) (FSDP2's NotImplementedError)": (

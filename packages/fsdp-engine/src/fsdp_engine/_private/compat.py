@@ -50,6 +50,7 @@ __all__ = [
     "dtensor_from_spec",
     "has_backend_for",
     "in_backward",
+    "is_view",
     "local_tensor",
     "mark_fully_sharded",
     "offset_free",
@@ -277,6 +278,11 @@ def set_registered_param(module: nn.Module, attr: str, param: nn.Parameter) -> N
     """Register ``param`` as ``module.<attr>`` in place of what is there (FSDP2 swaps the
     sharded and unsharded parameters this way: no ``__setattr__`` checks)."""
     module._parameters[attr] = param
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of another tensor (autograd's ``_base``)."""
+    return tensor._base is not None
 
 
 def post_accumulate_grad_hooks(param: torch.Tensor) -> tuple[Callable[[torch.Tensor], Any], ...]:

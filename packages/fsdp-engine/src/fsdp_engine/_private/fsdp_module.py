@@ -19,8 +19,9 @@ A base class's method is reached past torch's with ``super(TorchFSDPModule, self
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -246,7 +247,8 @@ class FSDPModule(TorchFSDPModule):
         self._configure_groups(False, reduce_divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """Deprecated name of ``set_gradient_divide_factor`` (as in FSDP2)."""
+        """Deprecated name of ``set_gradient_divide_factor`` (as in FSDP2, with its warning)."""
+        warnings.warn("Use `set_gradient_divide_factor` instead", DeprecationWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
@@ -321,16 +323,35 @@ class FSDPModule(TorchFSDPModule):
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
     ) -> None:
-        raise NotImplementedError(
-            "set_separate_reduce_scatter_group: fsdp_engine runs its all-gathers and "
-            "reduce-scatters on the mesh's process groups"
-        )
+        """FSDP2 runs the reduce-scatters on a process group of their own so they overlap the
+        all-gathers on the wire. Not built in fsdp_engine: ``False`` (the state it is always
+        in) is accepted, ``True`` raises."""
+        if enable:
+            raise NotImplementedError(
+                "set_separate_reduce_scatter_group: fsdp_engine runs its all-gathers and "
+                "reduce-scatters on the mesh's process groups"
+            )
+        _states_under(self, recurse)
 
-    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        raise NotImplementedError(
-            "set_symm_mem_for_comm: fsdp_engine's collectives move the planned persistent "
-            "buffers, which are not symmetric-memory allocations"
-        )
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """FSDP2 allocates its all-gather staging buffers from symmetric memory (NCCL). The
+        engine has no staging buffers: each all-gather writes the group's planned persistent
+        unsharded storage, and the reduce-scatter reads the gradient storage. So, like
+        ``set_allocate_memory_from_process_group_for_comm``, this is validated as FSDP2
+        validates it (the ``"NCCL"`` backend; not with a custom collective) and changes
+        nothing."""
+        if backend != "NCCL":
+            raise ValueError(f'set_symm_mem_for_comm: backend must be "NCCL", got {backend!r}')
+        for group in self._engine_state().groups:
+            for kind, comm in (
+                ("all gather", group.config.all_gather_comm),
+                ("reduce scatter", group.config.reduce.comm),
+            ):
+                if comm is not None:
+                    raise AssertionError(
+                        f"cannot call set_symm_mem() when {kind} comm is custom: "
+                        f"{type(comm).__name__}"
+                    )
 
     def _apply(self, *args: Any, **kwargs: Any) -> Any:
         # ``.to(dtype)``, ``.float()``, ``to_empty`` replace or re-type the sharded parameters'

@@ -174,7 +174,8 @@ def fully_shard(
         target.__class__ = new_cls
         assert isinstance(target, FSDPModule)
         results.append(target)
-    return results if isinstance(module, list) else results[0]
+    # FSDP2 returns its argument: the module, or the very list it was given
+    return module if isinstance(module, list) else results[0]  # type: ignore[return-value]
 
 
 # FSDP2's ``fully_shard.state(module)``: the state a call attached to the module (ours), or None

@@ -31,6 +31,7 @@ resets an iteration, so recomputation sees the parameters its backward needs.
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -326,8 +327,25 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         if torch.is_grad_enabled():
             for tensor in grad_tensors(output):
+                if compat.is_view(tensor):
+                    self._warn_view_output()
                 tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
         return output
+
+    def _warn_view_output(self) -> None:
+        """FSDP2's warning (its words): the pre-backward is a hook on the output, which an
+        in-place op on a view output silently replaces."""
+        names = ", ".join(type(m).__name__ for m in self.modules) or "?"
+        warnings.warn(
+            f"FSDP2-wrapped module ({names}) returned a view tensor. "
+            "An in-place op on this view (e.g., `x += y`) will silently "
+            "drop the pre-backward hook and skip the all-gather, which "
+            "can cause backward to fail or produce wrong gradients. "
+            "Use out-of-place ops (`out = out + y`, not `out += y`) or "
+            "`.clone()` the output before any in-place op.",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def _reshard_after_forward(self, output: Any) -> Any:
         """``reshard_after_forward`` and the backward prefetch order (not in a recompute inside

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator
 
 import torch
 
-__all__ = ["logger", "traced", "with_fqn"]
+__all__ = ["logger", "traced", "warning_once", "with_fqn"]
 
 # FSDP2's logger name (``_fsdp_state.py``, ``_fsdp_param_group.py``)
 logger = logging.getLogger("torch.distributed.fsdp.fully_shard")
@@ -42,3 +43,20 @@ def traced(label: str, *, log: bool = True) -> Iterator[None]:
         logger.debug("%s", label, stacklevel=3)  # the caller, not this helper
     with torch.profiler.record_function(label):
         yield
+
+
+_WARNED: set[str] = set()
+_WARNED_LOCK = threading.Lock()
+
+
+def warning_once(message: str) -> None:
+    """``message`` at WARNING on FSDP2's logger, once per process (FSDP2's ``warning_once``;
+    ``warning_once.cache_clear()`` forgets what was said)."""
+    with _WARNED_LOCK:
+        if message in _WARNED:
+            return
+        _WARNED.add(message)
+    logger.warning(message, stacklevel=3)
+
+
+warning_once.cache_clear = _WARNED.clear  # type: ignore[attr-defined]
