@@ -15,6 +15,7 @@ import inspect
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -41,7 +42,7 @@ from engine_fsdp2 import (
     shard_stack,
 )
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
 import fsdp_engine
 from ragged_dtensor.testing import free_port, run_threaded
@@ -642,6 +643,8 @@ def _hints(rank: int, world: int, impl: str) -> dict[str, str]:
     api.fully_shard(model)
     capture("divide factor (old name)", lambda: model.set_reduce_scatter_divide_factor(2.0))  # type: ignore[operator]
     capture("separate group off", lambda: model.set_separate_reduce_scatter_group(False))  # type: ignore[operator]
+    capture("max input buffers True", lambda: model.set_reduce_scatter_max_input_buffers(True))  # type: ignore[operator]
+    capture("max input buffers 0", lambda: model.set_reduce_scatter_max_input_buffers(0))  # type: ignore[operator]
     custom = make(Mlp)
     api.fully_shard(custom)
     custom.set_custom_all_gather(object())  # type: ignore[operator]
@@ -665,7 +668,8 @@ def _non_root_reset(api: Any) -> None:
 
 def test_hints_deprecations_and_refusals_match_fsdp2() -> None:
     """``set_reduce_scatter_divide_factor`` warns that it is deprecated; turning the separate
-    reduce-scatter group off is accepted; ``set_symm_mem_for_comm`` refuses a custom
+    reduce-scatter group off is accepted; ``set_reduce_scatter_max_input_buffers`` refuses a
+    bool and a non-positive count with FSDP2's errors; ``set_symm_mem_for_comm`` refuses a custom
     collective; ``reset_iter_state`` on a non-root and a ``reshard_after_forward`` of another
     type raise FSDP2's exception types. ``set_symm_mem_for_comm()`` itself raises in FSDP2 on
     CPU (no NCCL) and allocates NCCL staging buffers on CUDA; ours has no staging buffers
@@ -675,6 +679,12 @@ def test_hints_deprecations_and_refusals_match_fsdp2() -> None:
     for out in (ours, theirs):
         assert out["divide factor (old name)"].startswith("DeprecationWarning: Use"), out
         assert out["separate group off"] == "ok", out
+        assert (
+            out["max input buffers True"] == "TypeError: max_input_buffers must be an int, got bool"
+        )
+        assert out["max input buffers 0"] == (
+            "ValueError: max_input_buffers must be a positive int, got 0"
+        )
         assert out["symm mem with a custom all-gather"].startswith(
             "AssertionError: cannot call set_symm_mem() when all gather comm is custom"
         ), out
@@ -880,3 +890,103 @@ def test_local_shards_are_flat_and_shard0_gives_fsdp2s_row_layout() -> None:
         assert p1 == p2 == (Shard(0),)
         assert s1 == s2 == (6, 8)
         assert torch.equal(f1, f2)
+
+
+# -- what fully_shard refuses where FSDP2 goes on ----------------------------------------------
+def _per_parameter_mesh(rank: int, world: int, impl: str) -> str:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+
+    mesh = init_device_mesh("cpu", (world,))
+    info = FSDPMeshInfo(mesh, shard_mesh_dim=0)
+    model = make(Mlp)
+    try:
+        engine(impl).fully_shard(
+            model, mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), info)
+        )
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_a_per_parameter_mesh_is_refused_by_name() -> None:
+    """``shard_placement_fn`` returning FSDP2's ``ShardPlacementResult`` (a parameter on
+    another mesh, e.g. experts on an expert-parallel mesh): FSDP2 makes a group per process
+    group; ours raises ``NotImplementedError`` naming the parameter (every group of a call is
+    on its mesh)."""
+    assert run_threaded(_per_parameter_mesh, 2, "fsdp2")[0] == "no error"
+    ours = run_threaded(_per_parameter_mesh, 2, "ours")[0]
+    assert ours.startswith("NotImplementedError: shard_placement_fn returned"), ours
+    assert "'up.weight'" in ours and "per-parameter meshes" in ours, ours
+
+
+def test_parameters_on_another_device_than_the_mesh_are_refused_by_name() -> None:
+    """FSDP2 moves the managed parameters and buffers to the mesh's device (a model built on
+    the CPU, a CUDA mesh); ours raises ``ValueError`` naming the parameter and asking for the
+    move (or meta init). The rule is the pure ``choose_device``; this machine has no
+    accelerator to run both engines on."""
+    from fsdp_engine._private.init import choose_device
+
+    with pytest.raises(ValueError, match=r"'up.weight' is on cpu but the mesh is cuda"):
+        choose_device({torch.device("cpu"): "up.weight"}, "cuda")
+    assert choose_device({torch.device("cpu"): "up.weight"}, "cpu") == torch.device("cpu")
+
+
+def _lazy_init_errors(rank: int, world: int, impl: str) -> dict[str, str]:
+    api = engine(impl)
+    out: dict[str, str] = {}
+
+    def capture(name: str, fn: Any) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            out[name] = "no error"
+
+    grouped = make(Stack)
+    api.fully_shard(list(grouped.blocks))
+    capture("a group of modules runs forward first", lambda: grouped.blocks[0](data(rank)))
+    child_first = make(Stack)
+    shard_stack(api, child_first)
+    child_first.blocks[0](data(rank))  # the block becomes a root of its own
+    capture("the root after a child ran alone", lambda: child_first(data(rank)))
+    return out
+
+
+def test_lazy_init_errors_match_fsdp2() -> None:
+    """The first module to run forward becomes the root: a ``fully_shard([a, b])`` group cannot
+    be one ("FSDP requires a single root module"), and a root whose child already ran forward
+    alone raises "... has already been lazily initialized" (both RuntimeError, as FSDP2)."""
+    ours = run_threaded(_lazy_init_errors, 2, "ours")[0]
+    theirs = run_threaded(_lazy_init_errors, 2, "fsdp2")[0]
+    for out in (ours, theirs):
+        assert out["a group of modules runs forward first"].startswith(
+            "RuntimeError: FSDP requires a single root module"
+        ), out
+        root_after = out["the root after a child ran alone"]
+        assert root_after.startswith("RuntimeError:") and "already been lazily initialized" in (
+            root_after
+        ), out
+
+
+def test_every_row_of_the_readme_contract_table_names_a_test_that_exists() -> None:
+    """The README's "FSDP2's contract" section: each table row's last cell names at least one
+    test, and every test it names exists in this repository's test files."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## FSDP2's contract", 1)[1].split("\n## ", 1)[0]
+    sources = "".join(
+        path.read_text() for path in Path(__file__).parents[2].glob("*/tests/test_*.py")
+    )
+    defined = set(re.findall(r"^def (test_\w+)", sources, flags=re.MULTILINE))
+    rows = [line for line in section.splitlines() if line.startswith("| ") and "---" not in line]
+    rows = [row for row in rows if not row.startswith("| FSDP2 |")]
+    assert len(rows) >= 60, len(rows)
+    for row in rows:
+        named = re.findall(r"\b(test_\w+)\b", row.rstrip(" |").rsplit(" | ", 1)[-1])
+        named = [n for n in named if not n.startswith(("test_engine_", "test_ragged_"))]
+        assert named, row
+        missing = [n for n in named if n not in defined]
+        assert not missing, (missing, row)
