@@ -189,17 +189,18 @@ class FSDPState:
         for state in ctx.all_states:
             for group in state.groups:
                 group.to_sharded()
-        meta = [
-            fqns.get(id(g.params[i].sharded), g.params[i].fqn)
-            for state in ctx.all_states
-            for g in state.groups
-            for i in g.meta_indices()
-        ]
-        if meta:
-            raise RuntimeError(
-                "FSDP parameters should be materialized from meta device before training, "
-                f"but the following were still on meta device: {meta}"
-            )
+        for state in ctx.all_states:  # FSDP2's check and words: the first group on meta
+            for g in state.groups:
+                meta = [
+                    fqns.get(id(g.params[i].sharded), g.params[i].fqn) for i in g.meta_indices()
+                ]
+                if meta:
+                    raise RuntimeError(
+                        "FSDP parameters should be materialized from meta device before "
+                        f"training, but the following were still on meta device: {meta}\n"
+                        "For example, call module.to_empty(device) to materialize to device and "
+                        "call module.reset_parameters() on each module to initialize values."
+                    )
 
     # -- forward -----------------------------------------------------------------------------
     @hidden_from_dynamo
