@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
+from torch.distributed.fsdp import DataParallelMeshDims  # FSDP2's own public type, re-exported
 from torch.distributed.tensor import DTensor
 
 from fsdp_engine._private.quantize import (
@@ -28,6 +29,7 @@ __all__ = [
     "QUANTIZABLE",
     "BlockPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "QuantizedAllGather",
