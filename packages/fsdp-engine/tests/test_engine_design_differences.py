@@ -76,7 +76,6 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 
     capture("Shard(1) of a tensor-parallel parameter", tp_with_shard1)
 
-
     def requires_all_reduce() -> None:
         m = Mlp()
         api.fully_shard(m, mesh=hsdp)

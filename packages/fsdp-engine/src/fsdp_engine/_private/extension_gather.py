@@ -150,6 +150,8 @@ class ExtensionGather(Gather):
         self._full = [torch.empty(s, dtype=compute_dtype, device=device) for s in storage.shapes]
         for full in self._full:
             _free(full)
+        for param in params:  # FSDP2 checks at fully_shard (and again at every gather here)
+            extension_hooks(compat.local_tensor(param.dtensor))
         self._hooked: dict[int, _Hooked] = {}
         self._key: tuple[Any, ...] | None = None
         self._offsets: list[list[int]] = []
@@ -204,7 +206,10 @@ class ExtensionGather(Gather):
         stride = torch.empty(shape, device="meta").stride()
         inputs, metadata = pre(self.shard_mesh, shape, stride, param.ref.owner, self.policy)
         padded = self._padded_size(i)
-        if local.size() != padded and any(t.size() != padded for t in inputs):
+        # FSDP2 checks on the ranks holding a short chunk only (the others then hang in the
+        # all-gather); every rank knows whether some rank does, so every rank raises here
+        uneven = torch.Size(self.placed.local_shape(i, self.storage.world - 1)) != padded
+        if uneven and any(t.size() != padded for t in inputs):
             raise AssertionError(
                 "When a parameter is unevenly sharded by FSDP "
                 f"(orig size={shape}, FSDP world size={self.storage.world}), "
