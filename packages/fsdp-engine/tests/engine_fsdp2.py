@@ -22,6 +22,7 @@ from ragged_dtensor.testing import count_collectives
 ALL_GATHER = "all_gather_single"
 REDUCE_SCATTER = "reduce_scatter_single"
 ALL_REDUCE = "all_reduce"
+ENGINES = ["ours", "fsdp2"]  # fsdp_engine, and torch's FSDP2 as the control
 
 
 def engine(name: str) -> Any:
