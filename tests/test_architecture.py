@@ -422,6 +422,17 @@ def test_no_test_module_imports_another_test_module() -> None:
         "import importlib\nimportlib.import_module('test_engine_parity')\n",
         "__import__('test_engine_parity')\n",
     ],
+    ids=[
+        "import-as",
+        "import",
+        "from-import",
+        "from-submodule",
+        "relative",
+        "tests-package",
+        "in-a-function",
+        "import_module",
+        "__import__",
+    ],
 )
 def test_the_test_import_check_rejects_a_planted_breach(source: str) -> None:
     problems = imports_of_test_modules({"packages/x/tests/test_x.py": source})
