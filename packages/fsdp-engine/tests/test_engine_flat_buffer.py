@@ -8,7 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from engine_fsdp2 import Stack, counting, data, engine, full_params, make, shard_stack
+from engine_fsdp2 import (
+    counting,
+    data,
+    full_params,
+    sharded_stack_and_reference,
+)
 from engine_models import batches, build, loss_fn
 from engine_training import sharded_tiny_llama
 from torch.distributed.tensor import DTensor, init_device_mesh
@@ -77,12 +82,7 @@ def test_one_collective_per_group_and_zero_copy(world: int) -> None:
 
 def _single(rank: int, world: int) -> Any:
     torch.set_num_threads(1)
-    api = engine("ours")
-    model = make(Stack)
-    reference = make(Stack)
-    shard_stack(api, model)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    ref_optim = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    model, reference, optim, ref_optim = sharded_stack_and_reference()
     total = 0
     for step in range(3):
         with counting() as counts:

@@ -11,14 +11,13 @@ from typing import Any
 import pytest
 import torch
 from engine_fsdp2 import (
-    Stack,
     counting,
     data,
     engine,
     full_params,
     make,
     recording_reduce_scatter,
-    shard_stack,
+    sharded_stack_and_reference,
 )
 from engine_models import batches, build, loss_fn
 from torch import nn
@@ -30,12 +29,7 @@ from ragged_dtensor.testing import run_threaded
 
 def _freeze(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
-    api = engine("ours")
-    model = make(Stack)
-    reference = make(Stack)
-    shard_stack(api, model)
-    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    ref_optim = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    model, reference, optim, ref_optim = sharded_stack_and_reference()
     before = full_params(model)
     out: dict[str, Any] = {"numels": []}
     for step in range(4):
