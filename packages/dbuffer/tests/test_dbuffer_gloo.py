@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from dbuffer_helpers import BLOCKS, SHAPES, DispatchedOps, make_tensors
-from test_dbuffer_autograd import _train_step
-from test_dbuffer_collectives import _check_shards, _reference
+from dbuffer_mlp import train_step
+from dbuffer_reference import check_shards, reference
 from torch.distributed.device_mesh import init_device_mesh
 
 from dbuffer import CopiedBytes, DBuffer, LayoutMismatchError, contiguous_layout
@@ -48,7 +48,7 @@ def _gather_reduce(mesh_shape: tuple[int, ...]) -> dict[str, int]:
     if len(mesh_shape) == 2:
         expected["c10d.allreduce_.default"] = 1
     assert Counter(ops.collectives()) == Counter(expected)
-    _check_shards(grads, _reference(range(dist.get_world_size()), "avg", None))
+    check_shards(grads, reference(range(dist.get_world_size()), "avg", None))
     # gloo's reduce-scatter copies its result out of an internal all-reduce buffer (backend
     # code, reached through the dispatcher): the same bytes as a bare reduce-scatter.
     bare = torch.empty(buf.shard_size)
@@ -86,8 +86,8 @@ def _async_and_mixed_precision(mesh_shape: tuple[int, ...]) -> None:
         op="avg", reduce_dtype=torch.bfloat16, accumulate=True, async_op=True
     )
     handle.wait()
-    expected = _reference(range(dist.get_world_size()), "avg", torch.bfloat16).plus(initial)
-    _check_shards(grads, expected)
+    expected = reference(range(dist.get_world_size()), "avg", torch.bfloat16).plus(initial)
+    check_shards(grads, expected)
     assert not grads.is_unsharded()
     # An async gloo all-gather bumps its output's version counter in the background when it
     # completes; views autograd saved must still see the version they were saved at.
@@ -109,7 +109,7 @@ def _world_2(rank: int, world: int) -> None:
     _gather_reduce((world,))
     _async_and_mixed_precision((world,))
     for mode in ("accumulate-unsharded", "reduce-each-backward"):
-        _train_step(rank, world, mode)
+        train_step(rank, world, mode)
     dist.barrier()
 
 
@@ -123,7 +123,7 @@ def _world_4(rank: int, world: int) -> None:
     _gather_reduce((world,))
     _gather_reduce((2, 2))  # HSDP: axis 0 replicate, axis 1 shard
     _async_and_mixed_precision((2, 2))
-    _train_step(rank, world, "accumulate-unsharded", exact=False)  # gloo's own sum order
+    train_step(rank, world, "accumulate-unsharded", exact=False)  # gloo's own sum order
     dist.barrier()
 
 
