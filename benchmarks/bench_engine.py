@@ -17,7 +17,7 @@ Per case, world size and engine:
 - padding of the sharded layout; loss after the last step (parity with FSDP2).
 
 Cases: dense LLaMA-like at two sizes (AdamW with param groups: weight decay on matrices, none on
-norms; ours with ``fsdp_engine.FlatAdamW``, every peer with ``torch.optim.AdamW`` and the same
+norms; ours with ``optim_blockwise.FlatAdamW``, every peer with ``torch.optim.AdamW`` and the same
 groups; ablation: ours with per-parameter ``torch.optim.AdamW``); an MoE-like model (16 experts per
 layer, dims that do not divide the world size; the same AdamW); Muon (ours vs FSDP2 + Moonlight-
 style gather-to-all Muon, and FSDP2 + our all-to-all Muon); 8-bit AdamW (ours with the optimizer's
@@ -123,7 +123,7 @@ def optimizer_label(case: Case, engine: str) -> str:
         return "all-to-all Muon (ours)"
     if case.optimizer == "adamw8bit":
         return "AdamW8bit (ours)" + (" + block policy" if engine.startswith("ours") else "")
-    return "fsdp_engine.FlatAdamW" if engine == "ours" else "torch AdamW"
+    return "optim_blockwise.FlatAdamW" if engine == "ours" else "torch AdamW"
 
 
 # -- engines -----------------------------------------------------------------------------------
@@ -327,9 +327,7 @@ def make_optimizer(case: Case, engine: str, model: nn.Module) -> Any:
     import optim_blockwise as ob
 
     if case.optimizer == "adamw":
-        import fsdp_engine
-
-        cls = fsdp_engine.FlatAdamW if engine == "ours" else torch.optim.AdamW
+        cls = ob.FlatAdamW if engine == "ours" else torch.optim.AdamW
         return cls(adamw_param_groups(model), lr=LR, betas=BETAS)
     if case.optimizer == "adamw8bit":
         return ob.AdamW8bit(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, block_size=256)
@@ -925,7 +923,7 @@ ENGINE_SETUP = (
     "`FullyShardedDataParallel(auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)`"
     "; DeepSpeed ZeRO-3 (`stage3_param_persistence_threshold=0` so every parameter is sharded, "
     "buckets the size of the model, its torch AdamW). AdamW lr 1e-3, betas (0.9, 0.95), weight "
-    "decay 0.1 on matrices and none on norms (two param groups; ours `fsdp_engine.FlatAdamW`, "
+    "decay 0.1 on matrices and none on norms (two param groups; ours `optim_blockwise.FlatAdamW`, "
     "the peers `torch.optim.AdamW`, bit-identical arithmetic); Muon `match_rms_adamw`, the "
     "rest AdamW; AdamW8bit blocks of 256."
 )
@@ -1052,7 +1050,7 @@ def markdown(
         "",
         "**Flat optimizer off** (`ours + per-parameter torch AdamW` rows): the same param groups "
         "with `torch.optim.AdamW` on our DTensor parameters (one DTensor dispatch per parameter "
-        "and op) instead of `fsdp_engine.FlatAdamW` (torch's functional AdamW on flat runs of "
+        "and op) instead of `optim_blockwise.FlatAdamW` (torch's functional AdamW on flat runs of "
         "each group's shard; bit-identical, tested).",
         "",
         "**DBuffer off** is torch FSDP2 itself: the same sharding unit (one `fully_shard` per "

@@ -226,13 +226,14 @@ def measure(
     """Rank 0's live-storage peak over the second step under the fake process group.
 
     ``engine="fsdp2"`` runs torch's ``fully_shard`` and per-parameter foreach AdamW instead of
-    ours with ``FlatAdamW``."""
+    ours with ``optim_blockwise.FlatAdamW``."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from dbuffer import LiveBytes
 
     if engine == "ours":
-        from fsdp_engine import FlatAdamW, MixedPrecisionPolicy, fully_shard
+        from fsdp_engine import MixedPrecisionPolicy, fully_shard
+        from optim_blockwise import FlatAdamW
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # type: ignore[assignment]
 
