@@ -36,7 +36,7 @@ from dbuffer import DBuffer, Handle, ReduceScatterComm
 from fsdp_engine._private import compat
 from fsdp_engine._private.compact import Reduction, compact_buffer, reduction_for_mask
 from fsdp_engine._private.grads import ShardedGrads
-from fsdp_engine._private.handover import handover_casts, handover_for
+from fsdp_engine._private.handover import InPlaceHandover, handover_casts, handover_for
 from fsdp_engine._private.param import FSDPParam
 from fsdp_engine._private.storage import ShardStorage
 
@@ -103,6 +103,11 @@ class GradReducer:
         self.issued = False
 
     @property
+    def in_place(self) -> bool:
+        """This backward's gradients go into the unsharded parameters' storage."""
+        return isinstance(self.handover, InPlaceHandover) and self.handover.armed
+
+    @property
     def busy(self) -> bool:
         return self.pending or self.accumulated
 
@@ -133,11 +138,17 @@ class GradReducer:
         self.grads.adopt(self.reduction_for(mask), grads)
 
     # -- before backward ----------------------------------------------------------------------
-    def prepare(self, mask: tuple[bool, ...], unsharded: Sequence[torch.nn.Parameter]) -> bool:
-        """Before this group's backward. Full path: unsharded gradient storage, zeroed once,
-        attached as the ``.grad`` of the unsharded parameters so autograd accumulates in place.
-        Compact path: autograd makes the gradients; post-backward collects them. Returns
-        whether a new backward's gradients start now."""
+    def prepare(
+        self,
+        mask: tuple[bool, ...],
+        unsharded: Sequence[torch.nn.Parameter],
+        in_place: tuple[torch.Tensor, Sequence[torch.Tensor]] | None = None,
+    ) -> bool:
+        """Before this group's backward: the hand-over's preparation ([Note: gradient
+        hand-over]); compact path: autograd makes the gradients, post-backward collects them.
+        ``in_place``: the unsharded parameters' flat storage and views, where this backward's
+        gradients may go ([Note: gradients in the parameters' storage]). Returns whether a new
+        backward's gradients start now."""
         reduction = self.reduction_for(mask)
         if reduction.kind == "none" or self.pending:
             return False
@@ -150,8 +161,17 @@ class GradReducer:
                 f"fully_shard: trainable {self.storage.dtype} parameters {names}: gradients of "
                 "this dtype cannot be reduced; keep them frozen (requires_grad=False)"
             )
+        handover = self.handover
         if reduction.kind == "full" and not self.storage.copies:
-            self.handover.prepare(unsharded)
+            if (
+                in_place is not None
+                and isinstance(handover, InPlaceHandover)
+                and not self.accumulated
+                and in_place[0].dtype == self.reduce_dtype == self.storage.buffer.dtype
+            ):
+                handover.arm(in_place[0], in_place[1], unsharded)
+            else:
+                handover.prepare(unsharded)
         # else: autograd makes the gradients; post-backward collects them (compact, and
         # [Note: placed groups] copied into FSDP2's order)
         started = not self.accumulated
@@ -225,10 +245,13 @@ class GradReducer:
         if not self.busy:
             return []
         used: list[bool] = []
+        in_place = self.in_place
         if self.pending and self.storage.copies:
             used = self._copy_in(unsharded)  # every microbatch
         elif self.pending:
             used = self.handover.collect(unsharded)
+        if in_place:
+            return self._reduce_parameters(reduction, unsharded, used, settings, sync, async_op)
         # no-sync accumulation runs in reduce_dtype (FSDP2): a compute-dtype microbatch gradient
         # is added into a reduce_dtype accumulator and the compute buffer is let go
         separate = self.reduce_dtype != self.unsharded_grads.dtype
@@ -245,6 +268,30 @@ class GradReducer:
         self._detach(unsharded)
         self._issue(reduction, source, settings, async_op=async_op)
         self.pending = self.accumulated = False
+        return used
+
+    def _reduce_parameters(
+        self,
+        reduction: Reduction,
+        unsharded: Sequence[torch.nn.Parameter],
+        used: list[bool],
+        settings: ReduceSettings,
+        sync: bool,
+        async_op: bool,
+    ) -> list[bool]:
+        """[Note: gradients in the parameters' storage]: the unsharded parameter storage holds
+        the gradients; the reduce-scatter reads it and frees it when done (the group skips
+        its own free meanwhile). Synchronization turned off during the backward: they go
+        into the accumulator instead."""
+        self._detach(unsharded)
+        params = self.storage.buffer
+        if sync:
+            self._issue(reduction, params, settings, async_op=async_op)
+        else:
+            accum = self._accumulator(params)
+            accum.unsharded_flat().add_(params.unsharded_flat())
+            self.accumulated = True
+        self.pending = False
         return used
 
     def _reduce_compact(
@@ -337,6 +384,8 @@ class GradReducer:
         """Drop every pending gradient (``reset_iter_state``)."""
         self.wait()
         self._detach(unsharded)
+        if isinstance(self.handover, InPlaceHandover):
+            self.handover.disarm()  # the group's reshard frees the parameters' storage
         self.unsharded_grads.reshard()
         if self.accum is not None:
             self.accum.reshard()

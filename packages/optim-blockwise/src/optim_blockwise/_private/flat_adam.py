@@ -149,7 +149,7 @@ class _FlatAdamMixin(torch.optim.Optimizer):
         ``torch.zeros_like(p)``."""
         local = self._state_slice(layout, p, key).view(local_of(p).shape)
         if isinstance(p, DTensor):
-            return from_local(
+            state = from_local(
                 local,
                 p.device_mesh,
                 p.placements,
@@ -157,6 +157,7 @@ class _FlatAdamMixin(torch.optim.Optimizer):
                 stride=p.stride(),
                 run_check=False,
             )
+            return compat.offset_free(state)  # torch.save works ([Note: DTensors over views])
         return local
 
     def _init_state(self, layout: _Layout, group: dict[str, Any], p: torch.Tensor) -> None:
