@@ -21,8 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, init_device_mesh
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "packages" / "fsdp-engine" / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "fsdp-engine" / "tests"))
 
 from engine_models import batches, build, loss_fn
 from engine_training import initial_state
@@ -32,6 +31,8 @@ from optim_blockwise import FlatAdam, FlatAdamW
 from ragged_dtensor.testing import run_threaded
 
 pytestmark = pytest.mark.numerics
+
+ROOT = Path(__file__).resolve().parents[1]
 
 STEPS = 4
 

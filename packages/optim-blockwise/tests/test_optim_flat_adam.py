@@ -11,6 +11,7 @@ same gradients with one intra-op thread.
 from __future__ import annotations
 
 import copy
+import io
 from typing import Any
 
 import pytest
@@ -73,6 +74,16 @@ def _train(
             if step == 2:
                 params[-1].grad = None  # skipped: no decay, no state step, as torch
             opt.step()
+        # torch.save of the state (DTensors over views of the flat buffers, most at an offset)
+        # works and round-trips
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)["state"]
+        ordered = [p for group in opt.param_groups for p in group["params"]]  # torch's indices
+        for i, p in enumerate(ordered):
+            for key, value in opt.state[p].items():
+                assert torch.equal(local_of(loaded[i][key]), local_of(value)), (i, key)
         # local pieces (flat): compared outside the ranks' process group
         state = [
             {k: local_of(v.detach()).clone() for k, v in opt.state[p].items() if k != "step"}
@@ -138,7 +149,9 @@ def test_state_dict_moves_between_flat_and_torch_adamw() -> None:
     with one_thread():
         gen = torch.Generator().manual_seed(1)
         fulls = [torch.randn(s, generator=gen) for s in SHAPES]
-        sides = [[nn.Parameter(t) for t in flat_views(fulls, None, [("plain",)] * 7)] for _ in "abc"]
+        sides = [
+            [nn.Parameter(t) for t in flat_views(fulls, None, [("plain",)] * 7)] for _ in "abc"
+        ]
         first = ob.FlatAdamW(_groups(sides[0], True), lr=1e-2)
         data = [[torch.randn(s, generator=gen) for s in SHAPES] for _ in range(4)]
 

@@ -90,6 +90,25 @@ def _make_layout(groups: list[dict[str, Any]]) -> _Layout:
     return _Layout(slots, offsets, sizes)
 
 
+def _offset_free(value: DTensor) -> DTensor:
+    """``value`` with its wrapper at storage offset 0 over the same local tensor (no copy).
+
+    torch's DTensor wrapper takes its local tensor's storage offset and has no storage of its
+    own; over a local view that starts at an offset (every state view but the first of a flat
+    buffer) it reports a non-zero ``data_ptr()``, and ``torch.save`` / ``copy.deepcopy`` /
+    ``dcp.async_save``'s stager, which tell a storage-less wrapper by ``data_ptr() == 0``,
+    reach for its invalid storage and fail. The wrapper's offset means nothing else, so the
+    state DTensors are built at offset 0, as fsdp-engine builds its parameters (its
+    ``[Note: DTensors over views]``) and as every FSDP2 DTensor is."""
+    if value.storage_offset() == 0:
+        return value
+    local = value._local_tensor
+    anchor = local.detach().as_strided(local.size(), local.stride(), 0)
+    rebuilt = DTensor(anchor, value._spec, requires_grad=value.requires_grad)  # type: ignore[no-untyped-call]
+    rebuilt._local_tensor = local
+    return rebuilt
+
+
 class _FlatAdamMixin(torch.optim.Optimizer):
     """The step and state handling shared by ``FlatAdam`` and ``FlatAdamW``."""
 
@@ -157,7 +176,7 @@ class _FlatAdamMixin(torch.optim.Optimizer):
                 stride=p.stride(),
                 run_check=False,
             )
-            return compat.offset_free(state)  # torch.save works ([Note: DTensors over views])
+            return _offset_free(state)  # torch.save works (the note there)
         return local
 
     def _init_state(self, layout: _Layout, group: dict[str, Any], p: torch.Tensor) -> None:
