@@ -8,12 +8,12 @@ Per case, world size and engine:
 - step time: median and min over the timed steps (forward, backward, optimizer step, zero_grad;
   barrier before and after, rank 0's clock) and the **paired ratio** to FSDP2 (median over steps of
   ours_i / fsdp2_i, the steps being adjacent in time); the optimizer step alone too;
-- peak live memory per rank: ``dbuffer.LiveBytes`` (a dispatch-mode tally of live storages,
+- peak live memory per rank: ``dbuffer.testing.LiveBytes`` (a dispatch-mode tally of live storages,
   seeded with everything the engine keeps between steps: parameters, gradients, optimizer
   state), deterministic; one measured step after warm-up;
 - collectives per step (count and input bytes) counted at the dispatcher over ``c10d`` and
   ``_c10d_functional`` ops, the same counter for every engine (barriers excluded);
-- bytes copied by copy-like ops (``dbuffer.CopiedBytes``);
+- bytes copied by copy-like ops (``dbuffer.testing.CopiedBytes``);
 - padding of the sharded layout; loss after the last step (parity with FSDP2).
 
 Cases: dense LLaMA-like at two sizes (AdamW with param groups: weight decay on matrices, none on
@@ -611,7 +611,7 @@ def memory_floor(
     case holds), one layer's unsharded parameters and gradients (compute dtype), and the
     activations saved for backward at the end of forward (measured on an unsharded copy of the
     model with this rank's batch, in the compute dtype)."""
-    from dbuffer import LiveBytes
+    from dbuffer.testing import LiveBytes
 
     torch.manual_seed(0)
     model = LlamaModel(cfg)
@@ -639,7 +639,7 @@ def memory_floor(
 
 
 def worker(rank: int, world: int, names: list[str], steps: int, warmup: int, quick: bool) -> Any:
-    from dbuffer import CopiedBytes, LiveBytes
+    from dbuffer.testing import CopiedBytes, LiveBytes
 
     torch.set_num_threads(1)
     os.environ.update(  # what a launcher would set; DeepSpeed asks for them

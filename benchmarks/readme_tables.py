@@ -124,7 +124,7 @@ def optim_section(data: dict[str, Any]) -> str:
         "tokens), sides alternating step by step in one run per world size. opt / fwd+bwd: the "
         "optimizer step's median time as a share of forward+backward's. Ratios ours / peer (< 1: "
         "ours faster or smaller). Transient: peak live memory of `step()` beyond parameters, "
-        "gradients and state, per parameter element (`dbuffer.LiveBytes`).",
+        "gradients and state, per parameter element (`dbuffer.testing.LiveBytes`).",
         "",
         "| optimizer | world | ours: opt / fwd+bwd | peer | peer: opt / fwd+bwd | step ours / "
         "peer | opt step ours / peer | transient B/elem ours vs peer | ops per parameter ours "

@@ -178,7 +178,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     times: list[float] = []
     tally = CollectiveTally()
     peak = 0
-    from dbuffer import CopiedBytes, LiveBytes
+    from dbuffer.testing import CopiedBytes, LiveBytes
 
     copied = 0
     measure_step = min(2, args.steps - 1)

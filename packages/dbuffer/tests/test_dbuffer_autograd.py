@@ -15,6 +15,7 @@ from dbuffer_helpers import make_tensors
 from torch.distributed.device_mesh import init_device_mesh
 
 from dbuffer import DBuffer, contiguous_layout
+from dbuffer.testing import attach_grads, load_full_, sharded_views
 from ragged_dtensor.testing import run_threaded
 
 # A two-layer MLP with row blocks, so shard boundaries fall between rows.
@@ -78,7 +79,7 @@ def _train_step(rank: int, world: int, mode: str, *, exact: bool = True) -> None
     layout = contiguous_layout(
         [torch.Size(s).numel() for s in MLP_SHAPES], world, blocks=MLP_BLOCKS
     )
-    params = DBuffer(layout, MLP_SHAPES, mesh).load_full_(make_tensors(MLP_SHAPES, 0))
+    params = load_full_(DBuffer(layout, MLP_SHAPES, mesh), make_tensors(MLP_SHAPES, 0))
     grads = params.new_like()
     storage = params.unsharded.untyped_storage()
     # Leaves made once: aliases of the unsharded storage (they never own memory).
@@ -89,7 +90,7 @@ def _train_step(rank: int, world: int, mode: str, *, exact: bool = True) -> None
             # no_sync-style: gradients of both micro-batches accumulate into the unsharded
             # grad storage, one reduce-scatter at the end.
             grads.alloc_unsharded(zero=True)
-            grads.attach_grads(leaves)
+            attach_grads(grads, leaves)
         for micro in range(2):
             params.unshard()
             loss = _loss(leaves, _batch(rank, micro))
@@ -98,7 +99,7 @@ def _train_step(rank: int, world: int, mode: str, *, exact: bool = True) -> None
             params.unshard()  # the backward pre-hook's gather refills the same storage
             if mode == "reduce-each-backward":
                 grads.alloc_unsharded(zero=True)
-                grads.attach_grads(leaves)
+                attach_grads(grads, leaves)
             grad_storage = grads.unsharded.untyped_storage()
             loss.backward()
             # Autograd wrote into the views: still the grad buffer's storage, no new tensor.
@@ -115,7 +116,7 @@ def _train_step(rank: int, world: int, mode: str, *, exact: bool = True) -> None
         scale = _grad_magnitude(world) if not exact else expected
         bound_factor = (2 * world + 3) * torch.finfo(torch.float32).eps
         for dt, slot, ref, mag in zip(
-            grads.sharded_views(), grads.slots, expected, scale, strict=True
+            sharded_views(grads), grads.slots, expected, scale, strict=True
         ):
             rng = slot.placement.flat_range(slot.shape, grads.rank)
             want = ref.reshape(-1)[rng.start : rng.stop]
@@ -155,7 +156,7 @@ def _mixed_precision_step(rank: int, world: int) -> None:
     layout = contiguous_layout(
         [torch.Size(s).numel() for s in MLP_SHAPES], world, blocks=MLP_BLOCKS
     )
-    params = DBuffer(layout, MLP_SHAPES, mesh).load_full_(make_tensors(MLP_SHAPES, 0))
+    params = load_full_(DBuffer(layout, MLP_SHAPES, mesh), make_tensors(MLP_SHAPES, 0))
     low_grads = params.new_like(torch.bfloat16)
     grads = params.new_like()
     leaves = [
@@ -167,7 +168,7 @@ def _mixed_precision_step(rank: int, world: int) -> None:
     assert not params.is_unsharded(torch.bfloat16)
     params.unshard(dtype=torch.bfloat16)  # ...and refilled before backward
     low_grads.alloc_unsharded(zero=True)
-    low_grads.attach_grads(leaves)
+    attach_grads(low_grads, leaves)
     loss.backward()
     params.reshard()
     low_grads.reduce_scatter(op="avg", reduce_dtype=torch.float32, into=grads)
@@ -180,7 +181,7 @@ def _mixed_precision_step(rank: int, world: int) -> None:
         _loss(ref, _batch(r, 0).to(torch.bfloat16)).backward()
         per_rank.append([p.grad.float() for p in ref])  # type: ignore[union-attr]
     expected = [t.mul_(1.0 / world) for t in _rank_sum(per_rank)]
-    for dt, slot, ref_grad in zip(grads.sharded_views(), grads.slots, expected, strict=True):
+    for dt, slot, ref_grad in zip(sharded_views(grads), grads.slots, expected, strict=True):
         assert dt.dtype == torch.float32
         rng = slot.placement.flat_range(slot.shape, grads.rank)
         assert torch.equal(dt.to_local(), ref_grad.reshape(-1)[rng.start : rng.stop]), slot.name

@@ -21,7 +21,8 @@ from dbuffer_helpers import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 
-from dbuffer import CopiedBytes, DBuffer, contiguous_layout
+from dbuffer import DBuffer, contiguous_layout
+from dbuffer.testing import CopiedBytes, load_full_, sharded_views
 from ragged_dtensor.testing import run_threaded
 
 install_collective_counter()
@@ -76,7 +77,7 @@ def _reference(ranks: range, op: str, dtype: torch.dtype | None) -> Expected:
 
 
 def _check_shards(buf: DBuffer, expected: Expected) -> None:
-    for i, (dt, slot) in enumerate(zip(buf.sharded_views(), buf.slots, strict=True)):
+    for i, (dt, slot) in enumerate(zip(sharded_views(buf), buf.slots, strict=True)):
         rng = slot.placement.flat_range(slot.shape, buf.rank)
         want = expected.values[i].reshape(-1)[rng.start : rng.stop]
         bound = expected.bound(i, buf.dtype).reshape(-1)[rng.start : rng.stop]
@@ -98,7 +99,7 @@ def _gather_reduce(
 ) -> None:
     mesh = init_device_mesh("cpu", (world,))
     params = make_tensors(SHAPES, 0)
-    buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(_layout(world), SHAPES, mesh), params)  # type: ignore[arg-type]
     reset_collective_counts()
     handle = buf.unshard(async_op=async_op)
     handle.wait()
@@ -111,7 +112,7 @@ def _gather_reduce(
     grads = buf.new_like()
     initial = make_tensors(SHAPES, 7)
     if accumulate:
-        grads.load_full_(initial)
+        load_full_(grads, initial)
     for view, g in zip(
         grads.alloc_unsharded(zero=True), make_tensors(SHAPES, 100 + rank), strict=True
     ):
@@ -157,7 +158,7 @@ def test_reduce_variants_match_the_reference(
 def _hsdp(rank: int, world: int, async_op: bool) -> None:
     mesh = init_device_mesh("cpu", (2, 2))  # axis 0 replicate, axis 1 shard
     params = make_tensors(SHAPES, 0)
-    buf = DBuffer(_layout(2), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(_layout(2), SHAPES, mesh), params)  # type: ignore[arg-type]
     assert buf.rank == mesh.get_local_rank(1) and buf.replicate_axes == (0,)
     reset_collective_counts()
     buf.unshard(async_op=async_op).wait()
@@ -190,7 +191,7 @@ def _mixed_precision(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     group = mesh.get_group()
     params = make_tensors(SHAPES, 0)
-    buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(_layout(world), SHAPES, mesh), params)  # type: ignore[arg-type]
     size = buf.shard_size
 
     def bare_gather(dtype: torch.dtype) -> None:
@@ -230,7 +231,7 @@ def test_mixed_precision_unshard_casts_the_shard_once() -> None:
 def _inflight(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     params = make_tensors(SHAPES, 0)
-    buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(_layout(world), SHAPES, mesh), params)  # type: ignore[arg-type]
     handle = buf.unshard(async_op=True)
     buf.reshard()  # waits for the gather first: memory is never freed under a collective
     assert handle.done and not buf.is_unsharded()
