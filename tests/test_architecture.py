@@ -2,7 +2,8 @@
 
 - each package imports only the standard library, itself and what its pyproject declares;
 - sibling packages only in the allowed directions (table below);
-- never another package's ``_private`` modules;
+- never another package's ``_private`` modules, nor its ``testing`` module (test conveniences
+  and measurement: ``dbuffer.testing``, ``ragged_dtensor.testing``; no package uses them);
 - shard-planner never imports torch;
 - shard-planner's ``projection`` subpackage reaches the packing core only through the core's
   public API (``shard_planner.<name>`` for a name in ``shard_planner.__all__``), and the core
@@ -108,6 +109,8 @@ def test_imports_follow_the_dependency_table(folder: Path) -> None:
                     problems.append(f"{where}: {name} may not depend on {root}")
                 elif "._private" in module or module.split(".")[1:2] == ["_private"]:
                     problems.append(f"{where}: private module of another package")
+                elif module.split(".")[1:2] == ["testing"]:
+                    problems.append(f"{where}: test tools of another package")
                 if root not in declared:
                     problems.append(f"{where}: sibling {root} not declared in pyproject")
                 continue

@@ -14,6 +14,7 @@ from dbuffer_helpers import make_tensors
 from torch.distributed.device_mesh import init_device_mesh
 
 from dbuffer import DBuffer, contiguous_layout
+from dbuffer.testing import attach_grads, load_full_, sharded_views
 
 # A two-layer MLP with row blocks, so shard boundaries fall between rows.
 MLP_SHAPES = [(32, 16), (32,), (8, 32), (8,)]
@@ -76,7 +77,7 @@ def train_step(rank: int, world: int, mode: str, *, exact: bool = True) -> None:
     layout = contiguous_layout(
         [torch.Size(s).numel() for s in MLP_SHAPES], world, blocks=MLP_BLOCKS
     )
-    params = DBuffer(layout, MLP_SHAPES, mesh).load_full_(make_tensors(MLP_SHAPES, 0))
+    params = load_full_(DBuffer(layout, MLP_SHAPES, mesh), make_tensors(MLP_SHAPES, 0))
     grads = params.new_like()
     storage = params.unsharded.untyped_storage()
     # Leaves made once: aliases of the unsharded storage (they never own memory).
@@ -87,7 +88,7 @@ def train_step(rank: int, world: int, mode: str, *, exact: bool = True) -> None:
             # no_sync-style: gradients of both micro-batches accumulate into the unsharded
             # grad storage, one reduce-scatter at the end.
             grads.alloc_unsharded(zero=True)
-            grads.attach_grads(leaves)
+            attach_grads(grads, leaves)
         for micro in range(2):
             params.unshard()
             loss = mlp_loss(leaves, mlp_batch(rank, micro))
@@ -96,7 +97,7 @@ def train_step(rank: int, world: int, mode: str, *, exact: bool = True) -> None:
             params.unshard()  # the backward pre-hook's gather refills the same storage
             if mode == "reduce-each-backward":
                 grads.alloc_unsharded(zero=True)
-                grads.attach_grads(leaves)
+                attach_grads(grads, leaves)
             grad_storage = grads.unsharded.untyped_storage()
             loss.backward()
             # Autograd wrote into the views: still the grad buffer's storage, no new tensor.
@@ -113,7 +114,7 @@ def train_step(rank: int, world: int, mode: str, *, exact: bool = True) -> None:
         scale = grad_magnitude(world) if not exact else expected
         bound_factor = (2 * world + 3) * torch.finfo(torch.float32).eps
         for dt, slot, ref, mag in zip(
-            grads.sharded_views(), grads.slots, expected, scale, strict=True
+            sharded_views(grads), grads.slots, expected, scale, strict=True
         ):
             rng = slot.placement.flat_range(slot.shape, grads.rank)
             want = ref.reshape(-1)[rng.start : rng.stop]

@@ -7,6 +7,7 @@ import torch
 from dbuffer_helpers import SHAPES, make_tensors
 
 from dbuffer import DBuffer
+from dbuffer.testing import sharded_views
 
 
 class Expected:
@@ -53,7 +54,7 @@ def reference(ranks: range, op: str, dtype: torch.dtype | None) -> Expected:
 
 
 def check_shards(buf: DBuffer, expected: Expected) -> None:
-    for i, (dt, slot) in enumerate(zip(buf.sharded_views(), buf.slots, strict=True)):
+    for i, (dt, slot) in enumerate(zip(sharded_views(buf), buf.slots, strict=True)):
         rng = slot.placement.flat_range(slot.shape, buf.rank)
         want = expected.values[i].reshape(-1)[rng.start : rng.stop]
         bound = expected.bound(i, buf.dtype).reshape(-1)[rng.start : rng.stop]

@@ -16,6 +16,7 @@ from dbuffer_mlp import MLP_BLOCKS, MLP_SHAPES, mlp_batch, mlp_loss, rank_sum, t
 from torch.distributed.device_mesh import init_device_mesh
 
 from dbuffer import DBuffer, contiguous_layout
+from dbuffer.testing import attach_grads, load_full_, sharded_views
 from ragged_dtensor.testing import run_threaded
 
 
@@ -47,7 +48,7 @@ def _mixed_precision_step(rank: int, world: int) -> None:
     layout = contiguous_layout(
         [torch.Size(s).numel() for s in MLP_SHAPES], world, blocks=MLP_BLOCKS
     )
-    params = DBuffer(layout, MLP_SHAPES, mesh).load_full_(make_tensors(MLP_SHAPES, 0))
+    params = load_full_(DBuffer(layout, MLP_SHAPES, mesh), make_tensors(MLP_SHAPES, 0))
     low_grads = params.new_like(torch.bfloat16)
     grads = params.new_like()
     leaves = [
@@ -59,7 +60,7 @@ def _mixed_precision_step(rank: int, world: int) -> None:
     assert not params.is_unsharded(torch.bfloat16)
     params.unshard(dtype=torch.bfloat16)  # ...and refilled before backward
     low_grads.alloc_unsharded(zero=True)
-    low_grads.attach_grads(leaves)
+    attach_grads(low_grads, leaves)
     loss.backward()
     params.reshard()
     low_grads.reduce_scatter(op="avg", reduce_dtype=torch.float32, into=grads)
@@ -72,7 +73,7 @@ def _mixed_precision_step(rank: int, world: int) -> None:
         mlp_loss(ref, mlp_batch(r, 0).to(torch.bfloat16)).backward()
         per_rank.append([p.grad.float() for p in ref])  # type: ignore[union-attr]
     expected = [t.mul_(1.0 / world) for t in rank_sum(per_rank)]
-    for dt, slot, ref_grad in zip(grads.sharded_views(), grads.slots, expected, strict=True):
+    for dt, slot, ref_grad in zip(sharded_views(grads), grads.slots, expected, strict=True):
         assert dt.dtype == torch.float32
         rng = slot.placement.flat_range(slot.shape, grads.rank)
         assert torch.equal(dt.to_local(), ref_grad.reshape(-1)[rng.start : rng.stop]), slot.name

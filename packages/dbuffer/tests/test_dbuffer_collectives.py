@@ -22,7 +22,8 @@ from dbuffer_helpers import (
 from dbuffer_reference import check_shards, reference
 from torch.distributed.device_mesh import init_device_mesh
 
-from dbuffer import CopiedBytes, DBuffer, contiguous_layout
+from dbuffer import DBuffer, contiguous_layout
+from dbuffer.testing import CopiedBytes, load_full_
 from ragged_dtensor.testing import run_threaded
 
 install_collective_counter()
@@ -43,7 +44,7 @@ def _gather_reduce(
 ) -> None:
     mesh = init_device_mesh("cpu", (world,))
     params = make_tensors(SHAPES, 0)
-    buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(_layout(world), SHAPES, mesh), params)  # type: ignore[arg-type]
     reset_collective_counts()
     handle = buf.unshard(async_op=async_op)
     handle.wait()
@@ -56,7 +57,7 @@ def _gather_reduce(
     grads = buf.new_like()
     initial = make_tensors(SHAPES, 7)
     if accumulate:
-        grads.load_full_(initial)
+        load_full_(grads, initial)
     for view, g in zip(
         grads.alloc_unsharded(zero=True), make_tensors(SHAPES, 100 + rank), strict=True
     ):
@@ -102,7 +103,7 @@ def test_reduce_variants_match_the_reference(
 def _hsdp(rank: int, world: int, async_op: bool) -> None:
     mesh = init_device_mesh("cpu", (2, 2))  # axis 0 replicate, axis 1 shard
     params = make_tensors(SHAPES, 0)
-    buf = DBuffer(_layout(2), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(_layout(2), SHAPES, mesh), params)  # type: ignore[arg-type]
     assert buf.rank == mesh.get_local_rank(1) and buf.replicate_axes == (0,)
     reset_collective_counts()
     buf.unshard(async_op=async_op).wait()
@@ -135,7 +136,7 @@ def _mixed_precision(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     group = mesh.get_group()
     params = make_tensors(SHAPES, 0)
-    buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(_layout(world), SHAPES, mesh), params)  # type: ignore[arg-type]
     size = buf.shard_size
 
     def bare_gather(dtype: torch.dtype) -> None:
@@ -175,7 +176,7 @@ def test_mixed_precision_unshard_casts_the_shard_once() -> None:
 def _inflight(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     params = make_tensors(SHAPES, 0)
-    buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(_layout(world), SHAPES, mesh), params)  # type: ignore[arg-type]
     handle = buf.unshard(async_op=True)
     buf.reshard()  # waits for the gather first: memory is never freed under a collective
     assert handle.done and not buf.is_unsharded()

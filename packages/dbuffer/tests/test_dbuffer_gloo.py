@@ -16,7 +16,8 @@ from dbuffer_mlp import train_step
 from dbuffer_reference import check_shards, reference
 from torch.distributed.device_mesh import init_device_mesh
 
-from dbuffer import CopiedBytes, DBuffer, LayoutMismatchError, contiguous_layout
+from dbuffer import DBuffer, LayoutMismatchError, contiguous_layout
+from dbuffer.testing import CopiedBytes, load_full_
 from ragged_dtensor.testing import run_processes
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.numerics]
@@ -30,7 +31,7 @@ def _gather_reduce(mesh_shape: tuple[int, ...]) -> dict[str, int]:
     mesh = init_device_mesh("cpu", mesh_shape)
     world = mesh_shape[-1]
     params = make_tensors(SHAPES, 0)
-    buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(_layout(world), SHAPES, mesh), params)  # type: ignore[arg-type]
     with DispatchedOps() as ops, CopiedBytes() as gather_copies:
         buf.unshard()
     assert Counter(ops.collectives()) == Counter({"c10d._allgather_base_.default": 1})
@@ -64,7 +65,7 @@ def _async_and_mixed_precision(mesh_shape: tuple[int, ...]) -> None:
     mesh = init_device_mesh("cpu", mesh_shape)
     world = mesh_shape[-1]
     params = make_tensors(SHAPES, 0)
-    buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(_layout(world), SHAPES, mesh), params)  # type: ignore[arg-type]
     # Mixed precision: one cast of the shard (S bf16 elements), one bf16 all-gather, async.
     with DispatchedOps() as ops, CopiedBytes() as copied:
         handle = buf.unshard(dtype=torch.bfloat16, async_op=True)
@@ -77,7 +78,7 @@ def _async_and_mixed_precision(mesh_shape: tuple[int, ...]) -> None:
     # Async reduce-scatter with a bf16 reduce dtype, accumulated into an fp32 sharded gradient.
     grads = buf.new_like()
     initial = make_tensors(SHAPES, 7)
-    grads.load_full_(initial)
+    load_full_(grads, initial)
     for view, g in zip(
         grads.alloc_unsharded(), make_tensors(SHAPES, 100 + dist.get_rank()), strict=True
     ):
