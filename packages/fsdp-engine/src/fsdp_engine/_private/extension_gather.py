@@ -51,12 +51,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from dbuffer import AllGatherComm, DBuffer, Handle, LayoutMismatchError, contiguous_layout
 from fsdp_engine._private import compat
 from fsdp_engine._private.api import MixedPrecisionPolicy
-from fsdp_engine._private.gather import Gather, event_now
+from fsdp_engine._private.gather import Gather, choose_gather, event_now
 from fsdp_engine._private.param import FSDPParam
+from fsdp_engine._private.quantized_gather import QuantizedGather
 from fsdp_engine._private.storage import ShardStorage
 from ragged_dtensor import check_ranks_agree
 
-__all__ = ["ExtensionGather", "extension_hooks"]
+__all__ = ["ExtensionGather", "extension_hooks", "gather_for_params"]
 
 _ALIGN = 16  # bytes: every segment can be viewed as any dtype
 
@@ -381,3 +382,45 @@ class ExtensionGather(Gather):
         for state in self._hooked.values():
             for tensor in (*state.outputs, *state.inner):
                 _free(tensor)
+
+
+def gather_for_params(
+    storage: ShardStorage,
+    params: Sequence[FSDPParam],
+    *,
+    gather_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    quantized: QuantizedGather | None,
+    comm: AllGatherComm | None,
+    keep_gathered: bool,
+    mp_policy: MixedPrecisionPolicy,
+) -> Gather:
+    """A group's all-gather strategy: through the extension hooks when it holds subclass
+    parameters ([Note: all-gather extensions]), else ``choose_gather``'s (``keep_gathered``: a
+    part is kept after forward, ``reshard_after_forward=k``)."""
+    if not any(p.wrap is not None for p in params):
+        return choose_gather(
+            storage,
+            gather_dtype=gather_dtype,
+            compute_dtype=compute_dtype,
+            quantized=quantized,
+            comm=comm,
+            keep_gathered=keep_gathered,
+        )
+    if keep_gathered:
+        raise NotImplementedError(
+            f"fully_shard: reshard_after_forward as an int with tensor-subclass "
+            f"parameters {[p.fqn for p in params if p.wrap is not None]} is not "
+            "supported (FSDP2 does not reshard extension parameters to a smaller mesh "
+            "either)"
+        )
+    return ExtensionGather(
+        storage,
+        gather_dtype,
+        compute_dtype,
+        params=params,
+        mp_policy=mp_policy,
+        comm=comm,
+        unsharded_of=lambda i: params[i].unsharded(compute_dtype),
+        forget=lambda i: params[i].forget_unsharded(),
+    )

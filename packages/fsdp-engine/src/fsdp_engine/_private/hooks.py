@@ -9,6 +9,8 @@ from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_engine._private import compat
 from fsdp_engine._private.api import MixedPrecisionPolicy
@@ -18,6 +20,7 @@ __all__ = [
     "cast_output",
     "grad_tensors",
     "hidden_from_dynamo",
+    "offset_free_entries",
     "register_post_backward",
 ]
 
@@ -113,3 +116,15 @@ def register_post_backward(
     new = compat.apply_to_tensors(replace, (args, kwargs))
     outputs.clear()  # the closure outlives this call ([grad_tensors]'s cycle): hold nothing
     return tuple(new[0]), dict(new[1])
+
+
+def offset_free_entries(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """``state_dict()`` post-hook: the module's DTensor parameters (``param.detach()``, whose
+    wrapper takes the local view's storage offset again) rebuilt at offset 0 over the same
+    local tensor, so ``torch.save(model.state_dict())`` works ([Note: DTensors over views])."""
+    for attr, _ in module.named_parameters(recurse=False):
+        value = state_dict.get(prefix + attr)
+        if isinstance(value, DTensor) and value.storage_offset() != 0:
+            state_dict[prefix + attr] = compat.offset_free(value)

@@ -26,15 +26,24 @@ much more gradient memory.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
+
+from fsdp_engine._private import compat
+from fsdp_engine._private.gather import event_now
 
 if TYPE_CHECKING:
     from fsdp_engine._private.param_group import ParamGroup
     from fsdp_engine._private.state import FSDPState
 
-__all__ = ["IterationContext"]
+__all__ = [
+    "IterationContext",
+    "backward_prefetch_targets",
+    "forward_prefetch_targets",
+    "iteration_event",
+]
 
 
 class IterationContext:
@@ -100,3 +109,40 @@ class IterationContext:
         self.in_flight.clear()
         self.iter_forward_root = None
         self.inputs_ready = None
+
+
+# -- prefetch targets ---------------------------------------------------------------------------
+def forward_prefetch_targets(state: FSDPState) -> Sequence[FSDPState]:
+    """Whom ``state``'s pre-forward all-gathers ahead: the explicit targets, or the predicted
+    next module ([Note: implicit forward prefetch])."""
+    if state.config.forward_prefetch is not None:
+        return state.config.forward_prefetch
+    if compat.in_backward():
+        return ()
+    target = state.ctx.predicted_next(state)
+    if target is None or target is state or not target.groups:
+        return ()
+    return (target,)
+
+
+def backward_prefetch_targets(state: FSDPState) -> Sequence[FSDPState]:
+    """Whom ``state``'s pre-backward all-gathers ahead: the explicit targets, or the module
+    that ran post-forward before this occurrence of ``state`` (FSDP2's reverse order)."""
+    if state.config.backward_prefetch is not None:
+        return [s for s in state.config.backward_prefetch if s.config.unshard_in_backward]
+    if not state._post_forward_indices:
+        return []
+    index = state._post_forward_indices.pop()
+    if index == 0:
+        return []
+    target = state.ctx.post_forward_order[index - 1]
+    return [target] if target.config.unshard_in_backward else []
+
+
+def iteration_event(states: Sequence[FSDPState]) -> torch.Event | None:
+    """An event on the current stream of the states' accelerator (None on CPU): what every
+    all-gather of this iteration waits for (the optimizer's writes are before it)."""
+    for state in states:
+        for group in state.groups:
+            return event_now(group.storage.device)
+    return None

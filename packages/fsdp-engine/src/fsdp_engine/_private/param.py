@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FSDPParam",
+    "adopt_registered",
     "ParamRef",
     "TPSpec",
     "applied_values",
@@ -303,3 +304,21 @@ def check_applied_device(
                 f"parameter {param.fqn!r} was moved to {current.device}, but fully_shard's "
                 f"mesh lives on {device}; move the module before fully_shard"
             )
+
+
+def adopt_registered(params: Sequence[FSDPParam]) -> bool:
+    """Take over the parameters the user registered in place of ours (FSDP2's
+    ``reset_sharded_param``); whether any was."""
+    adopted = False
+    for param in params:
+        current = param.ref.registered()
+        if param.is_ours(current):
+            continue
+        if not isinstance(current, torch.Tensor):
+            raise ValueError(
+                f"parameter {param.fqn!r} managed by fully_shard was replaced by "
+                f"{type(current).__name__}; assign a tensor parameter"
+            )
+        param.adopt(current)
+        adopted = True
+    return adopted

@@ -28,15 +28,20 @@ from torch.distributed.tensor import DTensor
 
 from dbuffer import AllGatherComm, Handle
 from fsdp_engine._private.api import BlockPolicy, MixedPrecisionPolicy
-from fsdp_engine._private.extension_gather import ExtensionGather
-from fsdp_engine._private.gather import BufferGather, Gather, PostForwardPart, choose_gather
+from fsdp_engine._private.extension_gather import gather_for_params
+from fsdp_engine._private.gather import BufferGather, Gather, PostForwardPart
 from fsdp_engine._private.group_layout import lay_out_group
-from fsdp_engine._private.param import ParamRef, applied_values, check_applied_device
+from fsdp_engine._private.param import (
+    ParamRef,
+    adopt_registered,
+    applied_values,
+    check_applied_device,
+)
 from fsdp_engine._private.plans import alignment, view_dtypes
 from fsdp_engine._private.presence import Presence
 from fsdp_engine._private.reduce import GradReducer, ReduceSettings
 from fsdp_engine._private.spmd import SpmdMesh
-from fsdp_engine._private.storage import storage_dtype
+from fsdp_engine._private.storage import group_dtypes
 
 __all__ = ["GroupConfig", "ParamGroup", "ShardedState"]
 
@@ -139,18 +144,10 @@ class ParamGroup:
     def _set_dtypes(self) -> None:
         """Compute and reduce dtypes from the policy and the parameters' dtype; the gradient
         path and the gather strategy for them."""
-        dtype = self.storage.dtype
-        floating = dtype.is_floating_point and storage_dtype(dtype) == dtype
-        policy = self.mp_policy
-        self.compute_dtype: torch.dtype = (policy.param_dtype if floating else None) or dtype
-        # what the all-gather moves: the compute dtype, or the same bytes as integers for the
-        # dtypes collectives do not carry ([Note: bit-cast storage])
-        self.gather_dtype = (
-            self.storage.buffer.dtype if self.storage.bitcast else self.compute_dtype
+        dtype, policy = self.storage.dtype, self.mp_policy
+        self.compute_dtype, self.gather_dtype, self.reduce_dtype = group_dtypes(
+            dtype, policy, bitcast_dtype=self.storage.buffer.dtype if self.storage.bitcast else None
         )
-        self.reduce_dtype: torch.dtype = (
-            policy.reduce_dtype if floating else None
-        ) or self.compute_dtype
         aligned = view_dtypes(dtype, policy.param_dtype, policy.reduce_dtype)
         self.reducer = GradReducer(
             self.storage,
@@ -162,35 +159,15 @@ class ParamGroup:
         self._choose_gather()
 
     def _choose_gather(self) -> None:
-        if any(p.wrap is not None for p in self.params):
-            # [Note: all-gather extensions]: the group holds subclass parameters
-            if self.post_forward is not None:
-                raise NotImplementedError(
-                    f"fully_shard: reshard_after_forward as an int with tensor-subclass "
-                    f"parameters {[p.fqn for p in self.params if p.wrap is not None]} is not "
-                    "supported (FSDP2 does not reshard extension parameters to a smaller mesh "
-                    "either)"
-                )
-            self.gather: Gather = ExtensionGather(
-                self.storage,
-                self.gather_dtype,
-                self.compute_dtype,
-                params=self.params,
-                mp_policy=self.mp_policy,
-                comm=self.config.all_gather_comm,
-                unsharded_of=lambda i: self.params[i].unsharded(self.compute_dtype),
-                forget=lambda i: self.params[i].forget_unsharded(),
-            )
-            for param in self.params:
-                param.forget_unsharded()
-            return
-        self.gather = choose_gather(
+        self.gather: Gather = gather_for_params(
             self.storage,
+            self.params,
             gather_dtype=self.gather_dtype,
             compute_dtype=self.compute_dtype,
             quantized=self.quantized,
             comm=self.config.all_gather_comm,
             keep_gathered=self.post_forward is not None,
+            mp_policy=self.mp_policy,
         )
         for param in self.params:
             param.forget_unsharded()
@@ -309,18 +286,7 @@ class ParamGroup:
         if self.state is not ShardedState.SHARDED:
             return
         generation = self.storage.generation
-        adopted = False
-        for param in self.params:
-            current = param.ref.registered()
-            if param.is_ours(current):
-                continue
-            if not isinstance(current, torch.Tensor):
-                raise ValueError(
-                    f"parameter {param.fqn!r} managed by fully_shard was replaced by "
-                    f"{type(current).__name__}; assign a tensor parameter"
-                )
-            param.adopt(current)
-            adopted = True
+        adopted = adopt_registered(self.params)
         if self.storage.generation != generation:  # materialized: a new buffer
             self._set_dtypes()
         elif adopted:

@@ -31,28 +31,33 @@ resets an iteration, so recomputation sees the parameters its backward needs.
 from __future__ import annotations
 
 import enum
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from fsdp_engine._private import compat, gather
+from fsdp_engine._private import compat
 from fsdp_engine._private.api import MixedPrecisionPolicy
 from fsdp_engine._private.hooks import (
     cast_inputs,
     cast_output,
     grad_tensors,
     hidden_from_dynamo,
+    offset_free_entries,
     register_post_backward,
 )
-from fsdp_engine._private.iteration import IterationContext
+from fsdp_engine._private.iteration import (
+    IterationContext,
+    backward_prefetch_targets,
+    forward_prefetch_targets,
+    iteration_event,
+)
 from fsdp_engine._private.param_group import ParamGroup, ShardedState
 from fsdp_engine._private.presence import resolve_presence
-from fsdp_engine._private.trace import logger, traced, with_fqn
+from fsdp_engine._private.root_init import init_root
+from fsdp_engine._private.trace import logger, traced, warn_view_output, with_fqn
 
 __all__ = ["STATE_ATTR", "FSDPState", "StateConfig", "TrainingState", "get_state"]
 
@@ -117,7 +122,7 @@ class FSDPState:
         for place in places.values():
             # the saved DTensors pickle like FSDP2's ([Note: DTensors over views] in compat)
             saved = place.register_state_dict_post_hook  # untyped in torch
-            self._hooks.append(saved(_offset_free_entries))  # type: ignore[no-untyped-call]
+            self._hooks.append(saved(offset_free_entries))  # type: ignore[no-untyped-call]
         for module in self.modules:
             self._hooks.append(
                 module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -151,56 +156,8 @@ class FSDPState:
     # -- lazy init ---------------------------------------------------------------------------
     def lazy_init(self) -> None:
         """The first state to run forward becomes the root of every state below it."""
-        if self.is_root is not None:
-            return
-        if len(self.modules) > 1:
-            names = ", ".join(type(m).__name__ for m in self.modules)
-            raise RuntimeError(
-                f"FSDP requires a single root module but got a fully_shard group of several "
-                f"modules ({names}) as the first to run forward; fully_shard their parent"
-            )
-        self.is_root = True
-        self.root = self
-        root_module = self.modules[0]
-        ctx = self.ctx
-        for name, module in root_module.named_modules():
-            state = get_state(module)
-            if state is None or state in ctx.all_states:
-                continue
-            if state is not self:
-                if state.is_root is not None:
-                    raise RuntimeError(
-                        f"fully_shard state has already been lazily initialized for {name!r}; "
-                        "fully_shard requires running forward through the root module first"
-                    )
-                state.is_root = False
-                state.root = self
-            ctx.all_states.append(state)
-        for state in ctx.all_states:
-            state.ctx = ctx
-        for name, module in root_module.named_modules():
-            state = get_state(module)
-            if state is not None:
-                state.fqn = name if state.fqn is None else f"{state.fqn}, {name}"
-        if self.config.reshard_after_forward is None:
-            # the root's parameters are needed again at the start of backward
-            self.configure(reshard_after_forward=False)
-        fqns = {id(p): n for n, p in root_module.named_parameters(remove_duplicate=False)}
-        for state in ctx.all_states:
-            for group in state.groups:
-                group.to_sharded()
-        for state in ctx.all_states:  # FSDP2's check and words: the first group on meta
-            for g in state.groups:
-                meta = [
-                    fqns.get(id(g.params[i].sharded), g.params[i].fqn) for i in g.meta_indices()
-                ]
-                if meta:
-                    raise RuntimeError(
-                        "FSDP parameters should be materialized from meta device before "
-                        f"training, but the following were still on meta device: {meta}\n"
-                        "For example, call module.to_empty(device) to materialize to device and "
-                        "call module.reset_parameters() on each module to initialize values."
-                    )
+        if self.is_root is None:
+            init_root(self, get_state)
 
     # -- forward -----------------------------------------------------------------------------
     @hidden_from_dynamo
@@ -229,7 +186,7 @@ class FSDPState:
             if first_in_pass:
                 args, kwargs = register_post_backward(self, bool(self.groups), args, kwargs)
         if first_in_pass:
-            for other in self._forward_prefetch_targets():
+            for other in forward_prefetch_targets(self):
                 with traced(f"FSDP::forward_prefetch for {other.fqn}", log=False):
                     for group in other.groups:
                         self._unshard(other, group, async_op=True)
@@ -249,18 +206,6 @@ class FSDPState:
             return
         with traced(owner.label("FSDP::all_gather"), log=False):
             group.unshard(async_op=async_op, ready=ready)
-
-    def _forward_prefetch_targets(self) -> Sequence[FSDPState]:
-        """Explicit targets, or the predicted next module ([Note: implicit forward
-        prefetch])."""
-        if self.config.forward_prefetch is not None:
-            return self.config.forward_prefetch
-        if compat.in_backward():
-            return ()
-        target = self.ctx.predicted_next(self)
-        if target is None or target is self or not target.groups:
-            return ()
-        return (target,)
 
     def _root_pre_forward(self) -> None:
         """Once per iteration, by the first state to run forward (normally the root)."""
@@ -286,7 +231,7 @@ class FSDPState:
             ctx.final_callback_queued = False
             ctx.start_forward_order()
             ctx.resolve_max_in_flight()
-            ctx.inputs_ready = _iteration_event(ctx.all_states)
+            ctx.inputs_ready = iteration_event(ctx.all_states)
 
     @hidden_from_dynamo
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -328,24 +273,9 @@ class FSDPState:
         if torch.is_grad_enabled():
             for tensor in grad_tensors(output):
                 if compat.is_view(tensor):
-                    self._warn_view_output()
+                    warn_view_output(self.modules)
                 tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
         return output
-
-    def _warn_view_output(self) -> None:
-        """FSDP2's warning (its words): the pre-backward is a hook on the output, which an
-        in-place op on a view output silently replaces."""
-        names = ", ".join(type(m).__name__ for m in self.modules) or "?"
-        warnings.warn(
-            f"FSDP2-wrapped module ({names}) returned a view tensor. "
-            "An in-place op on this view (e.g., `x += y`) will silently "
-            "drop the pre-backward hook and skip the all-gather, which "
-            "can cause backward to fail or produce wrong gradients. "
-            "Use out-of-place ops (`out = out + y`, not `out += y`) or "
-            "`.clone()` the output before any in-place op.",
-            UserWarning,
-            stacklevel=2,
-        )
 
     def _reshard_after_forward(self, output: Any) -> Any:
         """``reshard_after_forward`` and the backward prefetch order (not in a recompute inside
@@ -380,7 +310,7 @@ class FSDPState:
                     self._unshard(self, group)
                     group.register_unsharded()
                 group.pre_backward(reduces_and_reshards=self._reduces_and_reshards())
-            for other in self._backward_prefetch_targets():
+            for other in backward_prefetch_targets(self):
                 with traced(f"FSDP::backward_prefetch for {other.fqn}", log=False):
                     for group in other.groups:
                         self._unshard(other, group, async_op=True)
@@ -388,17 +318,6 @@ class FSDPState:
 
     def _reduces_and_reshards(self) -> bool:
         return self.config.requires_gradient_sync and self.config.reshard_after_backward
-
-    def _backward_prefetch_targets(self) -> Sequence[FSDPState]:
-        if self.config.backward_prefetch is not None:
-            return [s for s in self.config.backward_prefetch if s.config.unshard_in_backward]
-        if not self._post_forward_indices:
-            return []
-        index = self._post_forward_indices.pop()
-        if index == 0:
-            return []
-        target = self.ctx.post_forward_order[index - 1]
-        return [target] if target.config.unshard_in_backward else []
 
     @hidden_from_dynamo
     def post_backward(self, *unused: Any) -> None:
@@ -467,27 +386,6 @@ class FSDPState:
         ctx.pre_forward_order = []
         ctx.forward_seen = {}
         ctx.reset()
-
-
-def _offset_free_entries(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
-    """``state_dict()`` post-hook: the module's DTensor parameters (``param.detach()``, whose
-    wrapper takes the local view's storage offset again) rebuilt at offset 0 over the same
-    local tensor, so ``torch.save(model.state_dict())`` works ([Note: DTensors over views])."""
-    for attr, _ in module.named_parameters(recurse=False):
-        value = state_dict.get(prefix + attr)
-        if isinstance(value, DTensor) and value.storage_offset() != 0:
-            state_dict[prefix + attr] = compat.offset_free(value)
-
-
-def _iteration_event(states: Sequence[FSDPState]) -> torch.Event | None:
-    """An event on the current stream of the states' accelerator (None on CPU): what every
-    all-gather of this iteration waits for (the optimizer's writes are before it)."""
-    for state in states:
-        for group in state.groups:
-            return gather.event_now(group.storage.device)
-    return None
 
 
 STATE_ATTR = "_fsdp_engine_state"

@@ -42,12 +42,13 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from dbuffer import DBuffer
 from fsdp_engine._private import compat
+from fsdp_engine._private.api import MixedPrecisionPolicy
 from fsdp_engine._private.param import TPSpec
 from fsdp_engine._private.placed import PlacedLayout
 from ragged_dtensor import from_local as ragged_from_local
 from shard_planner import Plan
 
-__all__ = ["ShardStorage", "gap_index", "storage_dtype"]
+__all__ = ["ShardStorage", "gap_index", "group_dtypes", "storage_dtype"]
 
 _BITCAST = {
     dtype: torch.uint8
@@ -289,3 +290,16 @@ def gap_index(spans: Sequence[tuple[int, int]], total: int, device: torch.device
         gaps.append(torch.arange(cursor, total))
     index = torch.cat(gaps) if gaps else torch.empty(0, dtype=torch.int64)
     return index.to(device)
+
+
+def group_dtypes(
+    dtype: torch.dtype, policy: MixedPrecisionPolicy, *, bitcast_dtype: torch.dtype | None
+) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    """A group's compute, all-gather and reduce dtypes for parameters of ``dtype`` under
+    ``policy``: the policy's for floating dtypes a collective carries, else ``dtype``; the
+    all-gather moves the same bytes as ``bitcast_dtype`` integers where collectives do not
+    carry ``dtype`` ([Note: bit-cast storage])."""
+    floating = dtype.is_floating_point and storage_dtype(dtype) == dtype
+    compute = (policy.param_dtype if floating else None) or dtype
+    reduce = (policy.reduce_dtype if floating else None) or compute
+    return compute, bitcast_dtype or compute, reduce

@@ -21,12 +21,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import warnings
+from collections.abc import Sequence
 
 import torch
+from torch import nn
 
 from fsdp_engine._private import compat
 
-__all__ = ["logger", "traced", "warning_once", "with_fqn"]
+__all__ = ["logger", "traced", "warn_view_output", "warning_once", "with_fqn"]
 
 # FSDP2's logger name (``_fsdp_state.py``, ``_fsdp_param_group.py``)
 logger = logging.getLogger("torch.distributed.fsdp.fully_shard")
@@ -67,3 +70,19 @@ def warning_once(message: str) -> None:
 
 
 warning_once.cache_clear = _WARNED.clear  # type: ignore[attr-defined]
+
+
+def warn_view_output(modules: Sequence[nn.Module]) -> None:
+    """FSDP2's warning (its words) when a module returns a view: the pre-backward is a hook on
+    the output, which an in-place op on a view output silently replaces."""
+    names = ", ".join(type(m).__name__ for m in modules) or "?"
+    warnings.warn(
+        f"FSDP2-wrapped module ({names}) returned a view tensor. "
+        "An in-place op on this view (e.g., `x += y`) will silently "
+        "drop the pre-backward hook and skip the all-gather, which "
+        "can cause backward to fail or produce wrong gradients. "
+        "Use out-of-place ops (`out = out + y`, not `out += y`) or "
+        "`.clone()` the output before any in-place op.",
+        UserWarning,
+        stacklevel=2,
+    )
