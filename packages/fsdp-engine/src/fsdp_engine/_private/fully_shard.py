@@ -32,6 +32,7 @@ from fsdp_engine._private.init import (
 )
 from fsdp_engine._private.param import ParamRef
 from fsdp_engine._private.param_group import ParamGroup
+from fsdp_engine._private.replaced import watch_replaced
 from fsdp_engine._private.serialization import allow_raggedshard_in_weights_only_load
 from fsdp_engine._private.state import STATE_ATTR, FSDPState, get_state
 from shard_planner import METHODS as PLANNER_METHODS
@@ -139,8 +140,9 @@ def fully_shard(
         },
         refs,
     )
-    for ref in refs:
-        remember(ref.registered(), ref.fqn)
+    originals = [(ref.registered(), ref.fqn) for ref in refs]
+    for original, fqn in originals:
+        remember(original, fqn)
     device = resolve_device(refs, mesh)
     planned = [r for r in refs if r.fqn not in shard_dims]
     placed = [r for r in refs if r.fqn in shard_dims]
@@ -162,6 +164,7 @@ def fully_shard(
     # [Note: placed groups]: the Shard(d)-placed parameters of a dtype share one group
     groups += [group(m, [shard_dims[r.fqn] for r in m]) for m in by_dtype(placed)]
     state = FSDPState(modules, groups, reshard_after_forward=reshard, mp_policy=mp_policy)
+    watch_replaced(state, originals)  # [Note: an optimizer built before fully_shard]
     results: list[FSDPModule] = []
     for target in modules:
         target.__dict__[STATE_ATTR] = state
