@@ -7,8 +7,10 @@
 - a NaN gradient on one rank: ``set_check_finite_gradients(True)`` raises
   ``NonFiniteGradientError`` on every rank naming the rank and the first parameter.
 
-(AdamW8bit refusing a block policy and settings that disagree: optim-blockwise's
-``test_optim_block_policy_agreement.py``.)
+- ``fully_shard`` records its block policy on the sharded parameters (``param.block_policy``), so
+  that AdamW8bit refuses settings that disagree with it at construction, naming both values
+  (optim-blockwise's ``test_optim_block_policy_agreement.py``, and the root
+  ``tests/test_reliability_optim_checkpoint.py`` on the engine).
 """
 
 from __future__ import annotations
@@ -24,13 +26,12 @@ import torch
 import torch.distributed as dist
 from engine_fsdp2 import engine
 from torch import nn
-from torch.distributed.tensor import DTensor, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
-from fsdp_engine import NonFiniteGradientError, ReplacedParameterWarning
+from fsdp_engine import FlatAdamW, NonFiniteGradientError, ReplacedParameterWarning, fully_shard
 from ragged_dtensor import collective_checks
-from ragged_dtensor.testing import run_processes
+from ragged_dtensor.testing import run_processes, run_threaded
 
-pytestmark = pytest.mark.multiprocess
 DEADLINE_S = 30.0
 
 
@@ -56,12 +57,20 @@ def _same(values: list[torch.Tensor], model: nn.Module) -> bool:
     return all(torch.equal(v, _local(p)) for v, p in zip(values, model.parameters(), strict=True))
 
 
-def _stale_optimizer(rank: int, world: int, name: str) -> dict[str, Any]:
+_OPTIMIZERS: dict[str, Any] = {
+    "SGD": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "AdamW (foreach)": lambda ps: torch.optim.AdamW(ps, lr=0.1),
+    "AdamW (fused)": lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),
+    "FlatAdamW": lambda ps: FlatAdamW(ps, lr=0.1),
+}
+
+
+def _stale_optimizer(rank: int, world: int, name: str, kind: str = "SGD") -> dict[str, Any]:
     torch.manual_seed(0)
     mesh = init_device_mesh("cpu", (world,))
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     originals = list(model.parameters())
-    stale = torch.optim.SGD(model.parameters(), lr=0.1)  # built before fully_shard
+    stale = _OPTIMIZERS[kind](model.parameters())  # built before fully_shard
     shard = engine(name).fully_shard
     for layer in (model[0], model[2]):
         shard(layer, mesh=mesh)
@@ -91,14 +100,19 @@ def _stale_optimizer(rank: int, world: int, name: str) -> dict[str, Any]:
 
 
 def _stale_optimizers(rank: int, world: int) -> dict[str, dict[str, Any]]:
-    return {name: _stale_optimizer(rank, world, name) for name in ("fsdp2", "ours")}
+    runs = {"fsdp2": _stale_optimizer(rank, world, "fsdp2")}
+    for kind in _OPTIMIZERS:
+        runs[f"ours, {kind}"] = _stale_optimizer(rank, world, "ours", kind)
+    return runs
 
 
+@pytest.mark.multiprocess
 def test_an_optimizer_built_before_fully_shard_is_named_at_its_first_step() -> None:
     """FSDP2 (control): the optimizer steps the replaced parameters, nothing trains, nothing is
     said. Ours: one ReplacedParameterWarning at the first ``step()`` line, naming the first
     parameter, on every rank; no cost on later steps (the old parameters are plain again), and
-    an optimizer built after ``fully_shard`` trains without a warning."""
+    an optimizer built after ``fully_shard`` trains without a warning. Any optimizer: SGD,
+    AdamW foreach and fused, FlatAdamW (all read ``.grad`` first)."""
     for by_engine in run_processes(_stale_optimizers, 2, timeout=120):
         for name, result in by_engine.items():
             assert not result["trained"] and result["trains_after"], (name, result)
@@ -160,6 +174,7 @@ def _microbatch_cases(rank: int, world: int, cases: list[str]) -> dict[str, tupl
     return outcomes
 
 
+@pytest.mark.multiprocess
 def test_microbatch_counts_that_differ_across_ranks_are_named_in_debug_mode() -> None:
     """FSDP2 (and ours without the debug mode): the collectives no longer pair and gloo waits
     for its timeout (30 min); with parameters kept unsharded the reductions pair and rank 1's
@@ -233,6 +248,7 @@ def _nan_runs(rank: int, world: int) -> dict[str, dict[str, Any]]:
     }
 
 
+@pytest.mark.multiprocess
 def test_a_nan_gradient_on_one_rank_is_named_with_its_rank_and_first_parameter() -> None:
     """FSDP2 (control) and ours by default: rank 1's NaN reaches every rank's gradients
     silently. ``set_check_finite_gradients(True)``: ``backward()`` raises
@@ -256,3 +272,41 @@ def test_a_nan_gradient_on_one_rank_is_named_with_its_rank_and_first_parameter()
                 assert "First parameter with a non-finite gradient: '2.weight'" in error
             for a, b in zip(plain["grads"][2], checked["grads"][2], strict=True):
                 assert torch.equal(a, b)  # the check changes nothing it sees
+
+
+# -- the block policy, recorded on the sharded parameters --------------------------------------
+
+
+def _blocks_of_4(name: str, param: torch.Tensor) -> int:
+    return 4
+
+
+def _recorded_policy(rank: int, world: int) -> None:
+    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def placement(param: nn.Parameter) -> Shard | None:
+        return Shard(1) if param is model[2].weight else None
+
+    fully_shard(model[2], mesh=mesh, block_policy=_blocks_of_4, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh, block_policy=_blocks_of_4)
+
+    def recorded() -> dict[str, Any]:
+        return {n: getattr(p, "block_policy", None) for n, p in model.named_parameters()}
+
+    expected = {"0.weight": _blocks_of_4, "0.bias": _blocks_of_4, "2.weight": None}
+    expected["2.bias"] = _blocks_of_4
+    assert recorded() == expected  # Shard(d)-placed parameters carry none
+    model.to(torch.float64)  # _apply: the engine adopts what it left registered
+    model(torch.randn(2, 8, dtype=torch.float64)).sum().backward()
+    assert recorded() == expected
+    model[0].weight = nn.Parameter(torch.zeros(16, 8, dtype=torch.float64))  # adopted
+    model.state_dict()
+    assert recorded() == expected
+
+
+def test_fully_shard_records_its_block_policy_on_the_sharded_parameters() -> None:
+    """``param.block_policy`` (optim-blockwise's AdamW8bit checks it at construction): the policy
+    as given, on every planned parameter, kept through ``_apply`` and adoption; none on
+    ``Shard(d)``-placed ones."""
+    run_threaded(_recorded_policy, 2, timeout=120)

@@ -126,6 +126,7 @@ def fully_shard(
     refs = managed_params(modules, set(ignored_params or ()))
     for ref in refs:
         check_param(ref)
+    given_policy = block_policy  # recorded on the planned groups' sharded parameters
     block_policy, shard_dims = with_placement_fn(block_policy, shard_placement_fn, refs, world)
     check_ranks_agree_on_call(
         mesh,
@@ -162,6 +163,9 @@ def fully_shard(
 
     groups = [group(members, None) for members in by_dtype(planned)]
     # [Note: placed groups]: the Shard(d)-placed parameters of a dtype share one group
+    for planned_group in groups:  # [Note: the recorded block policy] (param.py)
+        for param in planned_group.params:
+            param.record_block_policy(given_policy)
     groups += [group(m, [shard_dims[r.fqn] for r in m]) for m in by_dtype(placed)]
     state = FSDPState(modules, groups, reshard_after_forward=reshard, mp_policy=mp_policy)
     watch_replaced(state, originals)  # [Note: an optimizer built before fully_shard]
