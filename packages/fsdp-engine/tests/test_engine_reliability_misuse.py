@@ -274,6 +274,36 @@ def test_a_nan_gradient_on_one_rank_is_named_with_its_rank_and_first_parameter()
                 assert torch.equal(a, b)  # the check changes nothing it sees
 
 
+def _inf_input_on_rank_2_hsdp(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_check_finite_gradients(True)  # type: ignore[operator]
+    x = torch.randn(4, 8)
+    if rank == 2:  # replica 1, shard 0
+        x[0, 0] = float("inf")
+    try:
+        model(x).sum().backward()
+    except NonFiniteGradientError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_non_finite_gradient_is_named_across_both_axes_of_an_hsdp_mesh() -> None:
+    """HSDP 2x2 (threaded): rank 2's inf input is named on all four ranks, with both of its
+    groups and the first parameter in the root's order."""
+    for message in run_threaded(_inf_input_on_rank_2_hsdp, 4, timeout=120):
+        assert message.startswith(
+            "fsdp_engine: non-finite gradient norm before the reduction on rank 2 (rank 2: norm "
+            "nan in the fully_shard module '0' (FSDPLinear); rank 2: norm inf in the "
+            "fully_shard module '2' (FSDPLinear))"
+        ), message
+        assert "First parameter with a non-finite gradient: '0.weight'" in message
+
+
 # -- the block policy, recorded on the sharded parameters --------------------------------------
 
 

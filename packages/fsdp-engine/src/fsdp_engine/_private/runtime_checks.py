@@ -152,7 +152,7 @@ def _check_mesh(entries: list[tuple[FSDPState, ParamGroup, torch.Tensor]], root:
     raise NonFiniteGradientError(
         f"fsdp_engine: non-finite gradient norm before the reduction on rank"
         f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} ({where}); the "
-        f"reduce-scatter averaged it into every rank's gradients. First parameter with a "
+        f"reduction averaged it into every rank's gradients. First parameter with a "
         f"non-finite gradient: {first}. Raised on every rank by set_check_finite_gradients; "
         f"the gradients are kept: call zero_grad() and skip this step, or stop"
     )

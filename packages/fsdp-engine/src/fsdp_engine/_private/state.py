@@ -474,6 +474,7 @@ class FSDPState:
         ctx.post_forward_order.clear()
         ctx.pre_forward_order = []
         ctx.forward_seen = {}
+        ctx.microbatch = 0  # the window's gradients were dropped: a new window starts
         ctx.reset()
 
 
