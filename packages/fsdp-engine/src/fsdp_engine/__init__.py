@@ -13,6 +13,7 @@ from importlib.metadata import PackageNotFoundError, version
 from fsdp_engine._private.api import (
     BlockPolicy,
     CPUOffloadPolicy,
+    DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
     QuantizedAllGather,
@@ -60,6 +61,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "BlockPolicy",
     "QuantizedAllGather",
     "QuantizedWeight",
