@@ -228,16 +228,19 @@ def test_8bit_state_of_block_cutting_shards_refuses_another_layout(tmp_path: Pat
 _LOCK = threading.Lock()  # warnings' filters are process-wide: one rank records at a time
 
 
-def _mismatched(rank: int, world: int, policy_to_optimizer: bool) -> list[str]:
+def _mismatched(
+    rank: int, world: int, policy_to_optimizer: bool, engine_policy: bool = True
+) -> list[str]:
     """Issue 28's case: fully_shard given AdamW8bit.block_policy(block_size=BLOCK) (so
     min_8bit_size=4096: every tensor of this model unconstrained), the optimizer
     min_8bit_size=2 * BLOCK (most of them kept in 8 bits)."""
     model = Tiny()
     mesh = init_device_mesh("cpu", (world,))
     policy = ob.AdamW8bit.block_policy(block_size=BLOCK)
+    given = policy if engine_policy else None
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, block_policy=policy)
-    fully_shard(model, mesh=mesh, block_policy=policy)
+        fully_shard(block, mesh=mesh, block_policy=given)
+    fully_shard(model, mesh=mesh, block_policy=given)
     kwargs: dict[str, Any] = {"block_policy": policy} if policy_to_optimizer else {}
     try:
         with _LOCK, warnings.catch_warnings(record=True) as caught:
@@ -250,12 +253,22 @@ def _mismatched(rank: int, world: int, policy_to_optimizer: bool) -> list[str]:
 
 def test_adamw8bit_settings_disagreeing_with_the_engines_block_policy_are_named() -> None:
     """Used to train, then fail to resume at another world size with only a shape mismatch of
-    an absmax vector. Now named at construction: refused, with both values, when the optimizer
-    is given the policy; otherwise a warning naming a parameter whose shards cut its blocks and
-    the policy fully_shard needs."""
+    an absmax vector. Now refused at construction on every rank, naming both values: when the
+    optimizer is given the policy, and when it is not (fully_shard records the policy on the
+    sharded parameters, ``param.block_policy``). An engine given no policy: a warning naming a
+    parameter whose shards cut its blocks and the policy fully_shard needs."""
     for out in run_threaded(_mismatched, 2, True, timeout=120):
         assert len(out) == 1 and out[0].startswith("ValueError: AdamW8bit(min_8bit_size=64)"), out
         assert "block_policy=AdamW8bitBlockPolicy(block_size=32, min_8bit_size=4096)" in out[0]
     for out in run_threaded(_mismatched, 2, False, timeout=120):
+        assert len(out) == 1, out
+        assert out[0].startswith(
+            "ValueError: AdamW8bit(min_8bit_size=64) disagrees with the block policy parameter"
+        ), out
+        assert (
+            "AdamW8bitBlockPolicy(block_size=32, min_8bit_size=4096) (min_8bit_size=4096)"
+            in (out[0])
+        )
+    for out in run_threaded(_mismatched, 2, False, False, timeout=120):
         assert len(out) == 1 and "is sharded with a rank boundary at element" in out[0], out
         assert "AdamW8bit.block_policy(block_size=32, min_8bit_size=64)" in out[0], out

@@ -66,6 +66,31 @@ def test_policy_settings_that_disagree_are_refused_naming_both(
     assert repr(given) in message and f"({theirs})" in message, message
 
 
+def test_a_policy_recorded_on_the_parameters_is_checked_like_a_given_one() -> None:
+    """``param.block_policy`` (what fsdp_engine.fully_shard records): an AdamW8bitBlockPolicy
+    whose settings differ from the optimizer's is refused naming both values, with or without a
+    policy given to the optimizer; agreeing settings and other policy callables (an LCM of
+    several optimizers' policies, a Muon policy) pass as before."""
+    recorded = ob.AdamW8bit.block_policy(block_size=64)
+    params = _params()
+    for p in params:
+        p.block_policy = recorded  # type: ignore[attr-defined]
+    with pytest.raises(ValueError) as info:
+        ob.AdamW8bit(params, block_size=64, min_8bit_size=256)
+    message = str(info.value)
+    assert message.startswith("AdamW8bit(min_8bit_size=256) disagrees with the block policy "), (
+        message
+    )
+    assert f"{recorded!r} (min_8bit_size=4096)" in message and "'params'][0]" in message
+    with pytest.raises(ValueError, match=r"AdamW8bit\(block_size=256\) disagrees"):
+        ob.AdamW8bit(params)  # the defaults differ too
+    ob.AdamW8bit(params, block_size=64)  # agreeing
+    ob.AdamW8bit(params, block_policy=recorded)  # given and recorded agree
+    for p in params:
+        p.block_policy = ob.Muon.block_policy()  # type: ignore[attr-defined]
+    ob.AdamW8bit(params, block_size=128)  # not an AdamW8bit policy: not compared
+
+
 def test_agreeing_settings_are_taken_from_the_policy() -> None:
     policy = ob.AdamW8bit.block_policy(block_size=64, min_8bit_size=256)
     opt = ob.AdamW8bit(_params(), block_policy=policy)

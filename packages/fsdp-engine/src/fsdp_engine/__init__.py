@@ -41,6 +41,8 @@ from fsdp_engine._private.fsdp_module import (
     share_comm_ctx,
 )
 from fsdp_engine._private.fully_shard import fully_shard
+from fsdp_engine._private.replaced import ReplacedParameterWarning
+from fsdp_engine._private.runtime_checks import NonFiniteGradientError
 
 try:
     __version__ = version("fsdp-engine")
@@ -73,5 +75,7 @@ __all__ = [
     "CheckpointIntegrityError",
     "IncompleteCheckpointError",
     "AfterCommitError",
+    "NonFiniteGradientError",
+    "ReplacedParameterWarning",
     "__version__",
 ]

@@ -293,6 +293,17 @@ class FSDPModule(TorchFSDPModule):
             raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
         self._configure_groups(recurse, gradients_in_place=enabled)
 
+    def set_check_finite_gradients(self, enabled: bool, *, recurse: bool = True) -> None:
+        """Beyond FSDP2 (opt-in): each backward that reduces checks every rank's gradient norm
+        before the reduction and raises ``NonFiniteGradientError`` from ``backward()`` on every
+        rank when one is NaN or inf, naming the rank(s), the module(s) and the first parameter
+        with a non-finite gradient (FSDP2 averages it into every rank's gradients silently).
+        Costs one norm per group and one small all-reduce and host read per backward when on;
+        call it with the same value on every rank ([Note: a non-finite gradient, named])."""
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+        self._configure_groups(recurse, reduce_check_finite=enabled)
+
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None
     ) -> None:

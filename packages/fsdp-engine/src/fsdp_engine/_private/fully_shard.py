@@ -34,6 +34,7 @@ from fsdp_engine._private.init import (
 )
 from fsdp_engine._private.param import ParamRef
 from fsdp_engine._private.param_group import ParamGroup
+from fsdp_engine._private.replaced import watch_replaced
 from fsdp_engine._private.serialization import allow_raggedshard_in_weights_only_load
 from fsdp_engine._private.spmd import SpmdMesh, spmd_mesh, validate_dp_mesh_dims
 from fsdp_engine._private.state import STATE_ATTR, FSDPState, get_state
@@ -134,7 +135,7 @@ def fully_shard(
     refs = managed_params(modules, set(ignored_params or ()))
     for ref in refs:
         check_param(ref)
-    user_block_policy = block_policy
+    user_block_policy = block_policy  # also recorded on the planned groups' parameters
     block_policy, shard_dims = with_placement_fn(block_policy, shard_placement_fn, refs, world)
     shard_dims = with_subclass_placement(refs, shard_dims, user_block_policy)
     check_ranks_agree_on_call(
@@ -150,8 +151,9 @@ def fully_shard(
         },
         refs,
     )
-    for ref in refs:
-        remember(ref.registered(), ref.fqn)
+    originals = [(ref.registered(), ref.fqn) for ref in refs]
+    for original, fqn in originals:
+        remember(original, fqn)
     device = resolve_device(refs, mesh)
     planned = [r for r in refs if r.fqn not in shard_dims]
     placed = [r for r in refs if r.fqn in shard_dims]
@@ -172,8 +174,12 @@ def fully_shard(
 
     groups = [group(members, None) for members in by_dtype(planned)]
     # [Note: placed groups]: the Shard(d)-placed parameters of a dtype share one group
+    for planned_group in groups:  # [Note: the recorded block policy] (param.py)
+        for param in planned_group.params:
+            param.record_block_policy(user_block_policy)
     groups += [group(m, [shard_dims[r.fqn] for r in m]) for m in by_dtype(placed)]
     state = FSDPState(modules, groups, reshard_after_forward=reshard, mp_policy=mp_policy)
+    watch_replaced(state, originals)  # [Note: an optimizer built before fully_shard]
     results: list[FSDPModule] = []
     for target in modules:
         target.__dict__[STATE_ATTR] = state

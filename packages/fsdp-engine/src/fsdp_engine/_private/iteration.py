@@ -64,6 +64,10 @@ class IterationContext:
         self.pre_forward_order: list[FSDPState] = []  # this iteration, with multiplicity
         self.forward_next: dict[int, list[FSDPState | None]] = {}  # last iteration's successors
         self.forward_seen: dict[int, int] = {}  # occurrences of each state so far
+        # grad-enabled forwards since the last synchronizing backward, and those backwards
+        # ([Note: microbatch agreement] in runtime_checks)
+        self.microbatch = 0
+        self.windows = 0
 
     # -- the forward order --------------------------------------------------------------------
     def start_forward_order(self) -> None:

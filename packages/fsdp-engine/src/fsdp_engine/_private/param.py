@@ -8,6 +8,17 @@ compute dtype, made once) between unshard and reshard, under every name that reg
 weights keep one object). A value a user assigns while sharded (``model.w = nn.Parameter(...)``,
 ``load_state_dict(assign=True)``, ``to_empty``) is adopted into the group's storage at the next
 unshard or state-dict hook (FSDP2's ``reset_sharded_param``).
+
+[Note: the recorded block policy]
+A call's ``block_policy`` keeps some blocks whole; an optimizer that quantizes in blocks
+(optim-blockwise's ``AdamW8bit``) must use the same ones, or shard boundaries cut its blocks and
+its state loads only into the layout it was saved from. The optimizer gets nothing from the
+engine but the parameters, so the policy travels on them: every sharded parameter of a planned
+group carries ``param.block_policy`` (the policy as given, before the engine combines it with a
+tensor-parallel row constraint or quantization tiles), kept on any object that later takes its
+place (adoption, ``_apply``). optim-blockwise owns the attribute's meaning (its policy module's
+agreement note); the engine satisfies it structurally. ``Shard(d)``-placed parameters carry none
+(no block policy applies to them).
 """
 
 from __future__ import annotations
@@ -147,6 +158,16 @@ class FSDPParam:
         local = storage.local_or_meta(index, meta)
         self.sharded = compat.sharded_parameter(self._dtensor(local), requires_grad)
         self._unsharded: dict[torch.dtype, nn.Parameter] = {}
+        self.block_policy: object = None  # the call's, recorded on the sharded parameter
+
+    def record_block_policy(self, policy: object) -> None:
+        """[Note: the recorded block policy]: ``param.block_policy`` on the sharded parameter
+        (and on every parameter object that later takes its place) is the policy the call was
+        given, so an optimizer whose blocks must agree with it can check at construction
+        (optim-blockwise's AdamW8bit reads it)."""
+        self.block_policy = policy
+        if policy is not None:
+            setattr(self.sharded, "block_policy", policy)  # noqa: B010 - not an nn.Parameter field
 
     def _local(self, plain: torch.Tensor) -> torch.Tensor:
         """The local tensor over ``plain`` (our storage): the subclass wrapped around it."""
@@ -246,6 +267,7 @@ class FSDPParam:
         else:
             param = compat.sharded_parameter(self._dtensor(new_local), value.requires_grad)
         self.sharded = param
+        self.record_block_policy(self.block_policy)
         self.register_sharded()
         self.forget_unsharded()
 
@@ -271,6 +293,7 @@ class FSDPParam:
             compat.set_spec(current, compat.spec_of(storage.dtensor(i, new_local)))
         assert isinstance(current, nn.Parameter)
         self.sharded = current
+        self.record_block_policy(self.block_policy)
         self.register_sharded()
         self.forget_unsharded()
 

@@ -63,6 +63,7 @@ class ReduceSettings:
     hook_stream: torch.Stream | None = None
     comm: ReduceScatterComm | None = None
     allocate: Callable[..., torch.Tensor] | None = None
+    check_finite: bool = False  # set_check_finite_gradients ([Note: a non-finite gradient, named])
 
 
 class GradReducer:
@@ -101,6 +102,8 @@ class GradReducer:
         self.handle: Handle | None = None
         self.hooks_due = False
         self.issued = False
+        # this backward's norm of the reduce-scatter input, on the device (opt-in check)
+        self.local_norm: torch.Tensor | None = None
 
     @property
     def in_place(self) -> bool:
@@ -337,6 +340,8 @@ class GradReducer:
         into the sharded gradient storage; each trainable parameter's ``.grad`` becomes its
         view (accumulating into a ``.grad`` already there, which must be ours)."""
         grads, views, accumulate = self.grads.target(reduction)
+        if settings.check_finite:  # before the reduction frees it; no host read
+            self.local_norm = torch.linalg.vector_norm(source.unsharded_flat(), dtype=torch.float32)
         spec = source.reduce_spec(
             "avg",
             self.reduce_dtype,
@@ -390,3 +395,4 @@ class GradReducer:
         if self.accum is not None:
             self.accum.reshard()
         self.pending = self.accumulated = self.hooks_due = False
+        self.local_norm = None

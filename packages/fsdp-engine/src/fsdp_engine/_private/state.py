@@ -57,6 +57,7 @@ from fsdp_engine._private.iteration import (
 from fsdp_engine._private.param_group import ParamGroup, ShardedState
 from fsdp_engine._private.presence import resolve_presence
 from fsdp_engine._private.root_init import init_root
+from fsdp_engine._private.runtime_checks import check_finite_gradients, check_microbatch_agreement
 from fsdp_engine._private.trace import logger, traced, warn_view_output, with_fqn
 
 __all__ = ["STATE_ATTR", "FSDPState", "StateConfig", "TrainingState", "get_state"]
@@ -232,6 +233,9 @@ class FSDPState:
             ctx.start_forward_order()
             ctx.resolve_max_in_flight()
             ctx.inputs_ready = iteration_event(ctx.all_states)
+            if torch.is_grad_enabled():  # a microbatch ([Note: microbatch agreement])
+                ctx.microbatch += 1
+                check_microbatch_agreement(self, "forward")
 
     @hidden_from_dynamo
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -304,6 +308,7 @@ class FSDPState:
         if not ctx.final_callback_queued:
             ctx.final_callback_queued = True
             compat.queue_backward_callback(root._final_callback)
+            check_microbatch_agreement(root, "backward")
         with traced(self.label("FSDP::pre_backward"), log=bool(self.groups)):
             for group in self.groups:
                 if self.config.unshard_in_backward:
@@ -371,6 +376,9 @@ class FSDPState:
             for state in ctx.all_states:
                 state._post_forward_indices.clear()
         ctx.reset()
+        if self.config.requires_gradient_sync:  # the accumulation window ends
+            ctx.microbatch, ctx.windows = 0, ctx.windows + 1
+        check_finite_gradients(ctx.all_states, self)  # opt-in: raises from backward()
 
     def reset_iteration(self) -> None:
         """Root only: recover after an exception in forward or backward (the failed
@@ -385,6 +393,7 @@ class FSDPState:
         ctx.post_forward_order.clear()
         ctx.pre_forward_order = []
         ctx.forward_seen = {}
+        ctx.microbatch = 0  # the window's gradients were dropped: a new window starts
         ctx.reset()
 
 

@@ -72,6 +72,7 @@ from optim_blockwise._private.policy import (
     BlockPolicy,
     adamw8bit_settings,
     check_adamw8bit_blocks,
+    check_recorded_policy,
 )
 from optim_blockwise._private.runs import (
     Run,
@@ -170,8 +171,11 @@ class AdamW8bit(ShardedOptimizer):
     ``block_policy``: the block policy the parameters were sharded with (give the engine and the
     optimizer the same ``AdamW8bit.block_policy(...)``). The optimizer then takes ``block_size``
     and ``min_8bit_size`` from it, and refuses at construction settings that disagree with it
-    and layouts that cut its blocks; without it, a ``RaggedShard`` layout that cuts them is
-    reported with a warning (the policy module's agreement note).
+    and layouts that cut its blocks. A parameter carrying the policy it was sharded with
+    (``param.block_policy``, recorded by ``fsdp_engine.fully_shard``) whose settings differ
+    from the optimizer's is refused too, naming both values. Without either, a ``RaggedShard``
+    layout that cuts the blocks is reported with a warning (the policy module's agreement
+    note).
 
     State memory: 2 bytes per element plus ``8 / block_size`` bytes of absmax (2.03 at 256).
     """
@@ -247,6 +251,7 @@ class AdamW8bit(ShardedOptimizer):
         warned = []
         for index, param in enumerate(group["params"]):
             name = self._name(group, index, param)
+            check_recorded_policy(name, param, self.block_size, self.min_8bit_size)
             layout = None
             if isinstance(param, DTensor) and (
                 any(isinstance(p, RaggedShard) for p in param.placements)

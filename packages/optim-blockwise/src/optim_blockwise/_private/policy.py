@@ -34,10 +34,15 @@ state loads only into the layout it was saved from. So, at construction:
   several optimizers' policies; otherwise it is refused, naming the tensor and both blocks;
 - with a policy given, a sharded parameter whose layout cuts those blocks anyway was sharded
   with another policy: refused, naming the boundary;
-- with no policy given, the optimizer cannot see the one the engine used (the engine hands it
-  nothing but the parameters): a ``RaggedShard`` layout that cuts the blocks an agreeing policy
-  keeps whole is reported with a warning naming the parameter, the boundary and the policy to
-  use (an engine without a block policy, or FSDP2's ``Shard(0)``, cuts blocks by design).
+- a parameter may carry the policy it was sharded with as ``param.block_policy`` (fsdp-engine
+  records the one given to ``fully_shard`` on every sharded parameter of a planned group: it
+  hands the optimizer nothing but the parameters). An ``AdamW8bitBlockPolicy`` recorded there
+  whose settings differ from the optimizer's is refused, naming both values, whether or not the
+  optimizer was given a policy;
+- with no policy given or recorded, a ``RaggedShard`` layout that cuts the blocks an agreeing
+  policy keeps whole is reported with a warning naming the parameter, the boundary and the
+  policy to use (an engine without a block policy, or FSDP2's ``Shard(0)``, cuts blocks by
+  design).
 """
 
 from __future__ import annotations
@@ -57,7 +62,12 @@ __all__ = [
     "BlockPolicy",
     "adamw8bit_settings",
     "check_adamw8bit_blocks",
+    "check_recorded_policy",
+    "RECORDED_POLICY_ATTR",
 ]
+
+RECORDED_POLICY_ATTR = "block_policy"
+"""The attribute of a sharded parameter holding the block policy it was sharded with."""
 
 BlockPolicy = Callable[[str, torch.Tensor], int]
 """The engine's protocol: ``(name, param) -> elements`` of a block no shard boundary cuts."""
@@ -118,6 +128,30 @@ def adamw8bit_settings(
             f"AdamW8bit(..., block_policy=policy) takes its settings from it"
         )
     return policy.block_size, policy.min_8bit_size
+
+
+def check_recorded_policy(
+    name: str, param: torch.Tensor, block_size: int, min_8bit_size: int
+) -> None:
+    """Refuse (``ValueError`` naming both values) an ``AdamW8bitBlockPolicy`` recorded on
+    ``param`` (``param.block_policy``, the agreement note) whose settings differ from the
+    optimizer's ``block_size`` / ``min_8bit_size``."""
+    recorded = getattr(param, RECORDED_POLICY_ATTR, None)
+    if not isinstance(recorded, AdamW8bitBlockPolicy):
+        return
+    mine = {"block_size": block_size, "min_8bit_size": min_8bit_size}
+    differ = {k: v for k, v in mine.items() if v != getattr(recorded, k)}
+    if not differ:
+        return
+    ours = ", ".join(f"{k}={v}" for k, v in differ.items())
+    theirs = ", ".join(f"{k}={getattr(recorded, k)}" for k in differ)
+    raise ValueError(
+        f"AdamW8bit({ours}) disagrees with the block policy parameter {name!r} was sharded "
+        f"with, {recorded!r} ({theirs}), recorded on it by the sharding engine (fully_shard's "
+        f"block_policy): shard boundaries cut quantization blocks, and a checkpoint of the "
+        f"8-bit state loads only into the layout it was saved from. Use the same settings: "
+        f"AdamW8bit(..., block_policy=policy) takes them from the policy"
+    )
 
 
 def _first_cut(layout: ParamLayout, block: int) -> int | None:
