@@ -84,9 +84,9 @@ ARGUMENT_CASES: dict[str, Case] = {
         ValueError,
         ("reshard_after_forward=3", "divisor of the shard-axis size 2"),
     ),
-    "reshard_after_forward of another type": (
+    "reshard_after_forward of another type (FSDP2's ValueError)": (
         lambda mesh: fully_shard(_linear(), mesh=mesh, reshard_after_forward="yes"),  # type: ignore[call-overload]
-        TypeError,
+        ValueError,
         ("reshard_after_forward", "str"),
     ),
     "shard_placement_fn with an uneven Shard(1) (FSDP2's NotImplementedError)": (
@@ -113,9 +113,9 @@ ARGUMENT_CASES: dict[str, Case] = {
         NotImplementedError,
         ("non-contiguous parameters", "'weight'"),
     ),
-    "the same module twice in a list": (
+    "the same module twice in a list (FSDP2's AssertionError)": (
         _listed_twice,
-        ValueError,
+        AssertionError,
         ("same module twice",),
     ),
     "empty list": (lambda mesh: fully_shard([], mesh=mesh), ValueError, ("empty list",)),
@@ -124,7 +124,11 @@ ARGUMENT_CASES: dict[str, Case] = {
         TypeError,
         ("nn.Module", "int"),
     ),
-    "applied twice": (_twice, ValueError, ("already applied", "Linear")),
+    "applied twice (FSDP2's AssertionError)": (
+        _twice,
+        AssertionError,
+        ("has already been applied (by fsdp_engine.fully_shard)", "Linear"),
+    ),
     "block policy of 0": (
         lambda mesh: fully_shard(_linear(), mesh=mesh, block_policy=lambda n, p: 0),
         ValueError,
@@ -153,7 +157,7 @@ ARGUMENT_CASES: dict[str, Case] = {
     "prefetching a module that is not sharded": (
         lambda mesh: _sharded(mesh).set_modules_to_backward_prefetch([_linear()]),
         ValueError,
-        ("backward prefetch", "Linear", "not a fully_shard module"),
+        ("set_modules_to_backward_prefetch", "Linear", "Expects FSDPModule"),
     ),
     "parent sharded before the child": (
         _already_sharded_by_parent,

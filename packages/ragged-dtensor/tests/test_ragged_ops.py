@@ -197,6 +197,68 @@ def test_torch_optimizers_and_clip_grad_norm_match_single_process(kind: str, wor
     assert worst <= bound, (worst, bound)
 
 
+_ORDERS = [float("inf"), float("-inf"), 0.0, 1.0, 2.0, 3.0]
+
+
+def _norms_body(rank: int, world: int) -> list[tuple[str, float, torch.Tensor, torch.Tensor]]:
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(2)  # threads share torch's global generator
+    shapes = [(8, 3), (5,), (4, 2, 3)]
+    placements = [  # every rank holds nothing of some tensor
+        RaggedShard((0,), (2, 2, 0, 4)),
+        RaggedShard((0,), (1, 0, 4, 0)),
+        RaggedShard((0, 1), (0, 4, 1, 3)),
+    ]
+    full = [torch.randn(s, generator=gen) for s in shapes]
+    full[1][2] = 0.0  # an exact zero: the 0-"norm" counts non-zeros
+    parts = [distribute_tensor(t, mesh, [p]) for t, p in zip(full, placements, strict=True)]
+    assert any(d.to_local().numel() == 0 for d in parts)
+    out = []
+    for order in _ORDERS:
+        out.append(
+            (
+                "vector_norm",
+                order,
+                torch.linalg.vector_norm(parts[0], order).full_tensor(),
+                torch.linalg.vector_norm(full[0], order),
+            )
+        )
+        for got, want in zip(
+            torch._foreach_norm(parts, order), torch._foreach_norm(full, order), strict=True
+        ):
+            out.append(("_foreach_norm", order, got.full_tensor(), want))
+        grads = [torch.nn.Parameter(torch.zeros_like(t)) for t in full]
+        dist_grads = [torch.nn.Parameter(torch.zeros_like(d)) for d in parts]
+        for g, t in zip(grads, full, strict=True):
+            g.grad = t.clone()
+        for g, d in zip(dist_grads, parts, strict=True):
+            g.grad = d.clone()
+        want = torch.nn.utils.clip_grad_norm_(grads, 1.0, norm_type=order)
+        got = torch.nn.utils.clip_grad_norm_(dist_grads, 1.0, norm_type=order)
+        out.append(("clip_grad_norm_", order, got.full_tensor(), want))
+        for g, d in zip(grads, dist_grads, strict=True):
+            out.append(("clipped", order, d.grad.full_tensor(), g.grad))  # type: ignore[union-attr]
+    return out
+
+
+def test_norms_of_every_order_with_empty_shares_match_single_process() -> None:
+    """[Note: norms without an identity] in ops.py: ``linalg_vector_norm``, ``_foreach_norm`` and
+    ``clip_grad_norm_`` of every order, ``inf`` and ``-inf`` included, on tensors some rank holds
+    no element of, equal one process's results on every rank (torch raises on the empty share
+    for +-inf; FSDP2 does too when a Shard(0) share is empty). inf, -inf and 0 are a max, a min
+    and a count (exact: bitwise, and so are the gradients they clip); the p-norms combine
+    per-rank sums (relative error <= (n + 2) * eps, ``_norm_rtol``, for the norm and each
+    clipped gradient)."""
+    rtol = _norm_rtol(torch.empty(8 * 3 + 5 + 4 * 2 * 3))
+    for rank_results in run_threaded(_norms_body, 4):
+        assert len(rank_results) == len(_ORDERS) * (1 + 3 + 1 + 3)
+        for what, order, got, want in rank_results:
+            if order in (float("inf"), float("-inf"), 0.0):
+                assert torch.equal(got, want), (what, order, got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=rtol, atol=0)
+
+
 def _autograd_body(rank: int, world: int) -> list[float]:
     mesh = init_device_mesh("cpu", (world,))
     full = torch.arange(24.0).reshape(6, 4)

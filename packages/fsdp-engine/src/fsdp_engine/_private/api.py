@@ -8,12 +8,16 @@ say which weights they choose and what a weight dequantizes to.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
+from torch.distributed.fsdp import OffloadPolicy as TorchOffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from fsdp_engine._private.quantize import (
@@ -151,25 +155,30 @@ class QuantizedAllGather:
         return rows % self.block[0] == 0
 
 
-def _floating_or_none(
-    instance: Any, attribute: attrs.Attribute[Any], value: torch.dtype | None
-) -> None:
+def _check_floating_or_none(name: str, value: object) -> None:
     if value is None:
         return
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
         raise ValueError(
-            f"MixedPrecisionPolicy.{attribute.name} must be a floating dtype or None, got {value!r}"
+            f"MixedPrecisionPolicy.{name} must be a floating dtype or None, got {value!r}"
         )
 
 
-@attrs.frozen
-class MixedPrecisionPolicy:
-    """Same fields and meaning as ``torch.distributed.fsdp.MixedPrecisionPolicy``.
+# [Note: FSDP2's policy classes]
+# Ours subclass torch's (dataclasses, as torch's are): the same fields, defaults and
+# frozen-ness, ``dataclasses.replace`` / ``asdict`` / ``fields`` work on them, and code that asks
+# ``isinstance(policy, torch.distributed.fsdp.MixedPrecisionPolicy)`` accepts ours. fully_shard
+# takes torch's own policies too (``check_mp_policy`` / ``check_offload_policy``).
+@dataclasses.dataclass(frozen=True)
+class MixedPrecisionPolicy(TorchMixedPrecisionPolicy):
+    """Same fields and meaning as ``torch.distributed.fsdp.MixedPrecisionPolicy`` (a subclass
+    of it, [Note: FSDP2's policy classes]).
 
     ``param_dtype``: dtype of the unsharded parameters used in forward/backward (the all-gather
     runs in it). ``reduce_dtype``: dtype of the gradient reduction (default: ``param_dtype``).
     ``output_dtype``: cast of floating outputs of the module. ``cast_forward_inputs``: cast floating
-    inputs to ``param_dtype``.
+    inputs to ``param_dtype``. Unlike FSDP2, a dtype that is not floating is refused here,
+    naming the field (FSDP2 fails later, or reduces gradients in integers).
 
     ``quantized_all_gather`` (ours, not FSDP2's): a ``QuantizedAllGather`` makes each group's
     all-gather carry blockwise FP8 / int8 codes and scales of its weight matrices, dequantized
@@ -177,24 +186,29 @@ class MixedPrecisionPolicy:
     all-gather moves ``param_dtype`` values.
     """
 
-    param_dtype: torch.dtype | None = attrs.field(default=None, validator=_floating_or_none)
-    reduce_dtype: torch.dtype | None = attrs.field(default=None, validator=_floating_or_none)
-    output_dtype: torch.dtype | None = attrs.field(default=None, validator=_floating_or_none)
-    cast_forward_inputs: bool = True
-    quantized_all_gather: QuantizedAllGather | None = attrs.field(
-        default=None,
-        validator=attrs.validators.optional(attrs.validators.instance_of(QuantizedAllGather)),
-    )
+    quantized_all_gather: QuantizedAllGather | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            _check_floating_or_none(name, getattr(self, name))
+        if self.quantized_all_gather is not None and not isinstance(
+            self.quantized_all_gather, QuantizedAllGather
+        ):
+            raise TypeError(
+                "MixedPrecisionPolicy.quantized_all_gather must be a QuantizedAllGather or None, "
+                f"got {type(self.quantized_all_gather).__name__}"
+            )
 
 
-@attrs.frozen
-class OffloadPolicy:
-    """No offloading (FSDP2's base ``OffloadPolicy``)."""
+@dataclasses.dataclass
+class OffloadPolicy(TorchOffloadPolicy):
+    """No offloading (FSDP2's base ``OffloadPolicy``, a subclass of it)."""
 
 
-@attrs.frozen
-class CPUOffloadPolicy(OffloadPolicy):
-    """Keep the sharded parameters, gradients and optimizer step on the CPU.
+@dataclasses.dataclass
+class CPUOffloadPolicy(OffloadPolicy, TorchCPUOffloadPolicy):
+    """Keep the sharded parameters, gradients and optimizer step on the CPU (a subclass of
+    FSDP2's ``CPUOffloadPolicy``).
 
     ``pin_memory``: pin the CPU shards (for faster host-device copies on accelerators).
     """

@@ -45,12 +45,15 @@ __all__ = [
     "PostBackwardFunction",
     "apply_to_tensors",
     "compat_status",
+    "composable_apis",
     "concatenate_meshes",
     "dtensor_from_spec",
     "has_backend_for",
     "in_backward",
+    "is_view",
     "local_tensor",
     "mark_fully_sharded",
+    "offset_free",
     "post_accumulate_grad_hooks",
     "preserve_version_counter",
     "queue_backward_callback",
@@ -58,6 +61,7 @@ __all__ = [
     "set_local_tensor",
     "set_registered_param",
     "set_spec",
+    "sharded_parameter",
     "spec_of",
 ]
 
@@ -122,6 +126,15 @@ def mark_fully_sharded(module: nn.Module) -> None:
     registry.setdefault("fully_shard", item())
 
 
+def composable_apis(module: nn.Module) -> tuple[str, ...]:
+    """The composable APIs applied to ``module`` by name, as torch's registry records them
+    ("fully_shard" for torch's FSDP2 and for ours, "replicate", ...)."""
+    if _REGISTRY is None:  # pragma: no cover
+        return ()
+    registry = module.__dict__.get(_REGISTRY[0])
+    return tuple(registry) if isinstance(registry, dict) else ()
+
+
 def _torch_apply_to_tensors() -> Any:
     try:
         from torch.distributed.utils import _apply_to_tensors
@@ -161,8 +174,49 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
 # -- DTensor and DeviceMesh internals ---------------------------------------------------------
 def dtensor_from_spec(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     """A DTensor over ``local`` (no copy) with ``spec``, as DTensor's own no-autograd
-    constructors build it (no per-rank check)."""
-    return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+    constructors build it (no per-rank check), its wrapper at storage offset 0 ([Note: DTensors
+    over views])."""
+    if local.storage_offset() == 0:
+        return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+    anchor = local.detach().as_strided(local.size(), local.stride(), 0)
+    value = DTensor(anchor, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+    value._local_tensor = local
+    return value
+
+
+def sharded_parameter(value: DTensor, requires_grad: bool) -> nn.Parameter:
+    """``nn.Parameter(value, requires_grad)`` with its wrapper at storage offset 0 ([Note:
+    DTensors over views]): ``nn.Parameter`` of a tensor subclass is ``value.detach()`` marked
+    ``_is_param``, and the detach takes the local view's offset again."""
+    param = nn.Parameter(value, requires_grad)
+    if param.storage_offset() == 0:
+        return param
+    assert isinstance(param, DTensor)
+    rebuilt = offset_free(param)
+    rebuilt._is_param = True  # nn.Parameter's mark on subclasses
+    assert isinstance(rebuilt, nn.Parameter)
+    return rebuilt
+
+
+def offset_free(value: DTensor) -> DTensor:
+    """[Note: DTensors over views]
+    torch's DTensor wrapper takes its local tensor's storage offset, and a wrapper has no
+    storage of its own (null data pointer): over a local tensor that starts at an offset in its
+    storage (every parameter of ours that does not start a rank's flat shard), the DTensor
+    reports a non-zero ``data_ptr()``. torch's serialization and copies tell a storage-less
+    wrapper subclass by ``data_ptr() == 0``, so they then reach for the wrapper's (invalid)
+    storage: ``torch.save`` of such a DTensor (or of a state dict holding one) raises "Attempted
+    to access the data pointer on an invalid python storage", ``copy.deepcopy`` and the
+    state-dict stager of ``dcp.async_save`` fail likewise. FSDP2 never meets it: each of its
+    parameters owns a padded storage at offset 0. The wrapper's offset means nothing else (its
+    data is the local tensor's), so ours are built at offset 0 over the same local tensor: the
+    same DTensor (spec, local view, no copy) that torch pickles as it pickles FSDP2's."""
+    local = value._local_tensor
+    if value.storage_offset() == 0:
+        return value
+    rebuilt = dtensor_from_spec(local, value._spec)
+    rebuilt.requires_grad_(value.requires_grad)
+    return rebuilt
 
 
 def local_tensor(value: DTensor) -> torch.Tensor:
@@ -224,6 +278,11 @@ def set_registered_param(module: nn.Module, attr: str, param: nn.Parameter) -> N
     """Register ``param`` as ``module.<attr>`` in place of what is there (FSDP2 swaps the
     sharded and unsharded parameters this way: no ``__setattr__`` checks)."""
     module._parameters[attr] = param
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of another tensor (autograd's ``_base``)."""
+    return tensor._base is not None
 
 
 def post_accumulate_grad_hooks(param: torch.Tensor) -> tuple[Callable[[torch.Tensor], Any], ...]:

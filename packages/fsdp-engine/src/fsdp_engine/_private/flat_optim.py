@@ -177,7 +177,7 @@ class _FlatAdamMixin(torch.optim.Optimizer):
         flat = self._buffer(layout, slot, key)[slot.state_offset : slot.state_offset + slot.numel]
         local = flat.view(_local(p).shape)
         if isinstance(p, DTensor):
-            return from_local(
+            state = from_local(
                 local,
                 p.device_mesh,
                 p.placements,
@@ -185,6 +185,7 @@ class _FlatAdamMixin(torch.optim.Optimizer):
                 stride=p.stride(),
                 run_check=False,
             )
+            return compat.offset_free(state)  # torch.save works ([Note: DTensors over views])
         return local
 
     def _init_state(self, layout: _Layout, group: dict[str, Any], p: torch.Tensor) -> None:

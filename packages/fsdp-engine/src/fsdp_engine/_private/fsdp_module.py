@@ -2,23 +2,41 @@
 
 Every setter validates its arguments and hands them to one configuration entry
 (``FSDPState.configure`` or ``ParamGroup.configure``); none writes a state's or group's fields.
+
+[Note: one of torch's FSDPModules]
+Trainers ask ``isinstance(m, torch.distributed.fsdp.FSDPModule)`` before they use FSDP's methods
+(torchtitan's switch that turns off the gradient division, its loss code, Lightning Fabric's
+no-sync toggle): a module that fails it silently loses that handling. So our ``FSDPModule``
+subclasses torch's (a public class; nothing of torch is changed) and overrides every method
+torch's defines, private ones included, so that none of torch's methods, which reach for
+torch's private per-module state, is ever run on our modules; ``test_engine_contract.py``
+fails if torch adds one we do not override. A ``fully_shard`` module's class is
+``FSDP<Orig>(FSDPModule, <Orig>)``: our class comes first, torch's second, the original third
+(torch's own ``_orig_cls_mro_index`` convention, which ``ReplicateModule`` uses the same way).
+A base class's method is reached past torch's with ``super(TorchFSDPModule, self)``.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
+from torch.distributed.fsdp import (
+    register_fsdp_forward_method as torch_register_fsdp_forward_method,
+)
 
 from fsdp_engine._private.state import FSDPState, get_state
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
 
 
-class UnshardHandle:
+class UnshardHandle(TorchUnshardHandle):
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` completes the all-gathers
     and registers the unsharded parameters."""
 
@@ -49,19 +67,63 @@ def _state_of(module: object, what: str) -> FSDPState:
     return state
 
 
-class FSDPModule:
-    """Mixed into the class of every module ``fully_shard`` was applied to (like FSDP2)."""
+def _prefetch_states(setter: str, modules: list[TorchFSDPModule]) -> tuple[FSDPState, ...]:
+    """The states of prefetch targets: FSDP2's ``ValueError`` for anything that is not a
+    fully_shard module (one torch's own FSDP2 manages is named as such)."""
+    states = []
+    for module in modules:
+        state = get_state(module) if isinstance(module, nn.Module) else None
+        if state is None:
+            torchs = isinstance(module, TorchFSDPModule)
+            whose = " (sharded by torch's fully_shard)" if torchs else ""
+            raise ValueError(
+                f"{setter}: Expects FSDPModule (a module fsdp_engine.fully_shard was applied to) "
+                f"but got {type(module)}{whose}: {module}"
+            )
+        states.append(state)
+    return tuple(states)
+
+
+class FSDPModule(TorchFSDPModule):
+    """Mixed into the class of every module ``fully_shard`` was applied to (like FSDP2); one of
+    torch's ``FSDPModule``s for ``isinstance`` ([Note: one of torch's FSDPModules])."""
+
+    # FSDP<Orig> -> FSDPModule (ours) -> FSDPModule (torch's) -> Orig
+    _orig_cls_mro_index: int = 3
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # A container's slicing (``layers[1:]``) builds ``type(self)(...)``: build the original
         # class, like FSDP2 (the new container is not a fully_shard module).
-        orig: Any = cls.__mro__[2]
+        orig: Any = cls.__mro__[cls._orig_cls_mro_index]
         self = orig.__new__(orig)
         self.__init__(*args, **kwargs)
         return self
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        # FSDP2's answer: the copy would share (or lose) the flat storage and its hooks
+        raise AssertionError(
+            "FSDP does not support deepcopy. Please use state dict for serialization."
+        )
+
     def _engine_state(self) -> FSDPState:
         return _state_of(self, "fully_shard")
+
+    def _get_fsdp_state(self) -> Any:
+        """The module's state (ours: torch's ``register_fsdp_forward_method`` applied to our
+        module calls its ``_pre_forward``/``_post_forward``, which ours has alike)."""
+        state = get_state(self) if isinstance(self, nn.Module) else None
+        if state is None:
+            raise AssertionError(f"No FSDP state found on {self}")
+        return state
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """FSDP2's private switch to issue the pre-forward/pre-backward all-gathers with
+        ``async_op=True`` so their buffers are allocated on the default stream. The engine's
+        all-gathers write persistent planned storage (no allocation to place): validated, no
+        effect."""
+        if not isinstance(async_op, bool):
+            raise TypeError(f"async_op must be a bool, got {type(async_op).__name__}")
+        _states_under(self, True)
 
     def _configure_groups(self, recurse: bool, **changes: Any) -> None:
         for state in _states_under(self, recurse):
@@ -149,16 +211,16 @@ class FSDPModule:
             for group in state.groups:
                 group.configure(post_forward_k=0)
 
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: list[TorchFSDPModule]) -> None:
         """All-gather these modules' parameters asynchronously when this module's forward
         starts."""
-        targets = tuple(_state_of(m, "forward prefetch") for m in modules)
+        targets = _prefetch_states("set_modules_to_forward_prefetch", modules)
         self._engine_state().configure(forward_prefetch=targets)
 
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: list[TorchFSDPModule]) -> None:
         """All-gather these modules' parameters asynchronously when this module's backward starts
         (default: the module that ran forward just before this one)."""
-        targets = tuple(_state_of(m, "backward prefetch") for m in modules)
+        targets = _prefetch_states("set_modules_to_backward_prefetch", modules)
         self._engine_state().configure(backward_prefetch=targets)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
@@ -185,7 +247,8 @@ class FSDPModule:
         self._configure_groups(False, reduce_divide_factor=float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """Deprecated name of ``set_gradient_divide_factor`` (as in FSDP2)."""
+        """Deprecated name of ``set_gradient_divide_factor`` (as in FSDP2, with its warning)."""
+        warnings.warn("Use `set_gradient_divide_factor` instead", DeprecationWarning, stacklevel=2)
         self.set_gradient_divide_factor(factor)
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
@@ -260,16 +323,35 @@ class FSDPModule:
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
     ) -> None:
-        raise NotImplementedError(
-            "set_separate_reduce_scatter_group: fsdp_engine runs its all-gathers and "
-            "reduce-scatters on the mesh's process groups"
-        )
+        """FSDP2 runs the reduce-scatters on a process group of their own so they overlap the
+        all-gathers on the wire. Not built in fsdp_engine: ``False`` (the state it is always
+        in) is accepted, ``True`` raises."""
+        if enable:
+            raise NotImplementedError(
+                "set_separate_reduce_scatter_group: fsdp_engine runs its all-gathers and "
+                "reduce-scatters on the mesh's process groups"
+            )
+        _states_under(self, recurse)
 
-    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
-        raise NotImplementedError(
-            "set_symm_mem_for_comm: fsdp_engine's collectives move the planned persistent "
-            "buffers, which are not symmetric-memory allocations"
-        )
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """FSDP2 allocates its all-gather staging buffers from symmetric memory (NCCL). The
+        engine has no staging buffers: each all-gather writes the group's planned persistent
+        unsharded storage, and the reduce-scatter reads the gradient storage. So, like
+        ``set_allocate_memory_from_process_group_for_comm``, this is validated as FSDP2
+        validates it (the ``"NCCL"`` backend; not with a custom collective) and changes
+        nothing."""
+        if backend != "NCCL":
+            raise ValueError(f'set_symm_mem_for_comm: backend must be "NCCL", got {backend!r}')
+        for group in self._engine_state().groups:
+            for kind, comm in (
+                ("all gather", group.config.all_gather_comm),
+                ("reduce scatter", group.config.reduce.comm),
+            ):
+                if comm is not None:
+                    raise AssertionError(
+                        f"cannot call set_symm_mem() when {kind} comm is custom: "
+                        f"{type(comm).__name__}"
+                    )
 
     def to_empty(self, *, device: Any, recurse: bool = True) -> Any:
         """``nn.Module.to_empty``: the managed parameters' storage is reserved on ``device``
@@ -292,7 +374,8 @@ class FSDPModule:
         state = self._engine_state()
         for group in state.groups:
             group.to_sharded()
-        ret = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        # past torch's FSDPModule._apply (which reaches for torch's state) to the original class
+        ret = super(TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
         for group in state.groups:
             group.reset_after_apply()
         return ret
@@ -300,8 +383,11 @@ class FSDPModule:
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>`` unshard/reshard like ``forward`` (FSDP2's function); a no-op
-    for modules that are not fully_shard modules."""
+    for modules that are not fully_shard modules. A module torch's own ``fully_shard`` manages
+    gets torch's function (code that mixes both keeps working)."""
     if not isinstance(module, FSDPModule):
+        if isinstance(module, TorchFSDPModule):
+            torch_register_fsdp_forward_method(module, method_name)
         return
     if not hasattr(module, method_name):
         raise ValueError(f"{type(module)} does not have a method {method_name}")

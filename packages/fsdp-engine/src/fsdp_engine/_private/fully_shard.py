@@ -14,6 +14,7 @@ from fsdp_engine._private.api import (
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
+from fsdp_engine._private.applied import check_modules
 from fsdp_engine._private.compat import mark_fully_sharded
 from fsdp_engine._private.fsdp_module import FSDPModule
 from fsdp_engine._private.init import (
@@ -31,6 +32,7 @@ from fsdp_engine._private.init import (
 )
 from fsdp_engine._private.param import ParamRef
 from fsdp_engine._private.param_group import ParamGroup
+from fsdp_engine._private.serialization import allow_raggedshard_in_weights_only_load
 from fsdp_engine._private.state import STATE_ATTR, FSDPState, get_state
 from shard_planner import METHODS as PLANNER_METHODS
 
@@ -104,15 +106,8 @@ def fully_shard(
             "(1-D FSDP or 2-D HSDP); tensor-parallel DTensor parameters are sharded on it"
         )
     modules = module if isinstance(module, list) else [module]
-    if not modules:
-        raise ValueError("fully_shard got an empty list of modules")
-    for target in modules:
-        if not isinstance(target, nn.Module):
-            raise TypeError(f"fully_shard expects an nn.Module, got {type(target).__name__}")
-        if get_state(target) is not None:
-            raise ValueError(f"fully_shard was already applied to this {type(target).__name__}")
-    if len({id(m) for m in modules}) != len(modules):
-        raise ValueError("fully_shard got the same module twice in its list")
+    check_modules(modules)
+    allow_raggedshard_in_weights_only_load()  # [Note: the per-rank save]
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     mp_policy = check_mp_policy(mp_policy)
@@ -179,4 +174,9 @@ def fully_shard(
         target.__class__ = new_cls
         assert isinstance(target, FSDPModule)
         results.append(target)
-    return results if isinstance(module, list) else results[0]
+    # FSDP2 returns its argument: the module, or the very list it was given
+    return module if isinstance(module, list) else results[0]  # type: ignore[return-value]
+
+
+# FSDP2's ``fully_shard.state(module)``: the state a call attached to the module (ours), or None
+fully_shard.state = get_state  # type: ignore[attr-defined]

@@ -78,7 +78,8 @@ def cast_inputs(
     dtype = policy.param_dtype
     if not (policy.cast_forward_inputs and dtype is not None):
         return args, kwargs
-    cast = compat.apply_to_tensors(lambda x: _cast(x, dtype), (args, kwargs))
+    with torch.profiler.record_function("FSDP::cast_forward_inputs"):  # FSDP2's range
+        cast = compat.apply_to_tensors(lambda x: _cast(x, dtype), (args, kwargs))
     return tuple(cast[0]), dict(cast[1])
 
 
@@ -87,7 +88,8 @@ def cast_output(policy: MixedPrecisionPolicy, output: Any) -> Any:
     dtype = policy.output_dtype
     if dtype is None:
         return output
-    return compat.apply_to_tensors(lambda x: _cast(x, dtype), output)
+    with torch.profiler.record_function("FSDP::cast_forward_outputs"):  # FSDP2's range
+        return compat.apply_to_tensors(lambda x: _cast(x, dtype), output)
 
 
 def register_post_backward(

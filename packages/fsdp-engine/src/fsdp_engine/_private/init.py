@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import operator
-import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -29,6 +28,7 @@ from fsdp_engine._private.api import (
 )
 from fsdp_engine._private.param import ParamRef
 from fsdp_engine._private.state import get_state
+from fsdp_engine._private.trace import warning_once
 from ragged_dtensor import check_ranks_agree
 
 __all__ = [
@@ -51,9 +51,11 @@ __all__ = [
 def default_mesh() -> DeviceMesh:
     """FSDP2's default: a 1-D mesh of every rank on the accelerator when there is one and the
     default process group serves it (by capability, never by the backend's name), else on
-    the CPU."""
+    the CPU. Like FSDP2, the default process group is initialized from the environment
+    (``init_process_group()``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...) when it is not
+    yet; its error names the missing variable."""
     if not dist.is_initialized():
-        raise RuntimeError("fully_shard needs torch.distributed to be initialized (or pass mesh=)")
+        dist.init_process_group()
     accelerator = torch.accelerator.current_accelerator()
     kind = "cpu"
     world = dist.group.WORLD
@@ -117,8 +119,9 @@ def parse_reshard_after_forward(value: object, world: int) -> tuple[bool | None,
     if value is None or isinstance(value, bool):
         return value, 0
     if not isinstance(value, int):
-        raise TypeError(
-            f"reshard_after_forward must be None, bool or int, got {type(value).__name__}"
+        raise ValueError(  # FSDP2's type and words
+            "reshard_after_forward should be a bool or an int representing the group size to "
+            f"reshard to, not {value!r} ({type(value).__name__})"
         )
     if value < 1 or value > world or world % value:
         raise ValueError(
@@ -127,10 +130,10 @@ def parse_reshard_after_forward(value: object, world: int) -> tuple[bool | None,
             f"{world}, not {value})"
         )
     if value == 1:
-        warnings.warn(
+        # FSDP2's warning, once, on its logger ([Note: FSDP2's trace])
+        warning_once(
             "reshard_after_forward=1 (int) means resharding parameters to world size 1, "
-            "instead of reshard_after_forward=True (bool); it keeps them unsharded",
-            stacklevel=3,
+            "instead of reshard_after_forward=True (bool)"
         )
         return False, 0
     if value == world:

@@ -77,12 +77,15 @@ class IterationContext:
         return successors[occurrence] if occurrence < len(successors) else None
 
     # -- reductions ---------------------------------------------------------------------------
-    def before_reduction(self, group: ParamGroup) -> None:
-        """[Note: reductions in flight]: make room for ``group``'s reduction."""
-        while self.in_flight and len(self.in_flight) >= self.max_in_flight:
-            previous = self.in_flight.popleft()
-            if previous is not group:
-                previous.wait_for_reduce()
+    def before_reduction(self, group: ParamGroup, label: str) -> None:
+        """[Note: reductions in flight]: make room for ``group``'s reduction (waiting, in the
+        profiler range ``label``, for the oldest ones beyond the cap)."""
+        if self.in_flight and len(self.in_flight) >= self.max_in_flight:
+            with torch.profiler.record_function(label):
+                while self.in_flight and len(self.in_flight) >= self.max_in_flight:
+                    previous = self.in_flight.popleft()
+                    if previous is not group:
+                        previous.wait_for_reduce()
         if group in self.in_flight:
             self.in_flight.remove(group)
         self.in_flight.append(group)

@@ -114,7 +114,7 @@ class FSDPParam:
         self.index = index
         self.storage = storage
         local = storage.local_or_meta(index, meta)
-        self.sharded: nn.Parameter = nn.Parameter(storage.dtensor(index, local), requires_grad)
+        self.sharded = compat.sharded_parameter(storage.dtensor(index, local), requires_grad)
         self._unsharded: dict[torch.dtype, nn.Parameter] = {}
 
     @property
@@ -201,7 +201,7 @@ class FSDPParam:
             compat.set_local_tensor(value, new_local)
             param: nn.Parameter = value
         else:
-            param = nn.Parameter(storage.dtensor(i, new_local), requires_grad=value.requires_grad)
+            param = compat.sharded_parameter(storage.dtensor(i, new_local), value.requires_grad)
         self.sharded = param
         self.register_sharded()
         self.forget_unsharded()

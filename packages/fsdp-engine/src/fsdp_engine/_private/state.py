@@ -31,12 +31,14 @@ resets an iteration, so recomputation sees the parameters its backward needs.
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_engine._private import compat, gather
 from fsdp_engine._private.api import MixedPrecisionPolicy
@@ -50,6 +52,7 @@ from fsdp_engine._private.hooks import (
 from fsdp_engine._private.iteration import IterationContext
 from fsdp_engine._private.param_group import ParamGroup, ShardedState
 from fsdp_engine._private.presence import resolve_presence
+from fsdp_engine._private.trace import logger, traced, with_fqn
 
 __all__ = ["STATE_ATTR", "FSDPState", "StateConfig", "TrainingState", "get_state"]
 
@@ -95,6 +98,7 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         self.is_root: bool | None = None
         self.root: FSDPState | None = None
+        self.fqn: str | None = None  # the module's name under the root ([Note: FSDP2's trace])
         self.ctx = IterationContext()
         self._post_forward_indices: list[int] = []
         self._modules_to_run: set[int] = set()  # a list of modules: those yet to run forward
@@ -107,6 +111,13 @@ class FSDPState:
             self._hooks.append(on_save(self._to_sharded_hook))  # type: ignore[no-untyped-call]
             on_load = owner.register_load_state_dict_pre_hook  # untyped in torch
             self._hooks.append(on_load(self._to_sharded_hook))  # type: ignore[no-untyped-call]
+        places = {
+            id(m): m for g in self.groups for r in g.refs for m, _ in ((r.owner, 0), *r.aliases)
+        }
+        for place in places.values():
+            # the saved DTensors pickle like FSDP2's ([Note: DTensors over views] in compat)
+            saved = place.register_state_dict_post_hook  # untyped in torch
+            self._hooks.append(saved(_offset_free_entries))  # type: ignore[no-untyped-call]
         for module in self.modules:
             self._hooks.append(
                 module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -167,6 +178,10 @@ class FSDPState:
             ctx.all_states.append(state)
         for state in ctx.all_states:
             state.ctx = ctx
+        for name, module in root_module.named_modules():
+            state = get_state(module)
+            if state is not None:
+                state.fqn = name if state.fqn is None else f"{state.fqn}, {name}"
         if self.config.reshard_after_forward is None:
             # the root's parameters are needed again at the start of backward
             self.configure(reshard_after_forward=False)
@@ -205,16 +220,34 @@ class FSDPState:
             if len(self.modules) > 1:
                 self._modules_to_run = {id(m) for m in self.modules}
         args, kwargs = cast_inputs(self.mp_policy, args, kwargs)
-        for group in self.groups:
-            group.wait_for_reduce()
-            group.unshard(ready=self.ctx.inputs_ready)
-            group.register_unsharded()
+        with traced(self.label("FSDP::pre_forward"), log=bool(self.groups)):
+            for group in self.groups:
+                group.wait_for_reduce()
+                self._unshard(self, group)
+                group.register_unsharded()
+            if first_in_pass:
+                args, kwargs = register_post_backward(self, bool(self.groups), args, kwargs)
         if first_in_pass:
-            args, kwargs = register_post_backward(self, bool(self.groups), args, kwargs)
             for other in self._forward_prefetch_targets():
-                for group in other.groups:
-                    group.unshard(async_op=True, ready=self.ctx.inputs_ready)
+                with traced(f"FSDP::forward_prefetch for {other.fqn}", log=False):
+                    for group in other.groups:
+                        self._unshard(other, group, async_op=True)
         return args, kwargs
+
+    def label(self, name: str) -> str:
+        """FSDP2's name of a step of this module ([Note: FSDP2's trace])."""
+        return with_fqn(name, self.fqn)
+
+    def _unshard(self, owner: FSDPState, group: ParamGroup, *, async_op: bool = False) -> None:
+        """Unshard ``owner``'s ``group`` in this state's iteration, in FSDP2's
+        ``FSDP::all_gather`` range when it issues an all-gather (not when the group is unsharded
+        or its all-gather is already in flight)."""
+        ready = self.ctx.inputs_ready
+        if group.state is ShardedState.UNSHARDED or group.unshard_handle is not None:
+            group.unshard(async_op=async_op, ready=ready)
+            return
+        with traced(owner.label("FSDP::all_gather"), log=False):
+            group.unshard(async_op=async_op, ready=ready)
 
     def _forward_prefetch_targets(self) -> Sequence[FSDPState]:
         """Explicit targets, or the predicted next module ([Note: implicit forward
@@ -233,6 +266,11 @@ class FSDPState:
         ctx = self.ctx
         if compat.in_backward() or ctx.iter_forward_root is not None:
             return
+        with traced("FSDP::root_pre_forward"):
+            self._start_iteration()
+
+    def _start_iteration(self) -> None:
+        ctx = self.ctx
         ctx.iter_forward_root = self
         event, ctx.post_optim_event = ctx.post_optim_event, None
         if event is not None and event.device is not None and event.device.type != "cpu":
@@ -266,6 +304,7 @@ class FSDPState:
             for state in reversed(ctx.all_states):
                 if state is not self and state._modules_to_run:
                     # a group of several modules whose forward ran only some of them
+                    logger.debug("FSDP::force_complete_post_forward")
                     state._modules_to_run.clear()
                     output = state._finish_forward(output)
             ran = {id(s) for s in ctx.pre_forward_order}
@@ -282,6 +321,34 @@ class FSDPState:
                 group.reshard()
 
     def _finish_forward(self, output: Any) -> Any:
+        with traced(self.label("FSDP::post_forward"), log=bool(self.groups)):
+            output = self._reshard_after_forward(output)
+        self.training_state = TrainingState.IDLE
+        if torch.is_grad_enabled():
+            for tensor in grad_tensors(output):
+                if compat.is_view(tensor):
+                    self._warn_view_output()
+                tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
+        return output
+
+    def _warn_view_output(self) -> None:
+        """FSDP2's warning (its words): the pre-backward is a hook on the output, which an
+        in-place op on a view output silently replaces."""
+        names = ", ".join(type(m).__name__ for m in self.modules) or "?"
+        warnings.warn(
+            f"FSDP2-wrapped module ({names}) returned a view tensor. "
+            "An in-place op on this view (e.g., `x += y`) will silently "
+            "drop the pre-backward hook and skip the all-gather, which "
+            "can cause backward to fail or produce wrong gradients. "
+            "Use out-of-place ops (`out = out + y`, not `out += y`) or "
+            "`.clone()` the output before any in-place op.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+    def _reshard_after_forward(self, output: Any) -> Any:
+        """``reshard_after_forward`` and the backward prefetch order (not in a recompute inside
+        backward)."""
         if not compat.in_backward():
             grad = torch.is_grad_enabled()
             for group in self.groups:
@@ -293,10 +360,6 @@ class FSDPState:
                 ctx = self.ctx
                 self._post_forward_indices.append(len(ctx.post_forward_order))
                 ctx.post_forward_order.append(self)
-        self.training_state = TrainingState.IDLE
-        if torch.is_grad_enabled():
-            for tensor in grad_tensors(output):
-                tensor.register_hook(self._pre_backward)  # type: ignore[no-untyped-call]
         return output
 
     # -- backward ----------------------------------------------------------------------------
@@ -310,14 +373,16 @@ class FSDPState:
         if not ctx.final_callback_queued:
             ctx.final_callback_queued = True
             compat.queue_backward_callback(root._final_callback)
-        for group in self.groups:
-            if self.config.unshard_in_backward:
-                group.unshard(ready=ctx.inputs_ready)
-                group.register_unsharded()
-            group.pre_backward()
-        for other in self._backward_prefetch_targets():
-            for group in other.groups:
-                group.unshard(async_op=True, ready=ctx.inputs_ready)
+        with traced(self.label("FSDP::pre_backward"), log=bool(self.groups)):
+            for group in self.groups:
+                if self.config.unshard_in_backward:
+                    self._unshard(self, group)
+                    group.register_unsharded()
+                group.pre_backward()
+            for other in self._backward_prefetch_targets():
+                with traced(f"FSDP::backward_prefetch for {other.fqn}", log=False):
+                    for group in other.groups:
+                        self._unshard(other, group, async_op=True)
         return grad
 
     def _backward_prefetch_targets(self) -> Sequence[FSDPState]:
@@ -335,19 +400,29 @@ class FSDPState:
     def post_backward(self, *unused: Any) -> None:
         """This module's post-backward: reduce (or accumulate) and reshard every group. Safe to
         call when the module took no part in backward (nothing to reduce)."""
+        if self.groups:
+            logger.debug("%s", self.label("FSDP::post_backward"))
         self.training_state = TrainingState.POST_BACKWARD
         sync = self.config.requires_gradient_sync
         for group in self.groups:
             # reshard first (FSDP2's order): the unsharded parameters go before the reduction's
             # memory comes (autograd's gradients are tensors of their own, or already handed over)
             if self.config.reshard_after_backward and group.state is ShardedState.UNSHARDED:
-                group.reshard()
+                with traced(self.label("FSDP::post_backward_reshard"), log=False):
+                    group.reshard()
             if sync:
-                self.ctx.before_reduction(group)  # [Note: reductions in flight]
-            group.reduce(sync=sync, async_op=sync)
+                # [Note: reductions in flight], in FSDP2's range (its label, verbatim)
+                self.ctx.before_reduction(group, f"FSDP::post_backward_rs_wait ({self.fqn})")
+            with traced(self.label("FSDP::post_backward_reduce"), log=False):
+                group.reduce(sync=sync, async_op=sync)
 
     def _final_callback(self) -> None:
         """Root only: runs once when the whole backward pass has finished."""
+        logger.debug("FSDP::root_post_backward")
+        with torch.profiler.record_function("FSDP::root_post_backward_callback"):
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
         ctx = self.ctx
         for state in ctx.all_states:
             if state.training_state is not TrainingState.POST_BACKWARD:
@@ -379,6 +454,18 @@ class FSDPState:
         ctx.pre_forward_order = []
         ctx.forward_seen = {}
         ctx.reset()
+
+
+def _offset_free_entries(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """``state_dict()`` post-hook: the module's DTensor parameters (``param.detach()``, whose
+    wrapper takes the local view's storage offset again) rebuilt at offset 0 over the same
+    local tensor, so ``torch.save(model.state_dict())`` works ([Note: DTensors over views])."""
+    for attr, _ in module.named_parameters(recurse=False):
+        value = state_dict.get(prefix + attr)
+        if isinstance(value, DTensor) and value.storage_offset() != 0:
+            state_dict[prefix + attr] = compat.offset_free(value)
 
 
 def _iteration_event(states: Sequence[FSDPState]) -> torch.Event | None:

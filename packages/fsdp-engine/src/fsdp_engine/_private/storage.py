@@ -179,7 +179,11 @@ class ShardStorage:
         return self.buffer.placements[i]
 
     def dtensor(self, i: int, local: torch.Tensor) -> DTensor:
-        """A DTensor over ``local`` (this rank's share of parameter ``i``, no copy)."""
+        """A DTensor over ``local`` (this rank's share of parameter ``i``, no copy), its wrapper
+        at storage offset 0 ([Note: DTensors over views] in compat: ``torch.save`` works)."""
+        return compat.offset_free(self._dtensor(i, local))
+
+    def _dtensor(self, i: int, local: torch.Tensor) -> DTensor:
         tp = self.tp_specs[i]
         if self.placed is not None:
             shape = self.shapes[i]

@@ -107,7 +107,12 @@ from torch.distributed.tensor.placement_types import Placement
 from ragged_dtensor._private import checkpoint, ops
 from ragged_dtensor._private import debug as ragged_debug
 from ragged_dtensor._private import random as ragged_random
-from ragged_dtensor._private.placement import RaggedBoxView, RaggedPaddedView, RaggedShard
+from ragged_dtensor._private.placement import (
+    RaggedBoxView,
+    RaggedNonEmptyView,
+    RaggedPaddedView,
+    RaggedShard,
+)
 from ragged_dtensor._private.redistribute import execute, plan_redistribute, ragged_axis, x_shape
 
 __all__ = [
@@ -264,13 +269,32 @@ def _padded_view(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec)
     assert isinstance(placement, RaggedPaddedView)
     xs = x_shape(tuple(current.shape), current.mesh, current.placements)
     flat = placement.flat_range(xs, current.mesh.get_local_rank(axis))
-    fill = placement.fill
-    if not local.dtype.is_floating_point and math.isinf(fill):  # integers: their extremes
-        info = torch.iinfo(local.dtype) if local.dtype != torch.bool else None
-        fill = (info.max if fill > 0 else info.min) if info is not None else float(fill > 0)
+    fill = _fill_value(placement.fill, local.dtype)
     full = torch.full(xs, fill, dtype=local.dtype, device=local.device)
     full.view(-1)[flat.start : flat.stop] = local.reshape(-1)
     return full
+
+
+def _fill_value(fill: float, dtype: torch.dtype) -> float | int | bool:
+    """``fill`` in ``dtype``: an infinite fill of an integer dtype is its extreme."""
+    if dtype.is_floating_point or dtype.is_complex or not math.isinf(fill):
+        return fill
+    if dtype == torch.bool:
+        return fill > 0
+    info = torch.iinfo(dtype)
+    return info.max if fill > 0 else info.min
+
+
+def _non_empty_view(local: torch.Tensor, target: DTensorSpec) -> torch.Tensor:
+    """RaggedShard -> RaggedNonEmptyView: an empty share becomes one element ``fill``."""
+    if local.numel():
+        return local
+    axis = ragged_axis(target.placements)
+    assert axis is not None
+    placement = target.placements[axis]
+    assert isinstance(placement, RaggedNonEmptyView)
+    fill = _fill_value(placement.fill, local.dtype)
+    return torch.full((1,), fill, dtype=local.dtype, device=local.device)
 
 
 def _redistribute_hook(
@@ -282,6 +306,8 @@ def _redistribute_hook(
 ) -> torch.Tensor:
     if any(isinstance(p, RaggedPaddedView) for p in target_spec.placements):
         return _padded_view(local_tensor, current_spec, target_spec)
+    if any(isinstance(p, RaggedNonEmptyView) for p in target_spec.placements):
+        return _non_empty_view(local_tensor, target_spec)
     if any(isinstance(p, RaggedBoxView) for p in target_spec.placements):
         return _box_view(local_tensor, current_spec, target_spec)
     if _spec_has_ragged(current_spec) or _spec_has_ragged(target_spec):

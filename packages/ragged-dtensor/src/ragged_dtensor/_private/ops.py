@@ -30,7 +30,12 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
-from ragged_dtensor._private.placement import RaggedBoxView, RaggedPaddedView, RaggedShard
+from ragged_dtensor._private.placement import (
+    RaggedBoxView,
+    RaggedNonEmptyView,
+    RaggedPaddedView,
+    RaggedShard,
+)
 
 __all__ = ["RaggedOpError", "has_ragged", "propagate_ragged"]
 
@@ -468,7 +473,10 @@ def _reduction(schema: OpSchema, meta: object) -> OutputSharding | None:
         dim = args[2] if len(args) > 2 else schema.kwargs_schema.get("dim")
         if _covers_all_dims(dim, spec.ndim):
             if abs(float(ord_)) == math.inf:  # type: ignore[arg-type]
-                return _padded_whole(schema, spec, meta)  # no identity: an empty share fails
+                # no identity: an empty share would fail ([Note: norms without an identity])
+                if dim is None:
+                    return _non_empty_norms(schema, [spec], [meta], float(ord_))  # type: ignore[arg-type]
+                return _padded_whole(schema, spec, meta)
             placements = _reduced_placements(spec, lambda: _norm_partial(ord_))
             return OutputSharding(_with_meta(spec, placements, meta))
         raise _error(op, spec, f"norm over dims {dim} of a flat ragged share is not supported")
@@ -486,12 +494,57 @@ def _reduction(schema: OpSchema, meta: object) -> OutputSharding | None:
         assert isinstance(specs, list | tuple)
         ord_ = args[1] if len(args) > 1 else schema.kwargs_schema.get("ord", 2)
         assert isinstance(meta, list | tuple)
+        if abs(float(ord_)) == math.inf:  # type: ignore[arg-type]
+            return _non_empty_norms(schema, list(specs), list(meta), float(ord_))  # type: ignore[arg-type]
         out = []
         for spec, m in zip(specs, meta, strict=True):
             assert isinstance(spec, DTensorSpec)
             out.append(_with_meta(spec, _reduced_placements(spec, lambda: _norm_partial(ord_)), m))
         return OutputSharding(out)
     return None
+
+
+def _non_empty_norms(
+    schema: OpSchema, specs: list[object], metas: list[object], ord_: float
+) -> OutputSharding:
+    """[Note: norms without an identity]
+    The inf and -inf norms (max / min of ``|x|``) of an empty tensor are undefined, and torch
+    raises on them ("cannot compute the infinity norm on an empty tensor"); a ragged share is
+    empty whenever the layout gives a rank no element of a tensor (common: a planner packs
+    whole tensors). Each ragged operand is read through ``RaggedNonEmptyView``: an empty share
+    becomes one element that is the identity of the combination (0 for inf, the partial
+    values being >= 0; +inf for -inf), a non-empty one is read as it is. Each rank's result is
+    then its partial value and ``Partial("max")`` / ``Partial("min")`` combine them: the norm
+    of the whole tensor, every rank the same, as one process computes it. (A tensor with no
+    element at all gives 0 for inf where torch raises; -inf gives +inf.) Works for
+    ``linalg_vector_norm`` over all elements and ``_foreach_norm`` (``clip_grad_norm_`` with
+    ``norm_type=inf``); non-ragged operands keep their own rule."""
+    fill = 0.0 if ord_ > 0 else math.inf
+    views: list[object] = []
+    outs: list[DTensorSpec] = []
+    for spec, meta in zip(specs, metas, strict=True):
+        assert isinstance(spec, DTensorSpec)
+        outs.append(_with_meta(spec, _reduced_placements(spec, lambda: _norm_partial(ord_)), meta))
+        if not has_ragged(spec):
+            views.append(spec)
+            continue
+        placements = [
+            RaggedNonEmptyView(p.dims, p.local_units, fill=fill)
+            if isinstance(p, RaggedShard)
+            else p
+            for p in spec.placements
+        ]
+        views.append(DTensorSpec(spec.mesh, tuple(placements), tensor_meta=spec.tensor_meta))
+    args = list(schema.args_schema)
+    args[0] = views if isinstance(args[0], list | tuple) else views[0]
+    new_schema = OpSchema(
+        schema.op, tuple(args), schema.kwargs_schema, schema_info=schema.schema_info
+    )
+    return OutputSharding(
+        outs if isinstance(schema.args_schema[0], list | tuple) else outs[0],
+        redistribute_schema=new_schema,
+        needs_redistribute=True,
+    )
 
 
 # ops whose size (and stride) argument names the *global* shape: index of size, of stride

@@ -215,3 +215,44 @@ class RaggedPaddedView(RaggedShard):
 
 def _padded_view(dims: Sequence[int], local_units: Sequence[int], fill: float) -> RaggedPaddedView:
     return RaggedPaddedView(dims, local_units, fill=fill)
+
+
+@attrs.frozen(weakref_slot=False, eq=False, repr=False)
+class RaggedNonEmptyView(RaggedShard):
+    """Internal: the same layout as ``RaggedShard`` with an empty local share replaced by one
+    element ``fill`` (the identity of the whole-tensor reduction that follows); a non-empty
+    share is passed as it is (no copy).
+
+    Only op dispatch uses it, for whole-tensor reductions without an identity on an empty
+    tensor (the inf / -inf norms: a rank holding no element of a parameter is common in a
+    planned layout). Each rank's result is its partial value; ``fill`` never changes the
+    combined result (0 for the inf norm, whose partial values are >= 0; +inf for -inf).
+    """
+
+    fill: float = attrs.field(default=0.0, kw_only=True)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, RaggedNonEmptyView)
+            and self.dims == other.dims
+            and self.local_units == other.local_units
+            and self.fill == other.fill
+        )
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.dims, self.local_units, self.fill))
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_non_empty_view, (self.dims, self.local_units, self.fill))
+
+    def __repr__(self) -> str:
+        return (
+            f"RaggedNonEmptyView(dims={self.dims}, local_units={self.local_units}, "
+            f"fill={self.fill})"
+        )
+
+
+def _non_empty_view(
+    dims: Sequence[int], local_units: Sequence[int], fill: float
+) -> RaggedNonEmptyView:
+    return RaggedNonEmptyView(dims, local_units, fill=fill)
