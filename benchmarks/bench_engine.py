@@ -86,7 +86,7 @@ def cases(quick: bool) -> list[Case]:
         small = ModelConfig(dim=64, layers=2, heads=4, ffn=192, seq=64)
         medium = ModelConfig(dim=96, layers=2, heads=4, ffn=288, seq=64)
         moe = ModelConfig(dim=42, layers=2, heads=3, ffn=21, experts=8, seq=64)
-    dense = ("ours", "fsdp2", "fsdp1", "deepspeed", "ours-torch-adamw")
+    dense = ("ours", "fsdp2", "fsdp1", "deepspeed", "ours-torch-adamw", "ours-in-place")
     return [
         Case("dense small", small, "adamw", dense, 4),
         Case("dense medium", medium, "adamw", dense, 2),
@@ -113,6 +113,7 @@ ENGINE_LABELS = {
     "ours-naive": "ours, planner off",
     "fsdp2-a2a": "FSDP2 + our all-to-all Muon",
     "ours-torch-adamw": "ours + per-parameter torch AdamW",
+    "ours-in-place": "ours, gradients in parameter storage",
 }
 
 
@@ -123,7 +124,7 @@ def optimizer_label(case: Case, engine: str) -> str:
         return "all-to-all Muon (ours)"
     if case.optimizer == "adamw8bit":
         return "AdamW8bit (ours)" + (" + block policy" if engine.startswith("ours") else "")
-    return "fsdp_engine.FlatAdamW" if engine == "ours" else "torch AdamW"
+    return "fsdp_engine.FlatAdamW" if engine in ("ours", "ours-in-place") else "torch AdamW"
 
 
 # -- engines -----------------------------------------------------------------------------------
@@ -329,7 +330,7 @@ def make_optimizer(case: Case, engine: str, model: nn.Module) -> Any:
     if case.optimizer == "adamw":
         import fsdp_engine
 
-        cls = fsdp_engine.FlatAdamW if engine == "ours" else torch.optim.AdamW
+        cls = fsdp_engine.FlatAdamW if engine in ("ours", "ours-in-place") else torch.optim.AdamW
         return cls(adamw_param_groups(model), lr=LR, betas=BETAS)
     if case.optimizer == "adamw8bit":
         return ob.AdamW8bit(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, block_size=256)
@@ -353,7 +354,7 @@ def build_runner(case: Case, engine: str, cfg: ModelConfig, mesh: DeviceMesh) ->
     torch.manual_seed(0)  # the same initial weights for every engine and rank
     model: nn.Module = LlamaModel(cfg)
     shapes = [tuple(p.shape) for p in model.parameters()]
-    if engine in ("ours", "ours-naive", "ours-torch-adamw"):
+    if engine in ("ours", "ours-naive", "ours-torch-adamw", "ours-in-place"):
         import fsdp_engine
         import optim_blockwise as ob
 
@@ -370,6 +371,8 @@ def build_runner(case: Case, engine: str, cfg: ModelConfig, mesh: DeviceMesh) ->
         for layer in model.layers:  # type: ignore[union-attr]
             fsdp_engine.fully_shard(layer, mesh=mesh, **kw)
         fsdp_engine.fully_shard(model, mesh=mesh, **kw)
+        if engine == "ours-in-place":  # [Note: gradients in the parameters' storage]
+            model.set_gradients_in_parameter_storage(True)  # type: ignore[operator]
         padding = _ours_padding(model, world)
     elif engine.startswith("fsdp2"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -1033,7 +1036,7 @@ def markdown(
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        if r["engine"] not in ("ours", "fsdp2", "ours-torch-adamw"):
+        if r["engine"] not in ("ours", "fsdp2", "ours-torch-adamw", "ours-in-place"):
             continue
         phases = r.get("phase_mib", {})
         phase_cell = " / ".join(

@@ -76,10 +76,11 @@ def _released(rank: int, world: int) -> None:
             assert storage.nbytes() == 0 and buf.unsharded.untyped_storage() is storage
         assert live.peak == shard_bytes + full_bytes
         live.reset_peak()
-        # Mixed precision: the bf16 shard (S x 2 bytes) lives only until the gather completes.
+        # Mixed precision: the shard is cast straight into this rank's slot of the bf16 output,
+        # the all-gather's input ([Note: a cast all-gathered in place]): no temporary shard.
         buf.unshard(dtype=torch.bfloat16)
         assert live.current == shard_bytes + full_bytes // 2
-        assert live.peak == shard_bytes + full_bytes // 2 + shard_bytes // 2
+        assert live.peak == shard_bytes + full_bytes // 2
         buf.reshard()
         assert live.current == shard_bytes
         # Gradients: the unsharded grad storage exists from allocation to the reduce-scatter.

@@ -953,15 +953,29 @@ def _lazy_init_errors(rank: int, world: int, impl: str) -> dict[str, str]:
     shard_stack(api, child_first)
     child_first.blocks[0](data(rank))  # the block becomes a root of its own
     capture("the root after a child ran alone", lambda: child_first(data(rank)))
+    with torch.device("meta"):
+        on_meta = nn.Sequential(Mlp(), Mlp())
+    for block in on_meta:
+        api.fully_shard(block)
+    api.fully_shard(on_meta)
+    capture("a forward on meta parameters", lambda: on_meta(data(rank)))
     return out
 
 
 def test_lazy_init_errors_match_fsdp2() -> None:
     """The first module to run forward becomes the root: a ``fully_shard([a, b])`` group cannot
     be one ("FSDP requires a single root module"), and a root whose child already ran forward
-    alone raises "... has already been lazily initialized" (both RuntimeError, as FSDP2)."""
+    alone raises "... has already been lazily initialized" (both RuntimeError, as FSDP2); a
+    forward on meta parameters raises FSDP2's message word for word (the first group with meta
+    parameters, and how to materialize them)."""
     ours = run_threaded(_lazy_init_errors, 2, "ours")[0]
     theirs = run_threaded(_lazy_init_errors, 2, "fsdp2")[0]
+    # the first group (modules() order) with meta parameters, named from the root: FSDP2's text
+    assert ours["a forward on meta parameters"] == theirs["a forward on meta parameters"]
+    assert (
+        "['0.up.weight', '0.up.bias', '0.down.weight', '0.down.bias']\nFor example"
+        in (ours["a forward on meta parameters"])
+    )
     for out in (ours, theirs):
         assert out["a group of modules runs forward first"].startswith(
             "RuntimeError: FSDP requires a single root module"

@@ -149,12 +149,7 @@ class DBuffer(FusedOps, ReleasableShard):
         entry = self._unsharded.get(dtype)
         if entry is None:
             entry = self._unsharded[dtype] = Unsharded(
-                self.shard_size * self.world_size,
-                self.shard_size,
-                self.slots,
-                dtype,
-                self.device,
-                cast=dtype != self.dtype,
+                self.shard_size * self.world_size, self.slots, dtype, self.device
             )
         return entry
 

@@ -53,8 +53,8 @@ def _gather_into_entry(
     device = buffer.device
     stream = streams.comm_stream_for(device, "all_gather")
     streams.ordered_after(stream, device, ready)
-    with streams.on_stream(stream):
-        entry.allocate(cast=prepare is not None)
+    with streams.on_stream(stream), _unsafe_preserve_version_counter(entry.flat):
+        entry.allocate()
         if prepare is not None:
             source = prepare()
     guard = _unsafe_preserve_version_counter(entry.flat)
@@ -96,13 +96,17 @@ def unshard(
     buffer._require_shard("unshard")
     buffer.wait()
     entry = buffer._unsharded_of(dtype)
-    cast = entry.cast_shard
+    size = buffer.shard_size
 
-    def prepare() -> torch.Tensor:
-        assert cast is not None
-        cast.copy_(buffer.shard)
-        return cast
+    def cast_in_place() -> torch.Tensor:
+        """[Note: a cast all-gathered in place]: this rank's shard cast straight into its own
+        slot of the output, which is the all-gather's input (FSDP2's all-gather input is also a
+        slice of its output): no temporary shard-sized buffer."""
+        mine = entry.flat[buffer.rank * size : (buffer.rank + 1) * size]
+        mine.copy_(buffer.shard)
+        return mine
 
+    cast = entry.flat.dtype != buffer.dtype
     return _gather_into_entry(
         buffer,
         entry,
@@ -110,8 +114,7 @@ def unshard(
         buffer.mesh.get_group(buffer.shard_axis),
         async_op=async_op,
         ready=ready,
-        prepare=prepare if cast is not None else None,
-        after=entry.release_cast,
+        prepare=cast_in_place if cast else None,
         comm=comm,
     )
 

@@ -54,39 +54,25 @@ class Unsharded:
     def __init__(
         self,
         size: int,
-        shard_size: int,
         slots: Sequence[TensorSlot],
         dtype: torch.dtype,
         device: torch.device,
-        *,
-        cast: bool,
     ) -> None:
         self.device = device
         self.flat = torch.empty(size, dtype=dtype, device=device)
         self.views = tuple(self.flat[s.offset : s.offset + s.numel].view(s.shape) for s in slots)
-        # A low-precision shard: the shard cast once, the all-gather's input (released after use).
-        self.cast_shard = torch.empty(shard_size, dtype=dtype, device=device) if cast else None
         self.owner: torch.Stream | None = None
         free_storage(self.flat)
-        if self.cast_shard is not None:
-            free_storage(self.cast_shard)
 
     @property
     def allocated(self) -> bool:
         return self.flat.untyped_storage().nbytes() != 0
 
-    def allocate(self, *, cast: bool = False) -> None:
-        """Memory for the flat tensor (and the cast shard) from the current stream's pool."""
+    def allocate(self) -> None:
+        """Memory for the flat tensor from the current stream's pool."""
         grown = allocate_storage(self.flat)
-        if cast and self.cast_shard is not None:
-            allocate_storage(self.cast_shard)
         if grown and streams.comm_stream_for(self.device) is not None:
             self.owner = streams.current_stream(self.device)
-
-    def release_cast(self) -> None:
-        """The cast shard, used only on the stream that allocated it."""
-        if self.cast_shard is not None:
-            free_storage(self.cast_shard)
 
     def release(self) -> None:
         """Free the memory; its pool's stream first waits for every use the caller's stream
@@ -94,5 +80,4 @@ class Unsharded:
         if self.allocated:
             streams.hand_back(self.owner, self.device)
         free_storage(self.flat)
-        self.release_cast()
         self.owner = None

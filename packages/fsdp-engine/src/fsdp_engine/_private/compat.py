@@ -50,6 +50,7 @@ __all__ = [
     "dtensor_from_spec",
     "has_backend_for",
     "in_backward",
+    "graph_task_id",
     "is_view",
     "local_tensor",
     "mark_fully_sharded",
@@ -164,6 +165,12 @@ _STATUS["graph_task_id"] = "torch" if _GRAPH_TASK_ID is not None else "unavailab
 def in_backward() -> bool:
     """True while autograd runs a backward pass (on this thread)."""
     return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
+
+
+def graph_task_id() -> int:
+    """The id of the backward pass running on this thread (-1 outside one); a reentrant
+    checkpoint's backward runs a graph task of its own."""
+    return _GRAPH_TASK_ID() if _GRAPH_TASK_ID is not None else -1
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:

@@ -280,6 +280,19 @@ class FSDPModule(TorchFSDPModule):
             raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
         self._configure_groups(recurse, max_input_buffers=max_input_buffers)
 
+    def set_gradients_in_parameter_storage(self, enabled: bool, *, recurse: bool = True) -> None:
+        """Beyond FSDP2 (opt-in): on a backward that reduces and reshards, each gradient
+        overwrites its own unsharded parameter once autograd has accumulated it, and the
+        reduce-scatter reads that storage: a layer's gradients are never held beside its
+        parameters, lowering a parameter-bound backward's peak by one layer's gradients.
+        Sound unless the model reads a detached alias of a weight (``w.detach()``, or a
+        ``no_grad`` computation saved for backward) later in the backward than the weight's
+        gradient; applies to groups whose compute, parameter and reduce dtypes agree (no
+        mixed precision) ([Note: gradients in the parameters' storage])."""
+        if not isinstance(enabled, bool):
+            raise TypeError(f"enabled must be a bool, got {type(enabled).__name__}")
+        self._configure_groups(recurse, gradients_in_place=enabled)
+
     def set_all_reduce_hook(
         self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None
     ) -> None:

@@ -19,6 +19,24 @@ dense medium / its parameter-bound variant at world 2):
   the group's backward (FSDP2's way); post-backward, after the unsharded parameters were freed,
   copies them into the storage, allocated then, and drops them. The same 889.1 / 352.3 MiB
   moved as ``TakeHandover``, peak 81.20 / 37.42 MiB (FSDP2: 1237.8 / 701.0 MiB, 81.21 / 37.42).
+
+[Note: gradients in the parameters' storage]
+Opt-in (``FSDPModule.set_gradients_in_parameter_storage``), ``InPlaceHandover``: on a step that
+reduces and reshards after backward, each gradient overwrites its own unsharded parameter as
+soon as autograd has accumulated it (a post-accumulate hook copies it there and drops autograd's
+tensor), and the reduce-scatter reads the unsharded parameter storage itself. No layer's
+gradients are ever held beside its parameters: the peak of a parameter-bound backward drops by
+one layer's gradients (bench_engine's ``in-place gradients`` rows).
+
+Why it is sound: autograd runs a parameter's AccumulateGrad only after every node that sends it
+a gradient has run, and those are the nodes that use it; the value is read by nothing else of
+this backward unless the model uses a detached alias of its own weight (``w.detach()``, a
+computation under ``no_grad`` saved for backward), which is why it is opt-in. It is skipped (the
+gradient stays, ``HoldHandover``'s way) when the hook runs in another backward than the one
+the group's pre-backward armed (a reentrant checkpoint's nested pass) or under ``create_graph``
+(the gradient's own graph may read the parameter), and never armed for mixed precision (the
+storage must be in the reduce dtype), for no-sync microbatches, without ``reshard_after_backward``
+or for groups whose unsharded memory is not one plain all-gathered buffer.
 """
 
 from __future__ import annotations
@@ -34,11 +52,21 @@ from dbuffer import DBuffer
 from fsdp_engine._private import compat
 from fsdp_engine._private.storage import ShardStorage, gap_index
 
-__all__ = ["Handover", "HoldHandover", "PrezeroedHandover", "TakeHandover", "handover_for"]
+__all__ = [
+    "Handover",
+    "HoldHandover",
+    "InPlaceHandover",
+    "PrezeroedHandover",
+    "TakeHandover",
+    "handover_casts",
+    "handover_for",
+]
 
 
 class Handover:
-    """Fills ``grads``' unsharded storage (compute dtype) with the group's gradients."""
+    """Fills ``grads``' unsharded storage with the group's gradients."""
+
+    casts = True  # may the storage be in another dtype than the gradients (the reduce dtype)?
 
     def __init__(self, storage: ShardStorage, grads: DBuffer, dtype: torch.dtype) -> None:
         self.storage = storage
@@ -85,6 +113,8 @@ class Handover:
 
 
 class PrezeroedHandover(Handover):
+    casts = False  # autograd accumulates into the storage: the gradients' dtype
+
     def prepare(self, unsharded: Sequence[nn.Parameter]) -> None:
         self._hook(unsharded)
         if not self.grads.is_unsharded():
@@ -175,9 +205,95 @@ class HoldHandover(TakeHandover):
         return super().collect(unsharded)  # takes every .grad, then zeroes the rest
 
 
-# the hand-over new groups use ([Note: gradient hand-over]; the benchmark switches it)
-DEFAULT: type[Handover] = HoldHandover
+class InPlaceHandover(HoldHandover):
+    """[Note: gradients in the parameters' storage]: ``arm`` before a group's backward makes
+    each gradient overwrite its unsharded parameter; unarmed, ``HoldHandover``."""
+
+    def __init__(self, storage: ShardStorage, grads: DBuffer, dtype: torch.dtype) -> None:
+        super().__init__(storage, grads, dtype)
+        self.target: torch.Tensor | None = None  # the unsharded parameters' flat storage
+        self._target_views: Sequence[torch.Tensor] = ()
+        self._task = -1
+        self._target_gaps: torch.Tensor | None = None
+
+    @property
+    def armed(self) -> bool:
+        return self.target is not None
+
+    def arm(
+        self, flat: torch.Tensor, views: Sequence[torch.Tensor], unsharded: Sequence[nn.Parameter]
+    ) -> None:
+        """Before the group's backward: its gradients go into ``views`` (slices of ``flat``)."""
+        if self.target is not flat:
+            self._target_gaps = None
+        self.target, self._target_views = flat, views
+        self.written = [False] * len(self.written)
+        self.taken = [False] * len(self.taken)
+        self._task = compat.graph_task_id()
+        self._hook(unsharded)
+
+    def disarm(self) -> None:
+        self.target, self._target_views = None, ()
+
+    def _on_grad(self, i: int) -> Callable[[nn.Parameter], None]:
+        def overwrite(param: nn.Parameter) -> None:
+            grad = param.grad
+            if grad is None or self.target is None or torch.is_grad_enabled():
+                return  # unarmed, or create_graph: the gradient stays (collect copies it)
+            if compat.graph_task_id() != self._task:
+                return  # a nested backward (reentrant checkpoint): the outer one may read it
+            self._overwrite(i, grad)
+            param.grad = None  # autograd's tensor goes now
+
+        return overwrite
+
+    def _overwrite(self, i: int, grad: torch.Tensor) -> None:
+        view = self._target_views[i]
+        local = compat.local_tensor(grad) if isinstance(grad, DTensor) else grad
+        # the parameters' views share one version counter: kept, as for an all-gather's write
+        with compat.no_grad_and_preserved(view):
+            if self.written[i]:
+                view.add_(local.view(view.shape))
+            else:
+                view.copy_(local.view(view.shape))
+        self.written[i] = self.taken[i] = True
+
+    def collect(self, unsharded: Sequence[nn.Parameter]) -> list[bool]:
+        if self.target is None:
+            return super().collect(unsharded)
+        target = self.target
+        for i, param in enumerate(unsharded):  # gradients the hook left (nested, create_graph)
+            if param.grad is not None:
+                self._overwrite(i, param.grad)
+                param.grad = None
+        with compat.no_grad_and_preserved(target):
+            for view, written in zip(self._target_views, self.written, strict=True):
+                if not written:
+                    view.zero_()  # a parameter without a gradient: a zero contribution
+            gaps = self._gaps_of(target)
+            if gaps.numel():
+                target.index_fill_(0, gaps, 0)
+        self.written = [True] * len(self.written)
+        self.disarm()
+        return list(self.taken)
+
+    def _gaps_of(self, flat: torch.Tensor) -> torch.Tensor:
+        if self._target_gaps is None:
+            base = int(flat.storage_offset())
+            spans = [(int(v.storage_offset()) - base, v.numel()) for v in self._target_views]
+            self._target_gaps = gap_index(spans, flat.numel(), flat.device)
+        return self._target_gaps
+
+
+# the hand-over new groups use ([Note: gradient hand-over]; the benchmark switches it): unarmed,
+# InPlaceHandover is HoldHandover
+DEFAULT: type[Handover] = InPlaceHandover
 
 
 def handover_for(storage: ShardStorage, grads: DBuffer, dtype: torch.dtype) -> Handover:
     return DEFAULT(storage, grads, dtype)
+
+
+def handover_casts() -> bool:
+    """Whether the default hand-over writes the storage in a dtype of its own choosing."""
+    return DEFAULT.casts

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dbuffer import AllGatherComm, Handle
 from fsdp_engine._private.api import BlockPolicy, MixedPrecisionPolicy
-from fsdp_engine._private.gather import Gather, PostForwardPart, choose_gather
+from fsdp_engine._private.gather import BufferGather, Gather, PostForwardPart, choose_gather
 from fsdp_engine._private.group_layout import lay_out_group
 from fsdp_engine._private.param import ParamRef, applied_values, check_applied_device
 from fsdp_engine._private.plans import alignment, view_dtypes
@@ -55,6 +55,8 @@ class GroupConfig:
         1  # set_reduce_scatter_max_input_buffers ([Note: reductions in flight])
     )
     post_forward_k: int = 0  # reshard_after_forward=k: a 1/k part kept after forward (0: none)
+    # set_gradients_in_parameter_storage ([Note: gradients in the parameters' storage])
+    gradients_in_place: bool = False
 
 
 class ParamGroup:
@@ -244,13 +246,15 @@ class ParamGroup:
         self.gather.complete()
         self.state = ShardedState.UNSHARDED
 
-    def reshard(self, *, keep_part: bool = False) -> None:
+    def reshard(self, *, keep_part: bool = False, release: bool = True) -> None:
         """Free the unsharded storage and register the sharded parameters (``keep_part``: a
-        post-forward part just kept stays)."""
+        post-forward part just kept stays; ``release=False``: a reduction in flight reads the
+        storage and frees it when done)."""
         if self.state is ShardedState.SHARDED and self.unshard_handle is None:
             return  # already sharded: the registered parameters are the sharded ones
         self.wait_for_unshard()
-        self.gather.release()
+        if release:
+            self.gather.release()
         if self.post_forward is not None and not keep_part:
             self.post_forward.drop()
         self.register_sharded()
@@ -322,10 +326,27 @@ class ParamGroup:
             self.reducer.adopt_grads(grads)
 
     # -- gradients ----------------------------------------------------------------------------
-    def pre_backward(self) -> None:
-        """Before this group's backward: the gradient storage autograd writes into."""
-        if self.reducer.prepare(self.trainable(), self.unsharded_params()):
+    def pre_backward(self, *, reduces_and_reshards: bool = False) -> None:
+        """Before this group's backward: the gradient storage autograd writes into.
+        ``reduces_and_reshards``: this backward ends with a reduction and a reshard, so its
+        gradients may overwrite the unsharded parameters when the user enabled it ([Note:
+        gradients in the parameters' storage]: one plain all-gathered buffer, no cast)."""
+        in_place = None
+        if (
+            reduces_and_reshards
+            and self.config.gradients_in_place
+            and self.state is ShardedState.UNSHARDED
+            and type(self.gather) is BufferGather
+            and self.gather_dtype == self.compute_dtype
+        ):
+            in_place = (self.gather.flat(), self.gather.views())
+        if self.reducer.prepare(self.trainable(), self.unsharded_params(), in_place):
             self.presence.reset()
+
+    @property
+    def gradients_in_place(self) -> bool:
+        """This backward's gradients are in the unsharded parameters' storage."""
+        return self.reducer.in_place
 
     def reduce(self, *, sync: bool, async_op: bool) -> None:
         """Post-backward: reduce the gradients (``sync``) or keep accumulating them locally."""

@@ -103,8 +103,11 @@ class PlacedLayout:
             return
         out.view(pre, self.world, c, post).copy_(src.view(self.world, pre, c, post).transpose(0, 1))
 
-    def copy_in(self, grad: torch.Tensor, i: int, flat: torch.Tensor) -> None:
-        """Parameter ``i``'s full gradient into the zeroed reduce-scatter input ``flat``."""
+    def copy_in(
+        self, grad: torch.Tensor, i: int, flat: torch.Tensor, *, accumulate: bool = False
+    ) -> None:
+        """Parameter ``i``'s full gradient into the zeroed reduce-scatter input ``flat`` (added
+        to what is there with ``accumulate``; cast to ``flat``'s dtype)."""
         pre, c, post = self._split(i)
         dst = self._gathered(flat, i)
         if self.dims[i] == 0:
@@ -112,13 +115,23 @@ class PlacedLayout:
             full, tail = divmod(rows, c)
             grad_flat = grad.reshape(-1)
             dst3 = dst.view(self.world, c, post)
-            dst3[:full].copy_(grad_flat[: full * c * post].view(full, c, post))
-            if tail:
-                dst3[full, :tail].copy_(grad_flat[full * c * post :].view(tail, post))
+            head = grad_flat[: full * c * post].view(full, c, post)
+            rest = grad_flat[full * c * post :].view(tail, post) if tail else None
+            if accumulate:
+                dst3[:full].add_(head)
+                if rest is not None:
+                    dst3[full, :tail].add_(rest)
+            else:
+                dst3[:full].copy_(head)
+                if rest is not None:
+                    dst3[full, :tail].copy_(rest)
             return
-        dst.view(self.world, pre, c, post).copy_(
-            grad.reshape(pre, self.world, c, post).transpose(0, 1)
-        )
+        chunks = grad.reshape(pre, self.world, c, post).transpose(0, 1)
+        target = dst.view(self.world, pre, c, post)
+        if accumulate:
+            target.add_(chunks)
+        else:
+            target.copy_(chunks)
 
     def plan(self, name: str) -> Plan:
         """The buffer's layout: one flat pseudo-tensor of ``m * S`` elements, rank ``r``'s shard

@@ -36,7 +36,7 @@ from dbuffer import DBuffer, Handle, ReduceScatterComm
 from fsdp_engine._private import compat
 from fsdp_engine._private.compact import Reduction, compact_buffer, reduction_for_mask
 from fsdp_engine._private.grads import ShardedGrads
-from fsdp_engine._private.handover import handover_for
+from fsdp_engine._private.handover import InPlaceHandover, handover_casts, handover_for
 from fsdp_engine._private.param import FSDPParam
 from fsdp_engine._private.storage import ShardStorage
 
@@ -85,9 +85,14 @@ class GradReducer:
         self.reduce_dtype = reduce_dtype
         self.align = align
         # only its unsharded part is used: no shard memory ([Note: gradient hand-over])
-        self.unsharded_grads = storage.buffer.new_like(compute_dtype, zero=False)
+        # A hand-over that copies autograd's gradients writes them in the reduce dtype at once
+        # (a cast fused with the copy, FSDP2's copy-in), so the reduction casts nothing and
+        # no-sync microbatches accumulate in the reduce dtype in place; autograd accumulating
+        # into the storage needs the compute dtype.
+        flat_dtype = reduce_dtype if handover_casts() or storage.copies else compute_dtype
+        self.unsharded_grads = storage.buffer.new_like(flat_dtype, zero=False)
         self.unsharded_grads.shard.untyped_storage().resize_(0)
-        self.handover = handover_for(storage, self.unsharded_grads, compute_dtype)
+        self.handover = handover_for(storage, self.unsharded_grads, flat_dtype)
         self.grads = ShardedGrads(storage, params)  # [Note: gradient storage lifetimes]
         self.reduction: Reduction | None = None
         self.accum: DBuffer | None = None
@@ -96,6 +101,11 @@ class GradReducer:
         self.handle: Handle | None = None
         self.hooks_due = False
         self.issued = False
+
+    @property
+    def in_place(self) -> bool:
+        """This backward's gradients go into the unsharded parameters' storage."""
+        return isinstance(self.handover, InPlaceHandover) and self.handover.armed
 
     @property
     def busy(self) -> bool:
@@ -128,11 +138,17 @@ class GradReducer:
         self.grads.adopt(self.reduction_for(mask), grads)
 
     # -- before backward ----------------------------------------------------------------------
-    def prepare(self, mask: tuple[bool, ...], unsharded: Sequence[torch.nn.Parameter]) -> bool:
-        """Before this group's backward. Full path: unsharded gradient storage, zeroed once,
-        attached as the ``.grad`` of the unsharded parameters so autograd accumulates in place.
-        Compact path: autograd makes the gradients; post-backward collects them. Returns
-        whether a new backward's gradients start now."""
+    def prepare(
+        self,
+        mask: tuple[bool, ...],
+        unsharded: Sequence[torch.nn.Parameter],
+        in_place: tuple[torch.Tensor, Sequence[torch.Tensor]] | None = None,
+    ) -> bool:
+        """Before this group's backward: the hand-over's preparation ([Note: gradient
+        hand-over]); compact path: autograd makes the gradients, post-backward collects them.
+        ``in_place``: the unsharded parameters' flat storage and views, where this backward's
+        gradients may go ([Note: gradients in the parameters' storage]). Returns whether a new
+        backward's gradients start now."""
         reduction = self.reduction_for(mask)
         if reduction.kind == "none" or self.pending:
             return False
@@ -145,8 +161,17 @@ class GradReducer:
                 f"fully_shard: trainable {self.storage.dtype} parameters {names}: gradients of "
                 "this dtype cannot be reduced; keep them frozen (requires_grad=False)"
             )
+        handover = self.handover
         if reduction.kind == "full" and not self.storage.copies:
-            self.handover.prepare(unsharded)
+            if (
+                in_place is not None
+                and isinstance(handover, InPlaceHandover)
+                and not self.accumulated
+                and in_place[0].dtype == self.reduce_dtype == self.storage.buffer.dtype
+            ):
+                handover.arm(in_place[0], in_place[1], unsharded)
+            else:
+                handover.prepare(unsharded)
         # else: autograd makes the gradients; post-backward collects them (compact, and
         # [Note: placed groups] copied into FSDP2's order)
         started = not self.accumulated
@@ -190,18 +215,23 @@ class GradReducer:
 
     def _copy_in(self, unsharded: Sequence[torch.nn.Parameter]) -> list[bool]:
         """[Note: placed groups]: autograd's gradients into FSDP2's rank-major order, the
-        reduce-scatter's input (zeros where a parameter got none, and in the padding); returns
-        which parameters had one."""
+        reduce-scatter's input in the reduce dtype (zeros where a parameter got none, and in the
+        padding); a later microbatch of the window adds (FSDP2 accumulates in the reduce dtype);
+        the gradients are dropped. Returns which parameters had one."""
         placed = self.storage.placed
         if not self.storage.copies or placed is None:
             return []
-        self.unsharded_grads.alloc_unsharded(zero=True)
+        first = not self.unsharded_grads.is_unsharded()
+        if first:
+            self.unsharded_grads.alloc_unsharded(zero=True)
         flat = self.unsharded_grads.unsharded_flat()
+        used = [p.grad is not None for p in unsharded]
         with torch.no_grad():
             for i, param in enumerate(unsharded):
                 if param.grad is not None:
-                    placed.copy_in(param.grad, i, flat)
-        return [p.grad is not None for p in unsharded]
+                    placed.copy_in(param.grad, i, flat, accumulate=not first)
+                    param.grad = None
+        return used
 
     def _reduce_full(
         self,
@@ -215,13 +245,17 @@ class GradReducer:
         if not self.busy:
             return []
         used: list[bool] = []
-        if self.pending and not self.storage.copies:
+        in_place = self.in_place
+        if self.pending and self.storage.copies:
+            used = self._copy_in(unsharded)  # every microbatch
+        elif self.pending:
             used = self.handover.collect(unsharded)
+        if in_place:
+            return self._reduce_parameters(reduction, unsharded, used, settings, sync, async_op)
         # no-sync accumulation runs in reduce_dtype (FSDP2): a compute-dtype microbatch gradient
         # is added into a reduce_dtype accumulator and the compute buffer is let go
-        separate = self.reduce_dtype != self.compute_dtype
+        separate = self.reduce_dtype != self.unsharded_grads.dtype
         if self.pending and (self.accumulated or (separate and not sync)):
-            used = self._copy_in(unsharded) or used
             accum = self._accumulator(self.unsharded_grads)
             accum.unsharded_flat().add_(self.unsharded_grads.unsharded_flat())
             self._detach(unsharded)
@@ -231,11 +265,33 @@ class GradReducer:
             return used  # same dtype: the next microbatch adds into the unsharded storage
         source = self.accum if self.accumulated else self.unsharded_grads
         assert source is not None
-        if not self.accumulated:
-            used = self._copy_in(unsharded) or used
         self._detach(unsharded)
         self._issue(reduction, source, settings, async_op=async_op)
         self.pending = self.accumulated = False
+        return used
+
+    def _reduce_parameters(
+        self,
+        reduction: Reduction,
+        unsharded: Sequence[torch.nn.Parameter],
+        used: list[bool],
+        settings: ReduceSettings,
+        sync: bool,
+        async_op: bool,
+    ) -> list[bool]:
+        """[Note: gradients in the parameters' storage]: the unsharded parameter storage holds
+        the gradients; the reduce-scatter reads it and frees it when done (the group skips
+        its own free meanwhile). Synchronization turned off during the backward: they go
+        into the accumulator instead."""
+        self._detach(unsharded)
+        params = self.storage.buffer
+        if sync:
+            self._issue(reduction, params, settings, async_op=async_op)
+        else:
+            accum = self._accumulator(params)
+            accum.unsharded_flat().add_(params.unsharded_flat())
+            self.accumulated = True
+        self.pending = False
         return used
 
     def _reduce_compact(
@@ -328,6 +384,8 @@ class GradReducer:
         """Drop every pending gradient (``reset_iter_state``)."""
         self.wait()
         self._detach(unsharded)
+        if isinstance(self.handover, InPlaceHandover):
+            self.handover.disarm()  # the group's reshard frees the parameters' storage
         self.unsharded_grads.reshard()
         if self.accum is not None:
             self.accum.reshard()

@@ -189,17 +189,18 @@ class FSDPState:
         for state in ctx.all_states:
             for group in state.groups:
                 group.to_sharded()
-        for state in ctx.all_states:  # FSDP2's error: the first state with meta parameters
-            meta = [
-                fqns.get(id(g.params[i].sharded), g.params[i].fqn)
-                for g in state.groups
-                for i in g.meta_indices()
-            ]
-            if meta:
-                raise RuntimeError(
-                    "FSDP parameters should be materialized from meta device before training, "
-                    f"but the following were still on meta device: {meta}"
-                )
+        for state in ctx.all_states:  # FSDP2's check and words: the first group on meta
+            for g in state.groups:
+                meta = [
+                    fqns.get(id(g.params[i].sharded), g.params[i].fqn) for i in g.meta_indices()
+                ]
+                if meta:
+                    raise RuntimeError(
+                        "FSDP parameters should be materialized from meta device before "
+                        f"training, but the following were still on meta device: {meta}\n"
+                        "For example, call module.to_empty(device) to materialize to device and "
+                        "call module.reset_parameters() on each module to initialize values."
+                    )
 
     # -- forward -----------------------------------------------------------------------------
     @hidden_from_dynamo
@@ -378,12 +379,15 @@ class FSDPState:
                 if self.config.unshard_in_backward:
                     self._unshard(self, group)
                     group.register_unsharded()
-                group.pre_backward()
+                group.pre_backward(reduces_and_reshards=self._reduces_and_reshards())
             for other in self._backward_prefetch_targets():
                 with traced(f"FSDP::backward_prefetch for {other.fqn}", log=False):
                     for group in other.groups:
                         self._unshard(other, group, async_op=True)
         return grad
+
+    def _reduces_and_reshards(self) -> bool:
+        return self.config.requires_gradient_sync and self.config.reshard_after_backward
 
     def _backward_prefetch_targets(self) -> Sequence[FSDPState]:
         if self.config.backward_prefetch is not None:
@@ -406,8 +410,15 @@ class FSDPState:
         sync = self.config.requires_gradient_sync
         for group in self.groups:
             # reshard first (FSDP2's order): the unsharded parameters go before the reduction's
-            # memory comes (autograd's gradients are tensors of their own, or already handed over)
-            if self.config.reshard_after_backward and group.state is ShardedState.UNSHARDED:
+            # memory comes (autograd's gradients are tensors of their own, or already handed
+            # over); gradients in the parameters' storage are reduced from it first, and it is
+            # freed by that reduction ([Note: gradients in the parameters' storage])
+            in_place = group.gradients_in_place
+            if (
+                not in_place
+                and self.config.reshard_after_backward
+                and group.state is ShardedState.UNSHARDED
+            ):
                 with traced(self.label("FSDP::post_backward_reshard"), log=False):
                     group.reshard()
             if sync:
@@ -415,6 +426,8 @@ class FSDPState:
                 self.ctx.before_reduction(group, f"FSDP::post_backward_rs_wait ({self.fqn})")
             with traced(self.label("FSDP::post_backward_reduce"), log=False):
                 group.reduce(sync=sync, async_op=sync)
+            if in_place:  # whatever the settings now: the storage no longer holds parameters
+                group.reshard(release=group.reducer.handle is None)
 
     def _final_callback(self) -> None:
         """Root only: runs once when the whole backward pass has finished."""
