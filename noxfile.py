@@ -218,6 +218,7 @@ def integration(session: nox.Session) -> None:
         "-m",
         "not slow",
         "--ignore-glob=tests/test_hf_*.py",  # the `hf` session's (they need transformers)
+        "--ignore-glob=tests/test_trainers_*.py",  # the `trainers` session's
         "-p",
         "no:cacheprovider",
         "--timeout=900",
@@ -240,6 +241,7 @@ def slow(session: nox.Session) -> None:
         "-m",
         "slow",
         "--ignore-glob=tests/test_hf_*.py",
+        "--ignore-glob=tests/test_trainers_*.py",
         "-p",
         "no:cacheprovider",
         "--timeout=1800",
@@ -369,6 +371,43 @@ def hf_demo(session: nox.Session) -> None:
     """``examples/hf_train.py`` on 2 gloo processes (posargs: its options)."""
     _install_hf(session)
     session.run("python", "examples/hf_train.py", *session.posargs, env=HF_ENV)
+
+
+@nox.session
+def trainers(session: nox.Session) -> None:
+    """Trainers that import FSDP2 themselves, switched to fully_shard by
+    ``fsdp_engine.use_as_torch_fsdp()`` (not in CI: the CI budget; installs
+    ``examples[hf,trainers]``): accelerate's FSDP2 plugin, Lightning's ModelParallelStrategy,
+    transformers' Trainer and torchtitan's FSDP helpers, each loss for loss against torch's FSDP2
+    on 2 gloo processes (``tests/test_trainers_*.py``)."""
+    _install_torch(session)
+    _install_local(
+        session,
+        *(str(p) + "[test]" for p in _packages().values()),
+        f"{ROOT / 'examples'}[hf,trainers]",
+        XDIST,
+    )
+    session.run(
+        "python",
+        "-c",
+        "import torch, accelerate, lightning, transformers, torchtitan;"
+        " assert torch.__version__.startswith('2.13.0') and '_shared_torch' in torch.__file__,"
+        " torch.__file__",
+    )
+    session.run("python", "-m", "pip", "check")
+    tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_trainers_*.py"))
+    if not tests:
+        session.error("no tests/test_trainers_*.py")
+    session.run(
+        "pytest",
+        *_pytest_parallel(),
+        *tests,
+        "-p",
+        "no:cacheprovider",
+        "--timeout=1800",
+        *session.posargs,
+        env=HF_ENV,
+    )
 
 
 @nox.session
