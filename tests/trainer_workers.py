@@ -135,10 +135,16 @@ def accelerate_run(
     accumulation: int = 1,
     mixed_precision: str = "no",
     activation_checkpointing: bool = False,
+    reshard_after_forward: bool = True,
+    checkpoint_dir: str | None = None,
     steps: int = 4,
 ) -> dict[str, Any]:
     """A tied-embedding LLaMA through ``accelerator.prepare`` with the FSDP2 plugin, AdamW,
-    ``accelerator.accumulate`` / ``backward``; the loss of every micro-batch of this rank."""
+    ``accelerator.accumulate`` / ``backward``; the loss of every micro-batch of this rank.
+
+    ``checkpoint_dir``: ``accelerator.save_state`` there after the first half of the steps,
+    train the second half, ``accelerator.load_state`` and train the second half again
+    (``"resumed"``: its losses)."""
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -150,30 +156,50 @@ def accelerate_run(
         fsdp_version=2,
         auto_wrap_policy="transformer_based_wrap",  # each decoder layer (model._no_split_modules)
         activation_checkpointing=activation_checkpointing,
+        reshard_after_forward=reshard_after_forward,
     )
     enable_accelerate_fsdp(accelerator, plugin)
     assert accelerator.is_fsdp2 and accelerator.num_processes == world
     model = hf.build_model(hf.make_config("llama", vocab=corpus().vocab, seq=SEQ), seed=SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     model, optimizer = accelerator.prepare(model, optimizer)
-    losses = []
-    for index in range(steps * accumulation):
-        tokens = batch(index, rank, world)
-        with accelerator.accumulate(model):
-            loss = model(input_ids=tokens, labels=tokens).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-        losses.append(loss.item())
+
+    def train(first: int, last: int) -> list[float]:
+        losses = []
+        for index in range(first * accumulation, last * accumulation):
+            tokens = batch(index, rank, world)
+            with accelerator.accumulate(model):
+                loss = model(input_ids=tokens, labels=tokens).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    half = steps // 2
+    losses = train(0, half)
+    if checkpoint_dir is not None:
+        accelerator.save_state(checkpoint_dir)
+    losses += train(half, steps)
+    resumed = None
+    if checkpoint_dir is not None:
+        accelerator.load_state(checkpoint_dir)
+        resumed = train(half, steps)
     tied = model.lm_head.weight is model.model.embed_tokens.weight
-    return {"losses": losses, "engine": engine_of(model), "tied": tied}
+    return {"losses": losses, "resumed": resumed, "engine": engine_of(model), "tied": tied}
 
 
-def run_accelerate(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def run_accelerate(
+    rank: int, world: int, out: str, cases: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each case (``name``, ``engine``, ``accelerate_run``'s options; ``save_load``: a
+    checkpoint directory of its own under ``out``) in order."""
     torchrun_env(rank, world)
     results = []
     for case in cases:
-        options = {k: v for k, v in case.items() if k != "engine"}
+        options = {k: v for k, v in case.items() if k not in ("engine", "name", "save_load")}
+        if case.get("save_load"):
+            options["checkpoint_dir"] = os.path.join(out, f"{case['name']}-{case['engine']}")
         with engine(case["engine"]):
             results.append(accelerate_run(rank, world, **options))
     _reset_accelerate()
@@ -226,11 +252,31 @@ def _tiny() -> TinyLM:
     return TinyLM(corpus().vocab)
 
 
-def lightning_run(rank: int, world: int, *, accumulation: int, steps: int = 4) -> dict[str, Any]:
+def lightning_run(
+    rank: int,
+    world: int,
+    *,
+    accumulation: int,
+    steps: int = 4,
+    precision: str = "32-true",
+    checkpoint_dir: str | None = None,
+) -> dict[str, Any]:
     """``lightning.Trainer`` with ``ModelParallelStrategy`` on CPU; the module shards itself in
-    ``configure_model`` with torch's ``fully_shard``; ``accumulate_grad_batches``."""
+    ``configure_model`` with torch's ``fully_shard``; ``accumulate_grad_batches``; Lightning's
+    ``precision`` (``"bf16-mixed"``: its CPU autocast).
+
+    ``checkpoint_dir``: a fit of half the steps, ``trainer.save_checkpoint`` there (Lightning's
+    distributed checkpoint: the sharded model and optimizer through DCP), then a new module and
+    trainer resumed from it (``fit(ckpt_path=...)``) to the end (``"resumed"``: its losses);
+    ``"losses"`` are an uninterrupted fit's. Each step then takes the micro-batch of its global
+    step (Lightning restarts a plain DataLoader's epoch on resume), and ``accumulation`` must
+    be 1."""
     import lightning as L
     from lightning.pytorch.strategies import ModelParallelStrategy
+
+    by_step = checkpoint_dir is not None
+    if by_step and accumulation != 1:
+        raise ValueError("lightning_run: checkpoint_dir needs accumulation=1")
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -242,7 +288,8 @@ def lightning_run(rank: int, world: int, *, accumulation: int, steps: int = 4) -
             shard_tiny(self.net, self.device_mesh["data_parallel"])
 
         def training_step(self, batch_: Any, index: int) -> torch.Tensor:
-            loss = lm_loss(self.net, batch_[0])
+            tokens = batch(self.global_step, rank, world) if by_step else batch_[0]
+            loss = lm_loss(self.net, tokens)
             self.losses.append(loss.item())
             return loss
 
@@ -260,20 +307,32 @@ def lightning_run(rank: int, world: int, *, accumulation: int, steps: int = 4) -
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(windows), batch_size=GLOBAL_BATCH // world, shuffle=False
     )
-    module = Module()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world,
-        strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
-        max_steps=steps,
-        accumulate_grad_batches=accumulation,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(module, loader)
-    return {"losses": module.losses, "engine": engine_of(module.net)}
+
+    def fit(max_steps: int, resume: str | None = None, save: str | None = None) -> Module:
+        module = Module()
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1),
+            max_steps=max_steps,
+            accumulate_grad_batches=accumulation,
+            precision=precision,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, loader, ckpt_path=resume)
+        if save is not None:
+            trainer.save_checkpoint(save)
+        return module
+
+    module = fit(steps)
+    resumed = None
+    if checkpoint_dir is not None:
+        fit(steps // 2, save=checkpoint_dir)
+        resumed = fit(steps, resume=checkpoint_dir).losses
+    return {"losses": module.losses, "resumed": resumed, "engine": engine_of(module.net)}
 
 
 def fabric_run(rank: int, world: int, *, accumulation: int, steps: int = 4) -> dict[str, Any]:
@@ -322,13 +381,20 @@ def fabric_run(rank: int, world: int, *, accumulation: int, steps: int = 4) -> d
     }
 
 
-def run_lightning(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def run_lightning(
+    rank: int, world: int, out: str, cases: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each case (``name``, ``engine``, ``api``, the run's options; ``save_load``: a checkpoint
+    directory of its own under ``out``) in order."""
     torchrun_env(rank, world)
     results = []
     for case in cases:
+        options = {k: v for k, v in case.items() if k not in ("engine", "name", "api", "save_load")}
+        if case.get("save_load"):
+            options["checkpoint_dir"] = os.path.join(out, f"{case['name']}-{case['engine']}")
         body = {"trainer": lightning_run, "fabric": fabric_run}[case["api"]]
         with engine(case["engine"]):
-            results.append(body(rank, world, accumulation=case["accumulation"]))
+            results.append(body(rank, world, **options))
     return results
 
 
