@@ -5,7 +5,8 @@ architecture (fast, so a mistake there fails in a minute), then every package's 
 venv, cross-package integration, and the newcomer path (`nox -s dev` + a 2-step torchrun demo).
 `nox -s demo` is the main job; `nox -s dev` builds `.venv` for running the examples and torchrun;
 `nox -s numerics` runs the floating-point tests under every CPU kernel set x thread count;
-`nox -s fuzz` the property tests at 10,000 random examples; `nox -s bench` the benchmarks.
+`nox -s fuzz` the property tests at 10,000 random examples; `nox -s bench` the benchmarks;
+`nox -s trainers` accelerate, Lightning, transformers' Trainer, torchtitan on fsdp_engine.
 
 Each package's test session installs only what that package declares (its sibling dependencies come
 from this checkout), so an undeclared import fails there instead of passing by accident.
