@@ -220,6 +220,7 @@ def integration(session: nox.Session) -> None:
         "not slow",
         "--ignore-glob=tests/test_hf_*.py",  # the `hf` session's (they need transformers)
         "--ignore-glob=tests/test_trainers_*.py",  # the `trainers` session's
+        "--ignore-glob=tests/test_float8_*.py",  # the `float8` session's (they need torchao)
         "-p",
         "no:cacheprovider",
         "--timeout=900",
@@ -243,6 +244,7 @@ def slow(session: nox.Session) -> None:
         "slow",
         "--ignore-glob=tests/test_hf_*.py",
         "--ignore-glob=tests/test_trainers_*.py",
+        "--ignore-glob=tests/test_float8_*.py",
         "-p",
         "no:cacheprovider",
         "--timeout=1800",
@@ -365,6 +367,37 @@ def hf_slow(session: nox.Session) -> None:
     and 4 and the training script with both engines side by side."""
     _install_hf(session)
     _hf_pytest(session, "slow", 1800)
+
+
+@nox.session
+def float8(session: nox.Session) -> None:
+    """torchao's float8 training with ``enable_fsdp_float8_all_gather=True`` on fsdp_engine
+    against torch's FSDP2, loss for loss (GEMMs emulated on the CPU; `examples[float8]` pins
+    torchao). Not in CI: torchao's install and the float8 emulation cost minutes."""
+    _install_torch(session)
+    _install_local(
+        session,
+        *(str(p) + "[test]" for p in _packages().values()),
+        f"{ROOT / 'examples'}[float8]",
+        XDIST,
+    )
+    session.run(
+        "python",
+        "-c",
+        "import torch, torchao; assert torch.__version__.startswith('2.13.0')"
+        " and '_shared_torch' in torch.__file__, torch.__file__",
+    )
+    tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_float8_*.py"))
+    session.run(
+        "pytest",
+        *_pytest_parallel(),
+        *tests,
+        "-p",
+        "no:cacheprovider",
+        "--timeout=1800",
+        *session.posargs,
+        env=CI_ENV,
+    )
 
 
 @nox.session

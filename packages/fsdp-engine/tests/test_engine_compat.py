@@ -24,6 +24,7 @@ def test_the_supported_release_and_every_entry_are_torch_s() -> None:
         "apply_to_tensors": "torch",
         "graph_task_id": "torch",
         "concatenate_meshes": "torch",
+        "flatten_mesh": "torch",
         "preserve_version_counter": "torch",
     }, status
     from torch.distributed.fsdp._fully_shard._fsdp_param_group import (
@@ -82,7 +83,12 @@ def _dtensors(rank: int, world: int) -> bool:
     compat.set_local_tensor(rebuilt, torch.zeros(4))
     assert rebuilt.to_local().tolist() == [0.0] * 4
     both = compat.concatenate_meshes([parent["dp"], parent["tp"]])
-    return bool(both.mesh.tolist() == parent.mesh.tolist())
+    flat = compat.flatten_mesh(parent["dp", "tp"], "dp_tp")
+    return bool(
+        both.mesh.tolist() == parent.mesh.tolist()
+        and flat.mesh.tolist() == list(range(world))
+        and flat.mesh_dim_names == ("dp_tp",)
+    )
 
 
 def test_dtensor_and_mesh_entries() -> None:

@@ -699,8 +699,8 @@ def test_hints_deprecations_and_refusals_match_fsdp2() -> None:
 
 # -- public names, signatures, policies ---------------------------------------------------------
 def test_fsdp2s_public_names_and_fully_shard_signature_are_ours() -> None:
-    """Every FSDP2 name of ``torch.distributed.fsdp.__all__`` is in ``fsdp_engine`` (but
-    ``DataParallelMeshDims``, issue 26's ``dp_mesh_dims`` work); ``fully_shard`` takes FSDP2's
+    """Every FSDP2 name of ``torch.distributed.fsdp.__all__`` is in ``fsdp_engine``
+    (``DataParallelMeshDims`` is FSDP2's own class); ``fully_shard`` takes FSDP2's
     arguments with FSDP2's names, kinds and defaults (ours adds keyword-only ones) and has
     ``fully_shard.state``."""
     fsdp2_names = {
@@ -715,7 +715,8 @@ def test_fsdp2s_public_names_and_fully_shard_signature_are_ours() -> None:
         "share_comm_ctx",
     }
     assert fsdp2_names <= set(torch_fsdp.__all__)
-    assert fsdp2_names - set(fsdp_engine.__all__) <= {"DataParallelMeshDims"}
+    assert fsdp2_names <= set(fsdp_engine.__all__)
+    assert fsdp_engine.DataParallelMeshDims is torch_fsdp.DataParallelMeshDims
     theirs = inspect.signature(torch_fsdp.fully_shard).parameters
     ours = inspect.signature(fsdp_engine.fully_shard).parameters
     assert list(ours)[: len(theirs)] == list(theirs)

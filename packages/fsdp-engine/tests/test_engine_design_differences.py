@@ -76,22 +76,21 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 
     capture("Shard(1) of a tensor-parallel parameter", tp_with_shard1)
 
-    def tp_with_hsdp() -> None:
-        layer = nn.Linear(4, 4)
-        layer.weight = nn.Parameter(
-            DTensor.from_local(layer.weight.detach(), hsdp["tp"], [Replicate()], run_check=False)
-        )
-        api.fully_shard(layer, mesh=hsdp)
-
-    capture("tensor parallel with HSDP", tp_with_hsdp)
-
     def requires_all_reduce() -> None:
         m = Mlp()
         api.fully_shard(m, mesh=hsdp)
         m.set_requires_all_reduce(False)  # type: ignore[operator]
 
     capture("set_requires_all_reduce(False) with HSDP", requires_all_reduce)
-    capture("dp_mesh_dims", lambda: api.fully_shard(Mlp(), dp_mesh_dims=object()))
+
+    def ddp_mode() -> None:  # FSDP2's DDP mode: dp_mesh_dims naming replicate dims only
+        layer = nn.Linear(4, 4)
+        for name, param in list(layer.named_parameters()):
+            value = DTensor.from_local(param.detach(), hsdp, [Replicate(), Replicate()])
+            layer.register_parameter(name, nn.Parameter(value))
+        api.fully_shard(layer, mesh=hsdp, dp_mesh_dims=api.DataParallelMeshDims(replicate="dp"))
+
+    capture("dp_mesh_dims without shard dims", ddp_mode)
 
     def separate_group() -> None:
         m = Mlp()
@@ -108,9 +107,8 @@ def test_what_fsdp2_supports_and_we_refuse_raises_naming_it() -> None:
     out = run_threaded(_refusals, 4)[0]
     expected = {
         "Shard(1) of a tensor-parallel parameter": "Shard(1) of the tensor-parallel",
-        "tensor parallel with HSDP": "combining tensor parallelism with HSDP",
         "set_requires_all_reduce(False) with HSDP": "set_requires_all_reduce(False)",
-        "dp_mesh_dims": "dp_mesh_dims",
+        "dp_mesh_dims without shard dims": "without shard dims",
         "set_separate_reduce_scatter_group": "set_separate_reduce_scatter_group",
     }
     for name, fragment in expected.items():

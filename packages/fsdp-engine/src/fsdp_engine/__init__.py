@@ -18,6 +18,7 @@ from importlib.metadata import PackageNotFoundError, version
 from fsdp_engine._private.api import (
     BlockPolicy,
     CPUOffloadPolicy,
+    DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
     QuantizedAllGather,
@@ -70,6 +71,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "BlockPolicy",
     "use_as_torch_fsdp",
     "restore_torch_fsdp",

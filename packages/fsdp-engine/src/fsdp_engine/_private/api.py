@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy as TorchCPUOffloadPolicy
+from torch.distributed.fsdp import DataParallelMeshDims  # FSDP2's own public type, re-exported
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import OffloadPolicy as TorchOffloadPolicy
 from torch.distributed.tensor import DTensor
@@ -32,6 +33,7 @@ __all__ = [
     "QUANTIZABLE",
     "BlockPolicy",
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "QuantizedAllGather",

@@ -48,6 +48,7 @@ __all__ = [
     "composable_apis",
     "concatenate_meshes",
     "dtensor_from_spec",
+    "flatten_mesh",
     "has_backend_for",
     "in_backward",
     "graph_task_id",
@@ -250,6 +251,16 @@ def concatenate_meshes(meshes: list[DeviceMesh]) -> DeviceMesh:
 
 
 _STATUS["concatenate_meshes"] = "torch" if hasattr(DeviceMesh, "_concatenate") else "missing"
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """A 1-D mesh over every rank of ``mesh`` (a slice of several named dims), named ``name``
+    (FSDP2 flattens several data-parallel dims of ``dp_mesh_dims`` this way)."""
+    flat: DeviceMesh = mesh._flatten(name)
+    return flat
+
+
+_STATUS["flatten_mesh"] = "torch" if hasattr(DeviceMesh, "_flatten") else "missing"
 
 
 # -- autograd's version counters --------------------------------------------------------------

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_engine._private.api import (
     BlockPolicy,
     CPUOffloadPolicy,
+    DataParallelMeshDims,
     MixedPrecisionPolicy,
     OffloadPolicy,
 )
@@ -29,10 +30,12 @@ from fsdp_engine._private.init import (
     remember,
     resolve_device,
     with_placement_fn,
+    with_subclass_placement,
 )
 from fsdp_engine._private.param import ParamRef
 from fsdp_engine._private.param_group import ParamGroup
 from fsdp_engine._private.serialization import allow_raggedshard_in_weights_only_load
+from fsdp_engine._private.spmd import SpmdMesh, spmd_mesh, validate_dp_mesh_dims
 from fsdp_engine._private.state import STATE_ATTR, FSDPState, get_state
 from shard_planner import METHODS as PLANNER_METHODS
 
@@ -51,7 +54,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: Any = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
     block_policy: BlockPolicy | None = ...,
     planner: str = ...,
 ) -> FSDPModule: ...
@@ -67,7 +70,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = ...,
     offload_policy: OffloadPolicy = ...,
     ignored_params: set[nn.Parameter] | None = ...,
-    dp_mesh_dims: Any = ...,
+    dp_mesh_dims: DataParallelMeshDims | None = ...,
     block_policy: BlockPolicy | None = ...,
     planner: str = ...,
 ) -> list[FSDPModule]: ...
@@ -82,7 +85,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 - frozen value
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008 - frozen value
     ignored_params: set[nn.Parameter] | None = None,
-    dp_mesh_dims: Any = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
     block_policy: BlockPolicy | None = None,
     planner: str = "auto",
 ) -> FSDPModule | list[FSDPModule]:
@@ -97,14 +100,11 @@ def fully_shard(
     int k dividing the shard-axis size: ``1`` is ``False``, the axis size is ``True``, any other k
     keeps 1/k of the unsharded buffer and re-gathers within groups of k ranks. ``planner``: the
     ``shard_planner.plan`` method (``"auto"``; ``"naive"`` concatenates, for ablations).
+    ``dp_mesh_dims``: ``mesh`` is the full SPMD mesh, every parameter a DTensor on it, and the
+    named dims are the data-parallel ones (FSDP2's rules: [Note: SPMD meshes]).
     """
     if planner not in PLANNER_METHODS:
         raise ValueError(f"fully_shard: planner must be one of {PLANNER_METHODS}, got {planner!r}")
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "fully_shard(dp_mesh_dims=...): pass the data-parallel mesh itself as mesh= "
-            "(1-D FSDP or 2-D HSDP); tensor-parallel DTensor parameters are sharded on it"
-        )
     modules = module if isinstance(module, list) else [module]
     check_modules(modules)
     allow_raggedshard_in_weights_only_load()  # [Note: the per-rank save]
@@ -113,6 +113,15 @@ def fully_shard(
     mp_policy = check_mp_policy(mp_policy)
     offload_policy = check_offload_policy(offload_policy)
     mesh = mesh or default_mesh()
+    spmd: SpmdMesh | None = None
+    if dp_mesh_dims is not None:  # [Note: SPMD meshes]
+        validate_dp_mesh_dims(mesh, dp_mesh_dims)
+        spmd = spmd_mesh(mesh, dp_mesh_dims)
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError(
+                "reshard_after_forward as int is not yet supported with SPMD mesh (dp_mesh_dims)"
+            )
+        mesh = spmd.dp_mesh
     if mesh.ndim not in (1, 2):
         raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
     if mesh.ndim == 2 and mesh.mesh_dim_names is None:
@@ -125,9 +134,11 @@ def fully_shard(
     refs = managed_params(modules, set(ignored_params or ()))
     for ref in refs:
         check_param(ref)
+    user_block_policy = block_policy
     block_policy, shard_dims = with_placement_fn(block_policy, shard_placement_fn, refs, world)
+    shard_dims = with_subclass_placement(refs, shard_dims, user_block_policy)
     check_ranks_agree_on_call(
-        mesh,
+        mesh if spmd is None else spmd.mesh,
         {
             "module": ",".join(type(m).__name__ for m in modules),
             "reshard_after_forward": repr(reshard_after_forward),
@@ -156,6 +167,7 @@ def fully_shard(
             planner=planner,
             shard_dims=dims,
             post_forward_k=subgroup,
+            spmd=spmd,
         )
 
     groups = [group(members, None) for members in by_dtype(planned)]

@@ -20,7 +20,9 @@ from fsdp_engine._private.quantized_gather import (
     quantized_gather,
     select_quantized,
 )
+from fsdp_engine._private.spmd import SpmdMesh
 from fsdp_engine._private.storage import ShardStorage
+from fsdp_engine._private.subclass import SubclassWrap, plain_values, subclass_wrap
 
 __all__ = ["GroupLayout", "lay_out_group"]
 
@@ -45,6 +47,7 @@ def lay_out_group(
     device: torch.device,
     planner: str = "auto",
     shard_dims: Sequence[int] | None = None,
+    spmd: SpmdMesh | None = None,
 ) -> GroupLayout:
     """Lay out ``refs`` (parameters of one dtype) on ``mesh``: planned (zero-copy
     ``RaggedShard`` views), or with ``shard_dims`` FSDP2's layout of parameters placed on
@@ -52,8 +55,12 @@ def lay_out_group(
     registered = [r.registered() for r in refs]
     # Parameters already distributed by tensor/expert parallelism: the group holds their
     # local shards, and RaggedShard on the data-parallel axis cuts those (innermost).
-    tp_specs = [tp_spec(r, p, mesh) for r, p in zip(refs, registered, strict=True)]
-    originals = [p.to_local() if isinstance(p, DTensor) else p for p in registered]
+    tp_specs = [tp_spec(r, p, mesh, spmd) for r, p in zip(refs, registered, strict=True)]
+    # [Note: subclass parameters]: the subclass is kept on the local tensor, its values held here
+    wraps: list[SubclassWrap | None] = [
+        subclass_wrap(r.fqn, p) for r, p in zip(refs, registered, strict=True)
+    ]
+    originals = [p.to_local() if isinstance(p, DTensor) else plain_values(p) for p in registered]
     dtypes = {p.dtype for p in originals}
     if len(dtypes) != 1:  # the caller splits a call's parameters by dtype
         raise ValueError(f"a group holds one dtype, got {sorted(map(str, dtypes))}")
@@ -66,6 +73,9 @@ def lay_out_group(
     quantization = mp_policy.quantized_all_gather
     selected = select_quantized(quantization, names, registered)
     placed = None
+    subclassed = [n for n, w in zip(names, wraps, strict=True) if w is not None]
+    if subclassed and shard_dims is None:  # fully_shard places them: a caller's mistake
+        raise AssertionError(f"subclass parameters {subclassed} must be in a placed group")
     if shard_dims is not None:
         refused = [n for n, t, q in zip(names, tp_specs, selected, strict=True) if t or q]
         if refused:
@@ -99,7 +109,7 @@ def lay_out_group(
             if not p.is_meta:
                 storage.load_full(i, p.detach().to(storage.device))
     params = tuple(
-        FSDPParam(ref, i, storage, meta=o.is_meta, requires_grad=p.requires_grad)
-        for i, (ref, o, p) in enumerate(zip(refs, originals, registered, strict=True))
+        FSDPParam(ref, i, storage, meta=o.is_meta, requires_grad=p.requires_grad, wrap=w)
+        for i, (ref, o, p, w) in enumerate(zip(refs, originals, registered, wraps, strict=True))
     )
     return GroupLayout(storage, quantized, params)

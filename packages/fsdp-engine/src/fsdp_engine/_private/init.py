@@ -28,6 +28,7 @@ from fsdp_engine._private.api import (
 )
 from fsdp_engine._private.param import ParamRef
 from fsdp_engine._private.state import get_state
+from fsdp_engine._private.subclass import is_subclass_tensor, plain_values
 from fsdp_engine._private.trace import warning_once
 from ragged_dtensor import check_ranks_agree
 
@@ -45,6 +46,7 @@ __all__ = [
     "resolve_device",
     "value_digest",
     "with_placement_fn",
+    "with_subclass_placement",
 ]
 
 
@@ -229,6 +231,39 @@ def with_placement_fn(
     return policy, dims
 
 
+def with_subclass_placement(
+    refs: Sequence[ParamRef], shard_dims: dict[str, int], block_policy: BlockPolicy | None
+) -> dict[str, int]:
+    """[Note: subclass parameters]: a parameter of a tensor subclass (which may define FSDP2's
+    all-gather extension now or later) gets FSDP2's layout (``Shard(0)``, or what
+    ``shard_placement_fn`` chose), and so do the call's other parameters of its dtype, so that
+    they share its one all-gather as in FSDP2 (unless a ``block_policy`` asks for blocks kept
+    whole: those stay planned, in a group of their own). A tensor-parallel parameter whose local
+    tensor is a subclass is refused by name."""
+    dims = dict(shard_dims)
+    dtypes: set[torch.dtype] = set()
+    for ref in refs:
+        param = ref.registered()
+        if isinstance(param, DTensor):
+            if is_subclass_tensor(compat.local_tensor(param)):
+                raise NotImplementedError(
+                    f"fully_shard: parameter {ref.fqn!r} is a DTensor (tensor parallel) whose "
+                    f"local tensor is a {type(compat.local_tensor(param)).__name__}: tensor-"
+                    "subclass parameters are supported on the data-parallel mesh only, not "
+                    "combined with tensor parallelism yet"
+                )
+            continue
+        if is_subclass_tensor(param):
+            dims.setdefault(ref.fqn, 0)
+            dtypes.add(param.dtype)
+    if dtypes and block_policy is None:
+        for ref in refs:
+            param = ref.registered()
+            if not isinstance(param, DTensor) and param.dtype in dtypes:
+                dims.setdefault(ref.fqn, 0)
+    return dims
+
+
 def check_ranks_agree_on_call(
     mesh: DeviceMesh, settings: dict[str, str], refs: Sequence[ParamRef]
 ) -> None:
@@ -269,8 +304,8 @@ def value_digest(param: torch.Tensor) -> str:
     the summation order, so every device and kernel gives the same value), chunk by chunk; only
     the two sums reach the host. Not cryptographic: it tells copies that differ apart (a
     difference anywhere, including swapped values, changes both lanes), which is its job."""
-    local = param.to_local() if isinstance(param, DTensor) else param
-    flat = local.detach().reshape(-1)
+    local = compat.local_tensor(param) if isinstance(param, DTensor) else param
+    flat = plain_values(local).detach().reshape(-1)
     data = flat.contiguous().view(torch.uint8)
     pad = (-data.numel()) % 4
     if pad:

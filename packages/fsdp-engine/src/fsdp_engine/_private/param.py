@@ -23,9 +23,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from fsdp_engine._private import compat
+from fsdp_engine._private.subclass import SubclassWrap, plain_values
 from ragged_dtensor import RaggedShard
 
 if TYPE_CHECKING:
+    from fsdp_engine._private.spmd import SpmdMesh
     from fsdp_engine._private.storage import ShardStorage
 
 __all__ = [
@@ -63,18 +65,40 @@ class ParamRef:
 
 @attrs.frozen
 class TPSpec:
-    """A parameter that is already a DTensor (tensor/expert parallel) on another mesh."""
+    """A parameter that is already a DTensor (tensor/expert parallel, or on the full SPMD mesh
+    of ``dp_mesh_dims``): what its unsharded and sharded DTensors are."""
 
-    mesh: DeviceMesh  # the parameter's own mesh (e.g. "tp")
-    placements: tuple[Placement, ...]
+    mesh: DeviceMesh  # the parameter's own mesh (e.g. "tp", or the SPMD mesh): the unsharded one's
+    placements: tuple[Placement, ...]  # its own placements: the unsharded parameter's
     shape: torch.Size  # global shape
     stride: tuple[int, ...]
-    spmd_mesh: DeviceMesh  # data-parallel mesh x the parameter's mesh
+    spmd_mesh: DeviceMesh  # the sharded parameter's mesh
+    # the sharded parameter's placements: an int k stands for the data-parallel placement k
+    template: tuple[Placement | int, ...] = ()
+    dp_dims: frozenset[int] = frozenset()  # the data-parallel dims of an SPMD mesh
+
+    def sharded_placements(self, dp: Sequence[Placement]) -> tuple[Placement, ...]:
+        """The sharded parameter's placements, given its placements on the data-parallel
+        mesh (RaggedShard on the shard axis, Replicate on HSDP's replicate axis)."""
+        return tuple(dp[t] if isinstance(t, int) else t for t in self.template)
+
+    def target(self, grad: DTensor) -> tuple[Placement, ...]:
+        """FSDP2's placements for the unsharded gradient before its reduction: the parameter's
+        own, except on the data-parallel dims of an SPMD mesh, where the gradient keeps its own
+        (a Partial there is what the reduction sums)."""
+        return tuple(
+            grad.placements[i] if i in self.dp_dims else p for i, p in enumerate(self.placements)
+        )
 
 
-def tp_spec(ref: ParamRef, param: torch.Tensor, dp_mesh: DeviceMesh) -> TPSpec | None:
+def tp_spec(
+    ref: ParamRef, param: torch.Tensor, dp_mesh: DeviceMesh, spmd: SpmdMesh | None = None
+) -> TPSpec | None:
     """The tensor-parallel spec of a DTensor parameter (None for a plain tensor); refuses what
-    the data-parallel sharding cannot hold, by name."""
+    the data-parallel sharding cannot hold, by name. With ``spmd`` (``dp_mesh_dims``) every
+    parameter must be a DTensor on the SPMD mesh ([Note: SPMD meshes])."""
+    if spmd is not None:
+        mesh, template, dp_dims = spmd.spec(ref.fqn, ref.attr, param)
     if not isinstance(param, DTensor):
         return None
     if any(isinstance(p, RaggedShard) for p in param.placements):
@@ -82,40 +106,58 @@ def tp_spec(ref: ParamRef, param: torch.Tensor, dp_mesh: DeviceMesh) -> TPSpec |
             f"parameter {ref.fqn!r} is already RaggedShard-sharded "
             f"({param.placements}); fully_shard it once"
         )
-    if dp_mesh.ndim != 1:
-        raise NotImplementedError(
-            f"parameter {ref.fqn!r} is a DTensor on {param.device_mesh}: "
-            "combining tensor parallelism with HSDP is not supported yet"
-        )
     if any(p.is_partial() for p in param.placements):
         raise ValueError(f"parameter {ref.fqn!r} has a Partial placement {param.placements}")
     if not param.to_local().is_contiguous():
         raise ValueError(f"parameter {ref.fqn!r}: its local shard is not contiguous")
+    own = (param.device_mesh, tuple(param.placements), param.shape, tuple(param.stride()))
+    if spmd is not None:
+        return TPSpec(*own, mesh, template, dp_dims)
     try:
-        spmd = compat.concatenate_meshes([dp_mesh, param.device_mesh])
+        spmd_mesh = compat.concatenate_meshes([dp_mesh, param.device_mesh])
     except Exception as exc:  # torch raises several types here
         raise ValueError(
             f"parameter {ref.fqn!r} lives on {param.device_mesh}, which does not "
             f"combine with the data-parallel mesh {dp_mesh} (both must be slices of "
             f"one parent mesh, e.g. mesh['dp'] and mesh['tp']): {exc}"
         ) from exc
-    return TPSpec(
-        param.device_mesh, tuple(param.placements), param.shape, tuple(param.stride()), spmd
-    )
+    template = (*range(dp_mesh.ndim), *param.placements)
+    return TPSpec(*own, spmd_mesh, template)
 
 
 class FSDPParam:
     """One managed parameter ([Note: registered parameters])."""
 
     def __init__(
-        self, ref: ParamRef, index: int, storage: ShardStorage, *, meta: bool, requires_grad: bool
+        self,
+        ref: ParamRef,
+        index: int,
+        storage: ShardStorage,
+        *,
+        meta: bool,
+        requires_grad: bool,
+        wrap: SubclassWrap | None = None,
     ) -> None:
         self.ref = ref
         self.index = index
         self.storage = storage
+        # [Note: subclass parameters]: the local tensor is the user's subclass over our storage
+        self.wrap = wrap
         local = storage.local_or_meta(index, meta)
-        self.sharded = compat.sharded_parameter(storage.dtensor(index, local), requires_grad)
+        self.sharded = compat.sharded_parameter(self._dtensor(local), requires_grad)
         self._unsharded: dict[torch.dtype, nn.Parameter] = {}
+
+    def _local(self, plain: torch.Tensor) -> torch.Tensor:
+        """The local tensor over ``plain`` (our storage): the subclass wrapped around it."""
+        return plain if self.wrap is None else self.wrap.wrap(plain)
+
+    def _dtensor(self, plain: torch.Tensor) -> DTensor:
+        """The sharded DTensor over ``plain`` (its local tensor the subclass, if any)."""
+        dtensor = self.storage.dtensor(self.index, plain)
+        if self.wrap is None:
+            return dtensor
+        local = plain.view(self.storage.local_shape(self.index))
+        return compat.dtensor_from_spec(self._local(local), compat.spec_of(dtensor))
 
     @property
     def fqn(self) -> str:
@@ -179,11 +221,11 @@ class FSDPParam:
         )
         if same_layout:
             assert isinstance(value, DTensor)
-            local = compat.local_tensor(value)
+            local = plain_values(compat.local_tensor(value))
         elif isinstance(value, DTensor):
-            local = storage.part_of_full(i, value.full_tensor())
+            local = storage.part_of_full(i, plain_values(value.full_tensor()))
         else:
-            local = storage.part_of_full(i, value)
+            local = storage.part_of_full(i, plain_values(value))
         if local.dtype != storage.dtype:
             raise TypeError(
                 f"parameter {fqn!r}: the assigned value is {local.dtype}, the group holds "
@@ -198,10 +240,10 @@ class FSDPParam:
                 new_local.copy_(local.detach().reshape(new_local.shape))
         if same_layout and isinstance(value, nn.Parameter):
             assert isinstance(value, DTensor)
-            compat.set_local_tensor(value, new_local)
+            compat.set_local_tensor(value, self._local(new_local))
             param: nn.Parameter = value
         else:
-            param = compat.sharded_parameter(storage.dtensor(i, new_local), value.requires_grad)
+            param = compat.sharded_parameter(self._dtensor(new_local), value.requires_grad)
         self.sharded = param
         self.register_sharded()
         self.forget_unsharded()
@@ -213,7 +255,7 @@ class FSDPParam:
         local tensor holds them, or set ``param.data``, so only the wrapper changed).
         ``copy=False`` (``to_empty``): the values are undefined, nothing is copied."""
         storage, i = self.storage, self.index
-        local = compat.local_tensor(current)
+        local = plain_values(compat.local_tensor(current))
         if current.device.type == "meta":
             new_local = storage.local_or_meta(i, True)
         else:
@@ -222,7 +264,7 @@ class FSDPParam:
             if copy and not local.is_meta and not _starts_at(local, new_local):
                 with torch.no_grad():
                     new_local.copy_(local.reshape(new_local.shape))
-        compat.set_local_tensor(current, new_local)
+        compat.set_local_tensor(current, self._local(new_local))
         meta = compat.spec_of(current).tensor_meta
         if meta is None or meta.dtype != new_local.dtype:
             compat.set_spec(current, compat.spec_of(storage.dtensor(i, new_local)))

@@ -24,15 +24,18 @@ import attrs
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from dbuffer import AllGatherComm, Handle
 from fsdp_engine._private.api import BlockPolicy, MixedPrecisionPolicy
+from fsdp_engine._private.extension_gather import ExtensionGather
 from fsdp_engine._private.gather import BufferGather, Gather, PostForwardPart, choose_gather
 from fsdp_engine._private.group_layout import lay_out_group
 from fsdp_engine._private.param import ParamRef, applied_values, check_applied_device
 from fsdp_engine._private.plans import alignment, view_dtypes
 from fsdp_engine._private.presence import Presence
 from fsdp_engine._private.reduce import GradReducer, ReduceSettings
+from fsdp_engine._private.spmd import SpmdMesh
 from fsdp_engine._private.storage import storage_dtype
 
 __all__ = ["GroupConfig", "ParamGroup", "ShardedState"]
@@ -74,6 +77,7 @@ class ParamGroup:
         planner: str = "auto",
         shard_dims: Sequence[int] | None = None,
         post_forward_k: int = 0,
+        spmd: SpmdMesh | None = None,
     ) -> None:
         self.refs = tuple(refs)
         self.mesh = mesh
@@ -87,6 +91,7 @@ class ParamGroup:
             device=device,
             planner=planner,
             shard_dims=shard_dims,
+            spmd=spmd,
         )
         self.storage = layout.storage
         self.plan = layout.storage.plan
@@ -157,7 +162,29 @@ class ParamGroup:
         self._choose_gather()
 
     def _choose_gather(self) -> None:
-        self.gather: Gather = choose_gather(
+        if any(p.wrap is not None for p in self.params):
+            # [Note: all-gather extensions]: the group holds subclass parameters
+            if self.post_forward is not None:
+                raise NotImplementedError(
+                    f"fully_shard: reshard_after_forward as an int with tensor-subclass "
+                    f"parameters {[p.fqn for p in self.params if p.wrap is not None]} is not "
+                    "supported (FSDP2 does not reshard extension parameters to a smaller mesh "
+                    "either)"
+                )
+            self.gather: Gather = ExtensionGather(
+                self.storage,
+                self.gather_dtype,
+                self.compute_dtype,
+                params=self.params,
+                mp_policy=self.mp_policy,
+                comm=self.config.all_gather_comm,
+                unsharded_of=lambda i: self.params[i].unsharded(self.compute_dtype),
+                forget=lambda i: self.params[i].forget_unsharded(),
+            )
+            for param in self.params:
+                param.forget_unsharded()
+            return
+        self.gather = choose_gather(
             self.storage,
             gather_dtype=self.gather_dtype,
             compute_dtype=self.compute_dtype,
@@ -350,14 +377,27 @@ class ParamGroup:
 
     def reduce(self, *, sync: bool, async_op: bool) -> None:
         """Post-backward: reduce the gradients (``sync``) or keep accumulating them locally."""
-        result = self.reducer.reduce(
-            self.unsharded_params(), self.config.reduce, sync=sync, async_op=async_op
-        )
+        unsharded = self.unsharded_params()
+        self._redistribute_grads(unsharded)
+        result = self.reducer.reduce(unsharded, self.config.reduce, sync=sync, async_op=async_op)
         self.presence.note_used(result.used)
         if result.issued:
             self.presence.after_reduction(result.had_grad)
             if self.reducer.handle is None:
                 self._run_hooks()
+
+    def _redistribute_grads(self, unsharded: Sequence[nn.Parameter]) -> None:
+        """A DTensor parameter's gradient in its parameter's placements before the reduction
+        reads its local tensor (FSDP2's ``_get_grad_inner_tensor``: e.g. a ``Partial`` on the
+        tensor-parallel dims is reduced there first; an SPMD mesh's data-parallel dims keep the
+        gradient's own placements)."""
+        for param, spec in zip(unsharded, self.storage.tp_specs, strict=True):
+            grad = param.grad
+            if spec is None or not isinstance(grad, DTensor):
+                continue
+            target = spec.target(grad)
+            if tuple(grad.placements) != target:
+                param.grad = grad.redistribute(placements=target)
 
     def wait_for_reduce(self) -> None:
         self.reducer.wait()

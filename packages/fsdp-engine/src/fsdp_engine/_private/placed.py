@@ -90,8 +90,12 @@ class PlacedLayout:
 
     def copy_out(self, flat: torch.Tensor, i: int, out: torch.Tensor) -> None:
         """Parameter ``i``'s full value (``out``, its own shape) from the gathered ``flat``."""
+        self.copy_out_rows(self._gathered(flat, i), i, out)
+
+    def copy_out_rows(self, src: torch.Tensor, i: int, out: torch.Tensor) -> None:
+        """Parameter ``i``'s full value (``out``) from its gathered chunks ``src``: ``(m,
+        chunk)``, row ``r`` rank ``r``'s padded chunk (any row stride)."""
         pre, c, post = self._split(i)
-        src = self._gathered(flat, i)
         if self.dims[i] == 0:
             rows = self.shapes[i][0]
             full, tail = divmod(rows, c)

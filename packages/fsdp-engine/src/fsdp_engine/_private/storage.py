@@ -206,7 +206,7 @@ class ShardStorage:
                 shape=torch.Size(slot.shape),
                 stride=slot.stride,
             )
-        placements = (*self.placements(i), *tp.placements)
+        placements = tp.sharded_placements(self.placements(i))
         return ragged_from_local(
             local, tp.spmd_mesh, placements, run_check=False, shape=tp.shape, stride=tp.stride
         )
