@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed.fsdp as torch_fsdp
 from engine_fsdp2 import Mlp, Stack, data, make, shard_stack
+from engine_subclass import CALLS, ScaledWeight
 from torch.distributed._composable import fsdp as composable_fsdp
 from torch.distributed.fsdp import _fully_shard as torch_fully_shard_pkg
 from torch.distributed.fsdp._fully_shard import _fully_shard as torch_fsdp2_impl
@@ -70,7 +71,10 @@ def _snapshot() -> dict[tuple[str, str], object]:
 def test_the_switched_names_are_fsdp2s_names_that_fsdp_engine_exports() -> None:
     table = switched_names()
     torch_all = torch_fully_shard_pkg.__all__
-    assert set(table) == {n for n in torch_all if n in fsdp_engine.__all__}
+    exported = {n for n in torch_all if n in fsdp_engine.__all__}
+    shared = {n for n in exported if getattr(fsdp_engine, n) is getattr(torch_fsdp, n)}
+    assert set(table) == exported - shared
+    assert shared == {"DataParallelMeshDims"}  # torch's own class, re-exported: nothing to switch
     assert set(REQUIRED) <= set(table)
     public = ("use_as_torch_fsdp", "restore_torch_fsdp", "as_torch_fsdp", "used_as_torch_fsdp")
     assert {*public, "TorchFSDPSwitchError"} <= set(fsdp_engine.__all__)
@@ -88,7 +92,7 @@ def test_fsdp2s_names_resolve_to_ours_in_every_namespace_and_come_back_identical
         for (module, name), value in before.items():
             if name in table:
                 assert during[(module, name)] is table[name][1], (module, name)
-            else:  # everything else is untouched, DataParallelMeshDims too until we export it
+            else:  # everything else is untouched (DataParallelMeshDims: torch's own class)
                 assert during[(module, name)] is value, (module, name)
         assert set(during) == set(before)  # no name added
         # the import statements trainers write
@@ -351,6 +355,25 @@ def test_fsdp_module_methods_through_torchs_names() -> None:
     with fsdp_engine.as_torch_fsdp():
         results = run_threaded(_sharded_mlp_forward, 2)
     assert results == [(True, True), (True, True)]
+
+
+def _extension_forward(rank: int, world: int) -> None:
+    """A ``ScaledWeight`` layer sharded through torch's names under the switch, one step."""
+    layer = make(lambda: torch.nn.Linear(8, 12))
+    layer.weight = torch.nn.Parameter(ScaledWeight(layer.weight.detach().clone()))
+    torch_fsdp.fully_shard(layer, mesh=init_device_mesh("cpu", (world,)))
+    layer(data(rank, 0)).square().mean().backward()
+
+
+def test_extension_hooks_get_torchs_policy_type_under_the_switch() -> None:
+    """``fsdp_pre_all_gather`` receives the policy as FSDP2 passes it, torch's
+    ``MixedPrecisionPolicy``, also while ``torch.distributed.fsdp.MixedPrecisionPolicy`` is
+    ours (the engine binds torch's class at import)."""
+    CALLS.clear()
+    with fsdp_engine.as_torch_fsdp():
+        run_threaded(_extension_forward, 2)
+    assert CALLS["pre"] > 0
+    assert CALLS["pre_policy_torch"] == CALLS["pre"], dict(CALLS)
 
 
 # -- the whole of torch, in a fresh interpreter -------------------------------------------------

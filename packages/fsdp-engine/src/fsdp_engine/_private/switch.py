@@ -3,13 +3,15 @@ FSDP2 itself (accelerate, Lightning, transformers' Trainer, torchtitan).
 
 [Note: the switch]
 What changes. Each FSDP2 name of ``torch.distributed.fsdp._fully_shard.__all__`` that
-fsdp_engine also exports (``fully_shard``, ``FSDPModule``, ``UnshardHandle``,
-``register_fsdp_forward_method``, ``share_comm_ctx``, ``MixedPrecisionPolicy``,
-``OffloadPolicy``, ``CPUOffloadPolicy``) is rebound to ours in torch's four namespaces that
-user code imports FSDP2 from: ``torch.distributed.fsdp``, ``torch.distributed.fsdp._fully_shard``
-and the older ``torch.distributed._composable.fsdp`` and ``..._composable.fsdp.fully_shard``
-(Lightning and torchtitan import ``FSDPModule`` from there). A name a namespace does not define
-is not added; a name fsdp_engine does not export keeps torch's object.
+fsdp_engine also exports with an object of its own (``fully_shard``, ``FSDPModule``,
+``UnshardHandle``, ``register_fsdp_forward_method``, ``share_comm_ctx``,
+``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy``; not
+``DataParallelMeshDims``, which fsdp_engine re-exports as torch's very class) is rebound
+to ours in torch's four namespaces that user code imports FSDP2 from:
+``torch.distributed.fsdp``, ``torch.distributed.fsdp._fully_shard`` and the older
+``torch.distributed._composable.fsdp`` and ``..._composable.fsdp.fully_shard`` (Lightning and
+torchtitan import ``FSDPModule`` from there). A name a namespace does not define is not added;
+a name fsdp_engine does not export keeps torch's object.
 
 What never changes: FSDP2's implementation modules (``_fully_shard._fully_shard``,
 ``_fsdp_api``, ``_fsdp_state``, ...). Their functions read their own module globals, so
@@ -112,7 +114,8 @@ _bindings: dict[tuple[int, str], _Binding] = {}
 
 def switched_names() -> dict[str, tuple[object, object]]:
     """FSDP2 name -> (torch's object, ours): the names of torch's FSDP2 ``__all__`` that
-    fsdp_engine exports too."""
+    fsdp_engine exports with an object of its own (a name it re-exports as torch's very
+    object, ``DataParallelMeshDims``, has nothing to switch)."""
     import fsdp_engine
 
     torch_all = importlib.import_module("torch.distributed.fsdp._fully_shard").__all__
@@ -127,7 +130,9 @@ def switched_names() -> dict[str, tuple[object, object]]:
                 f"torch's FSDP2 object {name!r} was not found in {_TORCH_IMPLEMENTATION}; "
                 f"this switch supports torch 2.13's layout"
             )
-        table[name] = (theirs, getattr(fsdp_engine, name))
+        ours = getattr(fsdp_engine, name)
+        if ours is not theirs:
+            table[name] = (theirs, ours)
     return table
 
 
