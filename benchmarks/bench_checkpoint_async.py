@@ -2,8 +2,8 @@
 
 The demo's medium model (``examples/llama.py`` "medium", AdamW state included) at world size 2
 on gloo, one thread per rank. Both engines train their own copy in the same processes (ours:
-``fsdp_engine.fully_shard`` + ``FlatAdamW``, the demo's; FSDP2: ``torch.distributed.fsdp`` +
-``torch.optim.AdamW``). Save kinds:
+``fsdp_engine.fully_shard`` + ``optim_blockwise.FlatAdamW``, the demo's; FSDP2:
+``torch.distributed.fsdp`` + ``torch.optim.AdamW``). Save kinds:
 
 - ours ``async_save_checkpoint`` (committed atomically, digests computed by the writer thread);
 - FSDP2 + ``dcp.async_save`` (the peer; on a gloo group of its own, as DCP asks);

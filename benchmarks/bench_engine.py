@@ -8,16 +8,16 @@ Per case, world size and engine:
 - step time: median and min over the timed steps (forward, backward, optimizer step, zero_grad;
   barrier before and after, rank 0's clock) and the **paired ratio** to FSDP2 (median over steps of
   ours_i / fsdp2_i, the steps being adjacent in time); the optimizer step alone too;
-- peak live memory per rank: ``dbuffer.LiveBytes`` (a dispatch-mode tally of live storages,
+- peak live memory per rank: ``dbuffer.testing.LiveBytes`` (a dispatch-mode tally of live storages,
   seeded with everything the engine keeps between steps: parameters, gradients, optimizer
   state), deterministic; one measured step after warm-up;
 - collectives per step (count and input bytes) counted at the dispatcher over ``c10d`` and
   ``_c10d_functional`` ops, the same counter for every engine (barriers excluded);
-- bytes copied by copy-like ops (``dbuffer.CopiedBytes``);
+- bytes copied by copy-like ops (``dbuffer.testing.CopiedBytes``);
 - padding of the sharded layout; loss after the last step (parity with FSDP2).
 
 Cases: dense LLaMA-like at two sizes (AdamW with param groups: weight decay on matrices, none on
-norms; ours with ``fsdp_engine.FlatAdamW``, every peer with ``torch.optim.AdamW`` and the same
+norms; ours with ``optim_blockwise.FlatAdamW``, every peer with ``torch.optim.AdamW`` and the same
 groups; ablation: ours with per-parameter ``torch.optim.AdamW``); an MoE-like model (16 experts per
 layer, dims that do not divide the world size; the same AdamW); Muon (ours vs FSDP2 + Moonlight-
 style gather-to-all Muon, and FSDP2 + our all-to-all Muon); 8-bit AdamW (ours with the optimizer's
@@ -124,7 +124,7 @@ def optimizer_label(case: Case, engine: str) -> str:
         return "all-to-all Muon (ours)"
     if case.optimizer == "adamw8bit":
         return "AdamW8bit (ours)" + (" + block policy" if engine.startswith("ours") else "")
-    return "fsdp_engine.FlatAdamW" if engine in ("ours", "ours-in-place") else "torch AdamW"
+    return "optim_blockwise.FlatAdamW" if engine in ("ours", "ours-in-place") else "torch AdamW"
 
 
 # -- engines -----------------------------------------------------------------------------------
@@ -328,9 +328,7 @@ def make_optimizer(case: Case, engine: str, model: nn.Module) -> Any:
     import optim_blockwise as ob
 
     if case.optimizer == "adamw":
-        import fsdp_engine
-
-        cls = fsdp_engine.FlatAdamW if engine in ("ours", "ours-in-place") else torch.optim.AdamW
+        cls = ob.FlatAdamW if engine in ("ours", "ours-in-place") else torch.optim.AdamW
         return cls(adamw_param_groups(model), lr=LR, betas=BETAS)
     if case.optimizer == "adamw8bit":
         return ob.AdamW8bit(model.parameters(), lr=LR, betas=BETAS, weight_decay=WD, block_size=256)
@@ -613,7 +611,7 @@ def memory_floor(
     case holds), one layer's unsharded parameters and gradients (compute dtype), and the
     activations saved for backward at the end of forward (measured on an unsharded copy of the
     model with this rank's batch, in the compute dtype)."""
-    from dbuffer import LiveBytes
+    from dbuffer.testing import LiveBytes
 
     torch.manual_seed(0)
     model = LlamaModel(cfg)
@@ -641,7 +639,7 @@ def memory_floor(
 
 
 def worker(rank: int, world: int, names: list[str], steps: int, warmup: int, quick: bool) -> Any:
-    from dbuffer import CopiedBytes, LiveBytes
+    from dbuffer.testing import CopiedBytes, LiveBytes
 
     torch.set_num_threads(1)
     os.environ.update(  # what a launcher would set; DeepSpeed asks for them
@@ -928,7 +926,7 @@ ENGINE_SETUP = (
     "`FullyShardedDataParallel(auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True)`"
     "; DeepSpeed ZeRO-3 (`stage3_param_persistence_threshold=0` so every parameter is sharded, "
     "buckets the size of the model, its torch AdamW). AdamW lr 1e-3, betas (0.9, 0.95), weight "
-    "decay 0.1 on matrices and none on norms (two param groups; ours `fsdp_engine.FlatAdamW`, "
+    "decay 0.1 on matrices and none on norms (two param groups; ours `optim_blockwise.FlatAdamW`, "
     "the peers `torch.optim.AdamW`, bit-identical arithmetic); Muon `match_rms_adamw`, the "
     "rest AdamW; AdamW8bit blocks of 256."
 )
@@ -1055,7 +1053,7 @@ def markdown(
         "",
         "**Flat optimizer off** (`ours + per-parameter torch AdamW` rows): the same param groups "
         "with `torch.optim.AdamW` on our DTensor parameters (one DTensor dispatch per parameter "
-        "and op) instead of `fsdp_engine.FlatAdamW` (torch's functional AdamW on flat runs of "
+        "and op) instead of `optim_blockwise.FlatAdamW` (torch's functional AdamW on flat runs of "
         "each group's shard; bit-identical, tested).",
         "",
         "**DBuffer off** is torch FSDP2 itself: the same sharding unit (one `fully_shard` per "

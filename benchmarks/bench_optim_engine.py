@@ -21,7 +21,7 @@ Cases and sides:
 Per case, world size and side: forward+backward time and optimizer-step time (barriers before,
 between and after; rank 0's clock; medians of the timed steps) and the optimizer step as a share
 of forward+backward; paired ratios (median of ours_i / peer_i); on one untimed step after
-warm-up: the transient memory of ``step()`` (``dbuffer.LiveBytes``, a dispatch-mode tally of
+warm-up: the transient memory of ``step()`` (``dbuffer.testing.LiveBytes``, a dispatch-mode tally of
 live storages seeded with the parameters, gradients and state: peak minus start, per parameter
 element of this rank), the ops dispatched by ``step()`` per parameter (every aten op, views
 included), every collective at the dispatcher; the optimizer state per rank; the max |difference|
@@ -192,8 +192,9 @@ class OpCount(TorchDispatchMode):
 
 
 def _live_bytes(seed: list[torch.Tensor]) -> Any:
-    """``dbuffer.LiveBytes`` seeing plain-tensor allocations only (subclasses lowered first)."""
-    from dbuffer import LiveBytes
+    """``dbuffer.testing.LiveBytes`` seeing plain-tensor allocations only (subclasses lowered
+    first)."""
+    from dbuffer.testing import LiveBytes
 
     class PlainLiveBytes(LiveBytes):
         def __torch_dispatch__(
@@ -491,7 +492,7 @@ def markdown(rows: list[dict[str, Any]], info: dict[str, str], args: argparse.Na
         "after; rank 0's clock); opt step includes `zero_grad`. Ratios ours / this: median of "
         "the paired per-step ratios (the sides' steps are adjacent in time).",
         "- step() transient: peak live storage during `optimizer.step()` beyond what existed "
-        "before it (`dbuffer.LiveBytes`, seeded with parameters, gradients and state), per "
+        "before it (`dbuffer.testing.LiveBytes`, seeded with parameters, gradients and state), per "
         "parameter element of rank 0; ops/param: aten ops `step()` dispatched below DTensor, "
         "views included, per parameter.",
         "- collectives/step: every `c10d`/`_c10d_functional` op at the dispatcher on one "

@@ -12,7 +12,7 @@ reduction:
   paired ratio to ours-bf16 is the median of per-step ratios), collectives of one measured
   step counted at the dispatcher (``c10d`` ops; bytes = what this rank puts in): the
   all-gathers carry the weights, so their bytes against ours-bf16's are the
-  weight-communication ratio; peak live memory per rank (``dbuffer.LiveBytes``); the loss
+  weight-communication ratio; peak live memory per rank (``dbuffer.testing.LiveBytes``); the loss
   after the last step.
 - ``--part convergence``: the demo corpus, 600 steps, two seeds, world size 2, the demo's small
   model (dim 128, so 128x128 tiles fit its matrices): validation loss (32 fixed batches) every
@@ -200,7 +200,7 @@ def _timed(runner: Runner, tokens: torch.Tensor) -> tuple[float, float]:
 def speed_worker(
     rank: int, world: int, engines: list[str], steps: int, warmup: int, per_group: int = 1
 ) -> Any:
-    from dbuffer import LiveBytes
+    from dbuffer.testing import LiveBytes
 
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))

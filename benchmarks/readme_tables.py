@@ -43,7 +43,15 @@ def engine_section(data: dict[str, Any]) -> str:
     info, rows = data["machine"], data["rows"]
     stale = [r for r in rows if r["engine"] == "ours" and r["optimizer"] == "torch AdamW"]
     if stale:  # before FlatAdamW became ours' AdamW: the text below would misdescribe it
-        raise KeyError("optimizer 'fsdp_engine.FlatAdamW' on the AdamW cases")
+        raise KeyError("optimizer 'optim_blockwise.FlatAdamW' on the AdamW cases")
+    # The name the run recorded (results older than the move say fsdp_engine.FlatAdamW: the same
+    # optimizer, bit for bit), and where it lives now if that differs.
+    recorded = sorted({r["optimizer"] for r in rows if r["optimizer"].endswith("FlatAdamW")})
+    flat = recorded[0] if recorded else "optim_blockwise.FlatAdamW"
+    if flat != "optim_blockwise.FlatAdamW":
+        flat += "` (now `optim_blockwise.FlatAdamW`)"
+    else:
+        flat += "`"
     by_key: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
     for r in rows:
         by_key.setdefault((r["case"], r["world"]), {})[r["engine"]] = r
@@ -55,7 +63,7 @@ def engine_section(data: dict[str, Any]) -> str:
         f"alternating step by step on the same model, data and optimizer; {steps} timed steps "
         "after warm-up. Ratios are ours / peer (< 1: ours faster or smaller); step ratio = median "
         "of the paired per-step ratios (min / min in brackets). Memory: peak live storage per "
-        "rank. AdamW cases: ours `fsdp_engine.FlatAdamW`, the peers `torch.optim.AdamW`, the same "
+        f"rank. AdamW cases: ours `{flat}, the peers `torch.optim.AdamW`, the same "
         "two param groups (decay on matrices, none on norms); the last two columns are ours with "
         "per-parameter `torch.optim.AdamW` instead.",
         "",
@@ -116,7 +124,7 @@ def optim_section(data: dict[str, Any]) -> str:
         "tokens), sides alternating step by step in one run per world size. opt / fwd+bwd: the "
         "optimizer step's median time as a share of forward+backward's. Ratios ours / peer (< 1: "
         "ours faster or smaller). Transient: peak live memory of `step()` beyond parameters, "
-        "gradients and state, per parameter element (`dbuffer.LiveBytes`).",
+        "gradients and state, per parameter element (`dbuffer.testing.LiveBytes`).",
         "",
         "| optimizer | world | ours: opt / fwd+bwd | peer | peer: opt / fwd+bwd | step ours / "
         "peer | opt step ours / peer | transient B/elem ours vs peer | ops per parameter ours "

@@ -200,7 +200,7 @@ def _markdown(s: dict[str, Any]) -> str:
         f"and AdamW state), bitwise equal: **{s['bitwise_equal']}**"
         + (f" (differing: {s['differing']})" if s["differing"] else "")
         + ".",
-        f"- Live storage after a step (dbuffer.LiveBytes, every checkpoint step after step "
+        f"- Live storage after a step (dbuffer.testing.LiveBytes, every checkpoint step after step "
         f"{2 * s['checkpoint_every']}, per rank): uninterrupted "
         f"{spread(s['live_bytes']['straight'])}, with kills {spread(s['live_bytes']['killed'])}"
         f"; flat and equal in both: **{s['live_flat']}**. Peak within a step: "

@@ -11,9 +11,9 @@ a marker file per kill, so a restarted job replaying the step does not kill agai
 timer that SIGKILLs the process a random fraction of a step later: in the step's compute, a
 collective, or the checkpoint save that follows it. torchrun (``--max-restarts``) restarts the
 job. At every checkpoint step each rank also measures live memory over one step with
-``dbuffer.LiveBytes`` (storage bytes live after the step, and the step's peak) and its RSS, and
-appends them to ``memory-rank<r>.jsonl`` next to ``--ckpt`` (kept across kills). Rank 0 writes
-the final parameters and optimizer state to ``--out``.
+``dbuffer.testing.LiveBytes`` (storage bytes live after the step, and the step's peak) and its
+RSS, and appends them to ``memory-rank<r>.jsonl`` next to ``--ckpt`` (kept across kills). Rank
+0 writes the final parameters and optimizer state to ``--out``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from dbuffer import LiveBytes
+from dbuffer.testing import LiveBytes
 from fsdp_engine import latest_checkpoint, load_checkpoint, save_checkpoint
 
 

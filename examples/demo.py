@@ -112,7 +112,7 @@ def build(
         decay = [p for p in model.parameters() if p.dim() >= 2]
         no_decay = [p for p in model.parameters() if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-        adamw = fsdp_engine.FlatAdamW if args.engine == "fsdp-engine" else torch.optim.AdamW
+        adamw = ob.FlatAdamW if args.engine == "fsdp-engine" else torch.optim.AdamW
         opt = adamw(groups, lr=args.lr, betas=betas)
     elif args.optimizer == "adamw8bit":
         opt = ob.AdamW8bit(model.parameters(), lr=args.lr, betas=betas, weight_decay=0.1)
@@ -178,7 +178,7 @@ def train(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     times: list[float] = []
     tally = CollectiveTally()
     peak = 0
-    from dbuffer import CopiedBytes, LiveBytes
+    from dbuffer.testing import CopiedBytes, LiveBytes
 
     copied = 0
     measure_step = min(2, args.steps - 1)

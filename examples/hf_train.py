@@ -91,7 +91,7 @@ class Run:
         self.tally = CollectiveTally()
 
     def step(self, tokens: torch.Tensor, measure: bool) -> torch.Tensor:
-        from dbuffer import LiveBytes
+        from dbuffer.testing import LiveBytes
 
         t0 = time.perf_counter()
         if measure:  # one measured step: peak live memory and collectives

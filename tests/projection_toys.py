@@ -12,7 +12,7 @@ Run as a script (a fresh process: the fake process group is global state)::
     python tests/projection_toys.py '[{"model": ..., "overrides": {...}, "world": 8, ...}]'
 
 prints one JSON line per case: the measured peak of live storage on rank 0 during the
-second training step (``dbuffer.LiveBytes``), the phase where it occurred, and the engine's
+second training step (``dbuffer.testing.LiveBytes``), the phase where it occurred, and the engine's
 shard sizes per group. Under the fake process group collectives move nothing, which changes no
 allocation.
 """
@@ -226,13 +226,14 @@ def measure(
     """Rank 0's live-storage peak over the second step under the fake process group.
 
     ``engine="fsdp2"`` runs torch's ``fully_shard`` and per-parameter foreach AdamW instead of
-    ours with ``FlatAdamW``."""
+    ours with ``optim_blockwise.FlatAdamW``."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from dbuffer import LiveBytes
+    from dbuffer.testing import LiveBytes
 
     if engine == "ours":
-        from fsdp_engine import FlatAdamW, MixedPrecisionPolicy, fully_shard
+        from fsdp_engine import MixedPrecisionPolicy, fully_shard
+        from optim_blockwise import FlatAdamW
     else:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # type: ignore[assignment]
 

@@ -2,11 +2,14 @@
 
 - each package imports only the standard library, itself and what its pyproject declares;
 - sibling packages only in the allowed directions (table below);
-- never another package's ``_private`` modules;
+- never another package's ``_private`` modules, nor its ``testing`` module (test conveniences
+  and measurement: ``dbuffer.testing``, ``ragged_dtensor.testing``; no package uses them);
 - shard-planner never imports torch;
 - shard-planner's ``projection`` subpackage reaches the packing core only through the core's
   public API (``shard_planner.<name>`` for a name in ``shard_planner.__all__``), and the core
-  never imports the subpackage.
+  never imports the subpackage;
+- no test module imports another test module (shared helpers live in modules pytest does not
+  collect), and every ``test_*.py`` holds a test.
 """
 
 from __future__ import annotations
@@ -106,6 +109,8 @@ def test_imports_follow_the_dependency_table(folder: Path) -> None:
                     problems.append(f"{where}: {name} may not depend on {root}")
                 elif "._private" in module or module.split(".")[1:2] == ["_private"]:
                     problems.append(f"{where}: private module of another package")
+                elif module.split(".")[1:2] == ["testing"]:
+                    problems.append(f"{where}: test tools of another package")
                 if root not in declared:
                     problems.append(f"{where}: sibling {root} not declared in pyproject")
                 continue
@@ -367,6 +372,102 @@ def test_planner_layering_check_finds_a_breach_planted_in_the_real_tree(tmp_path
     assert any(
         "shard_planner/_private/search.py" in p and "the core imports" in p for p in problems
     )
+
+
+# [Note: test modules import no test module]
+# A test module imported by another runs its module-level code twice (collected, and imported by
+# name), hides where a helper lives, and ties two test files together; a spawned process
+# re-imports test modules by name, so the helper's home must be a module of its own. Shared code
+# goes in a module pytest does not collect (``engine_*.py``, ``dbuffer_*.py``, ``tests/*.py``
+# not named ``test_*``); across packages, only through a package's public API (e.g.
+# ``dbuffer.testing``). Every way of naming a module counts, as for the planner's line above.
+TEST_DIRS = [ROOT / "tests", ROOT / "examples" / "tests", *(PACKAGES.glob("*/tests"))]
+
+
+def _test_files() -> dict[str, str]:
+    return {
+        str(path.relative_to(ROOT)): path.read_text()
+        for folder in TEST_DIRS
+        if folder.is_dir()
+        for path in sorted(folder.rglob("test_*.py"))
+    }
+
+
+def imports_of_test_modules(files: Mapping[str, str]) -> list[str]:
+    """Each import in a ``test_*.py`` of ``files`` (path -> source) that names a ``test_*``
+    module: ``import test_x``, ``from test_x import y``, ``from . import test_x``,
+    ``importlib.import_module("test_x")``, ``__import__("test_x")``, anywhere in the file."""
+    problems = []
+    for path, source in files.items():
+        for line, module, names in _named_modules(Path(path).name, ast.parse(source, path)):
+            relative = module == "<beyond top level>" or module.split(".")[0] == "tests"
+            named = module.split(".") + sorted(names) if relative else module.split(".")[:1]
+            if any(part.startswith("test_") for part in named):
+                problems.append(f"{path}:{line} imports the test module {module or names}")
+    return problems
+
+
+def test_no_test_module_imports_another_test_module() -> None:
+    problems = imports_of_test_modules(_test_files())
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import test_dbuffer_streams as streams\n",
+        "import test_engine_fsdp2\n",
+        "from test_dbuffer_autograd import _train_step\n",
+        "from test_optim_support.sub import helper\n",
+        "from . import test_other\n",
+        "import tests.test_architecture\n",
+        "def f():\n    from test_engine_parity import check\n",
+        "import importlib\nimportlib.import_module('test_engine_parity')\n",
+        "__import__('test_engine_parity')\n",
+    ],
+    ids=[
+        "import-as",
+        "import",
+        "from-import",
+        "from-submodule",
+        "relative",
+        "tests-package",
+        "in-a-function",
+        "import_module",
+        "__import__",
+    ],
+)
+def test_the_test_import_check_rejects_a_planted_breach(source: str) -> None:
+    problems = imports_of_test_modules({"packages/x/tests/test_x.py": source})
+    assert len(problems) == 1 and "packages/x/tests/test_x.py" in problems[0], problems
+
+
+def test_the_test_import_check_accepts_helpers_and_test_utilities() -> None:
+    source = (
+        "import engine_models\nfrom dbuffer_helpers import make_tensors\n"
+        "from torch.testing._internal.common_utils import run_tests\n"
+        "from ragged_dtensor.testing import run_threaded\n"
+        "from dbuffer.testing import simulated_streams\n"
+    )
+    assert imports_of_test_modules({"tests/test_x.py": source}) == []
+
+
+def test_every_test_module_holds_a_test() -> None:
+    """A ``test_*.py`` with no test is a helper pytest collects (issue 27: ``test_optim_support.py``
+    held 0 tests): name it otherwise."""
+    empty = [
+        path
+        for path, source in _test_files().items()
+        if not any(
+            (
+                isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                and node.name.startswith("test")
+            )
+            or (isinstance(node, ast.ClassDef) and node.name.startswith("Test"))
+            for node in ast.walk(ast.parse(source, path))
+        )
+    ]
+    assert not empty, empty
 
 
 @pytest.mark.parametrize("folder", _package_folders(), ids=lambda p: p.name)

@@ -1,5 +1,5 @@
-"""fsdp_engine's use of dbuffer's streams, checked on CPU with the simulated streams of
-``packages/dbuffer/tests/test_dbuffer_streams.py`` (see its docstring for the model).
+"""fsdp_engine's use of dbuffer's streams, checked on CPU with dbuffer's simulated streams
+(``dbuffer.testing.simulated_streams``; the model is described in its module).
 
 Two ranks (threaded process group, one simulation each) train a 4-layer model for three steps
 with everything that issues all-gathers early: the implicit forward prefetch (issued before the
@@ -19,9 +19,7 @@ stream reuses it (the hand-back after the hook in dbuffer's packed.py) must be r
 
 from __future__ import annotations
 
-import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,13 +28,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "dbuffer" / "tests"))
-
-import test_dbuffer_streams as streams
-
 import fsdp_engine
 from dbuffer._private import collectives as collectives_module
 from dbuffer._private import streams as streams_module
+from dbuffer.testing import install_simulated_streams, simulated_event_now, simulated_streams
 from fsdp_engine._private import gather as gather_module
 from ragged_dtensor.testing import run_threaded
 
@@ -88,7 +83,7 @@ def _train(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32, quantized_all_gather=quantize
     )
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
-    with streams.simulated(give_back=give_back) as sim:
+    with simulated_streams(give_back=give_back) as sim:
         for layer in model:
             fsdp_engine.fully_shard(
                 layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard
@@ -127,8 +122,8 @@ def _check_streams(
     """Train under the simulated streams; ``planted``: frees no longer hand memory back to
     the stream that allocated it, or ``"hook unordered"``: the hook's stream no longer waits for
     the reduction (races the model must report)."""
-    streams.install(monkeypatch)
-    monkeypatch.setattr(gather_module, "event_now", streams.event_now)
+    install_simulated_streams(monkeypatch)
+    monkeypatch.setattr(gather_module, "event_now", simulated_event_now)
     if planted is True:
         monkeypatch.setattr(streams_module, "hand_back", lambda owner, device: None)
     elif planted == "hook unordered":

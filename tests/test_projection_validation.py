@@ -3,7 +3,7 @@
 Scaled-down catalogue models (the catalogue's structure and parameter names, small widths; see
 ``projection_toys``) train two steps under the fake process group at world sizes 8, 64 and 256
 (rank 0 allocates exactly what it would in a real run; collectives move nothing). The peak of
-live storage over the second step, tallied by ``dbuffer.LiveBytes``, is compared with
+live storage over the second step, tallied by ``dbuffer.testing.LiveBytes``, is compared with
 ``shard_planner.projection.project`` for the same model, world size, dtypes, micro-batch and
 prefetch depth: within 5% for ours (``fsdp_engine``) and for torch's FSDP2. The comparison is of
 sizes, not of arithmetic: no tolerance depends on floating-point results. The shard sizes the engine

@@ -1,5 +1,5 @@
 """Zero-element and 0-d parameters on ``fully_shard`` survive save / load with every optimizer
-(torch AdamW, optim_blockwise AdamW8bit and Muon, fsdp_engine's FlatAdamW), bit for bit.
+(torch AdamW, optim_blockwise AdamW8bit and Muon, optim_blockwise's FlatAdamW), bit for bit.
 
 Regressions (found by the adversarial runs of issue 14): a zero-element parameter was missing
 from our checkpoints ("Missing key in checkpoint state_dict: model.empty"; FSDP2 and plain DCP
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor, init_device_mesh
 
 import optim_blockwise as ob
-from fsdp_engine import FlatAdamW, fully_shard, load_checkpoint, save_checkpoint
+from fsdp_engine import fully_shard, load_checkpoint, save_checkpoint
 from ragged_dtensor.testing import run_threaded
 
 OPTIMIZERS = ("adamw", "adamw8bit", "muon", "flat")
@@ -61,7 +61,7 @@ def _build(world: int, kind: str) -> tuple[nn.Module, Any]:
     elif kind == "muon":
         opt = ob.Muon(model.parameters(), lr=1e-2, ns_dtype=torch.float32)
     else:
-        opt = FlatAdamW(model.parameters(), lr=1e-2)
+        opt = ob.FlatAdamW(model.parameters(), lr=1e-2)
     return model, opt
 
 

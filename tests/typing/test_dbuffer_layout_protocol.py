@@ -25,6 +25,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from dbuffer import BufferLayout, ContiguousLayout, DBuffer, contiguous_layout
+from dbuffer.testing import load_full_, sharded_views
 from ragged_dtensor.testing import run_threaded
 from shard_planner import Plan, TensorSpec, plan
 
@@ -199,8 +200,8 @@ def _gather_with_plan(rank: int, world: int) -> None:
     layout = _plan(world)
     gen = torch.Generator().manual_seed(0)
     full = [torch.randn(s, generator=gen) for s in SHAPES]
-    buf = DBuffer(layout, SHAPES, mesh).load_full_(full)
-    for i, dt in enumerate(buf.sharded_views()):
+    buf = load_full_(DBuffer(layout, SHAPES, mesh), full)
+    for i, dt in enumerate(sharded_views(buf)):
         if layout.numels[i]:
             assert dt.placements[0] == buf.slots[i].placement
             assert buf.slots[i].placement.local_units == layout.local_units(i)

@@ -33,7 +33,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from dbuffer import CopiedBytes, DBuffer, LiveBytes, contiguous_layout
+from dbuffer import DBuffer, contiguous_layout
+from dbuffer.testing import CopiedBytes, LiveBytes, load_full_
 from ragged_dtensor.testing import run_processes
 
 
@@ -103,7 +104,7 @@ def _worker(rank: int, world: int, dim: int, ffn: int, steps: int) -> dict[str, 
     # DBuffer: the same shapes; row blocks (a 2-D weight is never cut inside a row).
     blocks = [s[-1] if len(s) == 2 else 1 for s in shapes]
     layout = contiguous_layout([torch.Size(s).numel() for s in shapes], world, blocks=blocks)
-    params = DBuffer(layout, shapes, mesh, names=names).load_full_(full)
+    params = load_full_(DBuffer(layout, shapes, mesh, names=names), full)
     grads = params.new_like()
 
     def fsdp_gather() -> None:

@@ -1,7 +1,8 @@
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from dbuffer import DBuffer, LiveBytes, contiguous_layout
+from dbuffer import DBuffer, contiguous_layout
+from dbuffer.testing import LiveBytes, attach_grads, load_full_, sharded_views
 from ragged_dtensor.testing import run_processes
 
 SHAPES = [(64, 32), (64,), (10, 64), (10,)]  # a two-layer MLP
@@ -18,9 +19,9 @@ def demo(rank: int, world: int) -> None:
     layout = contiguous_layout([64 * 32, 64, 10 * 64, 10], world, blocks=[32, 1, 64, 1])
     torch.manual_seed(0)
     init = [torch.randn(s) * 0.1 for s in SHAPES]
-    params = DBuffer(layout, SHAPES, mesh).load_full_(init)  # ranks compare layouts here
+    params = load_full_(DBuffer(layout, SHAPES, mesh), init)  # ranks compare layouts here
     grads = params.new_like()  # same layout: gradients land in place
-    print(f"rank {rank}:", [str(dt.placements[0]) for dt in params.sharded_views()])
+    print(f"rank {rank}:", [str(dt.placements[0]) for dt in sharded_views(params)])
 
     # Leaves made once: aliases of the unsharded storage, valid across free/re-allocation.
     leaves = [v.detach().requires_grad_() for v in params.full_views(allow_released=True)]
@@ -28,7 +29,7 @@ def demo(rank: int, world: int) -> None:
         for step in range(3):
             params.unshard()  # one all-gather, straight into the views: no copy-out
             grads.alloc_unsharded(zero=True)
-            grads.attach_grads(leaves)  # leaf.grad = a view of the grad buffer
+            attach_grads(grads, leaves)  # leaf.grad = a view of the grad buffer
             x = torch.randn(8, 32, generator=torch.Generator().manual_seed(10 * step + rank))
             loss = loss_fn(leaves, x)
             params.reshard()  # freed now; autograd's saved views stay valid

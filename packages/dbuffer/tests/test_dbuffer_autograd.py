@@ -12,126 +12,19 @@ from __future__ import annotations
 import pytest
 import torch
 from dbuffer_helpers import make_tensors
+from dbuffer_mlp import MLP_BLOCKS, MLP_SHAPES, mlp_batch, mlp_loss, rank_sum, train_step
 from torch.distributed.device_mesh import init_device_mesh
 
 from dbuffer import DBuffer, contiguous_layout
+from dbuffer.testing import attach_grads, load_full_, sharded_views
 from ragged_dtensor.testing import run_threaded
-
-# A two-layer MLP with row blocks, so shard boundaries fall between rows.
-MLP_SHAPES = [(32, 16), (32,), (8, 32), (8,)]
-MLP_BLOCKS = [16, 1, 32, 1]
-
-
-def _loss(params: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    w1, b1, w2, b2 = params
-    return torch.tanh(x @ w1.T + b1).matmul(w2.T).add(b2).pow(2).mean()
-
-
-def _batch(rank: int, micro: int) -> torch.Tensor:
-    return torch.randn(4, 16, generator=torch.Generator().manual_seed(1000 * rank + micro))
-
-
-def _rank_grads(rank: int, micros: range) -> list[torch.Tensor]:
-    """One rank's gradient, accumulated by autograd over its micro-batches."""
-    params = [p.clone().requires_grad_() for p in make_tensors(MLP_SHAPES, 0)]
-    for micro in micros:
-        _loss(params, _batch(rank, micro)).backward()
-    return [p.grad for p in params]  # type: ignore[misc]
-
-
-def _rank_sum(per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """The threaded process group's reduction: rank 0's tensor, then each rank's added."""
-    total = [g.clone() for g in per_rank[0]]
-    for grads in per_rank[1:]:
-        for acc, g in zip(total, grads, strict=True):
-            acc.add_(g)
-    return total
-
-
-def _reference_grads(world: int, mode: str) -> list[torch.Tensor]:
-    if mode == "accumulate-unsharded":  # one reduction of the accumulated gradients
-        total = _rank_sum([_rank_grads(r, range(2)) for r in range(world)])
-        return [t.mul_(1.0 / world) for t in total]
-    out = [torch.zeros(s) for s in MLP_SHAPES]  # one accumulating reduction per micro-batch
-    for micro in range(2):
-        summed = _rank_sum([_rank_grads(r, range(micro, micro + 1)) for r in range(world)])
-        for acc, t in zip(out, summed, strict=True):
-            acc.add_(t, alpha=1.0 / world)
-    return out
-
-
-def _grad_magnitude(world: int) -> list[torch.Tensor]:
-    """sum over ranks and micro-batches of |gradient|: the scale of the reduction's rounding."""
-    total = [torch.zeros(s) for s in MLP_SHAPES]
-    for r in range(world):
-        for micro in range(2):
-            for acc, g in zip(total, _rank_grads(r, range(micro, micro + 1)), strict=True):
-                acc.add_(g.abs())
-    return [t / world for t in total]
-
-
-def _train_step(rank: int, world: int, mode: str, *, exact: bool = True) -> None:
-    """``exact=False`` where the process group sums in an order the reference cannot mirror
-    (gloo at 4 ranks): different arithmetic, bounded as in ``test_dbuffer_collectives``:
-    (n + 3) * eps * (sum |g|) / world for n = world * 2 summed terms."""
-    mesh = init_device_mesh("cpu", (world,))
-    layout = contiguous_layout(
-        [torch.Size(s).numel() for s in MLP_SHAPES], world, blocks=MLP_BLOCKS
-    )
-    params = DBuffer(layout, MLP_SHAPES, mesh).load_full_(make_tensors(MLP_SHAPES, 0))
-    grads = params.new_like()
-    storage = params.unsharded.untyped_storage()
-    # Leaves made once: aliases of the unsharded storage (they never own memory).
-    leaves = [v.detach().requires_grad_() for v in params.full_views(allow_released=True)]
-    for step in range(2):  # the same views serve every step
-        grads.zero_()
-        if mode == "accumulate-unsharded":
-            # no_sync-style: gradients of both micro-batches accumulate into the unsharded
-            # grad storage, one reduce-scatter at the end.
-            grads.alloc_unsharded(zero=True)
-            grads.attach_grads(leaves)
-        for micro in range(2):
-            params.unshard()
-            loss = _loss(leaves, _batch(rank, micro))
-            params.reshard()  # forward done: free; autograd holds views of the freed storage
-            assert storage.nbytes() == 0 and not params.is_unsharded()
-            params.unshard()  # the backward pre-hook's gather refills the same storage
-            if mode == "reduce-each-backward":
-                grads.alloc_unsharded(zero=True)
-                grads.attach_grads(leaves)
-            grad_storage = grads.unsharded.untyped_storage()
-            loss.backward()
-            # Autograd wrote into the views: still the grad buffer's storage, no new tensor.
-            for leaf, view in zip(leaves, grads.full_views(), strict=True):
-                assert leaf.grad is view
-                assert leaf.grad.untyped_storage().data_ptr() == grad_storage.data_ptr()
-            params.reshard()
-            if mode == "reduce-each-backward":
-                grads.reduce_scatter(op="avg", accumulate=True)
-                assert all(leaf.grad is None for leaf in leaves)  # detached on release
-        if mode == "accumulate-unsharded":
-            grads.reduce_scatter(op="avg")
-        expected = _reference_grads(world, mode)
-        scale = _grad_magnitude(world) if not exact else expected
-        bound_factor = (2 * world + 3) * torch.finfo(torch.float32).eps
-        for dt, slot, ref, mag in zip(
-            grads.sharded_views(), grads.slots, expected, scale, strict=True
-        ):
-            rng = slot.placement.flat_range(slot.shape, grads.rank)
-            want = ref.reshape(-1)[rng.start : rng.stop]
-            if exact:
-                assert torch.equal(dt.to_local(), want), slot.name
-            else:
-                bound = bound_factor * mag.reshape(-1)[rng.start : rng.stop]
-                assert bool(((dt.to_local() - want).abs() <= bound).all()), slot.name
-        del step
 
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("mode", ["accumulate-unsharded", "reduce-each-backward"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_gradients_accumulate_over_two_backward_passes(world: int, mode: str) -> None:
-    run_threaded(_train_step, world, mode)
+    run_threaded(train_step, world, mode)
 
 
 def _released_views_are_guarded(rank: int, world: int) -> None:
@@ -155,19 +48,19 @@ def _mixed_precision_step(rank: int, world: int) -> None:
     layout = contiguous_layout(
         [torch.Size(s).numel() for s in MLP_SHAPES], world, blocks=MLP_BLOCKS
     )
-    params = DBuffer(layout, MLP_SHAPES, mesh).load_full_(make_tensors(MLP_SHAPES, 0))
+    params = load_full_(DBuffer(layout, MLP_SHAPES, mesh), make_tensors(MLP_SHAPES, 0))
     low_grads = params.new_like(torch.bfloat16)
     grads = params.new_like()
     leaves = [
         v.detach().requires_grad_() for v in params.full_views(torch.bfloat16, allow_released=True)
     ]
     params.unshard(dtype=torch.bfloat16)
-    loss = _loss(leaves, _batch(rank, 0).to(torch.bfloat16))
+    loss = mlp_loss(leaves, mlp_batch(rank, 0).to(torch.bfloat16))
     params.reshard()  # the bf16 storage autograd saved is released...
     assert not params.is_unsharded(torch.bfloat16)
     params.unshard(dtype=torch.bfloat16)  # ...and refilled before backward
     low_grads.alloc_unsharded(zero=True)
-    low_grads.attach_grads(leaves)
+    attach_grads(low_grads, leaves)
     loss.backward()
     params.reshard()
     low_grads.reduce_scatter(op="avg", reduce_dtype=torch.float32, into=grads)
@@ -177,10 +70,10 @@ def _mixed_precision_step(rank: int, world: int) -> None:
     per_rank = []
     for r in range(world):
         ref = [p.to(torch.bfloat16).requires_grad_() for p in make_tensors(MLP_SHAPES, 0)]
-        _loss(ref, _batch(r, 0).to(torch.bfloat16)).backward()
+        mlp_loss(ref, mlp_batch(r, 0).to(torch.bfloat16)).backward()
         per_rank.append([p.grad.float() for p in ref])  # type: ignore[union-attr]
-    expected = [t.mul_(1.0 / world) for t in _rank_sum(per_rank)]
-    for dt, slot, ref_grad in zip(grads.sharded_views(), grads.slots, expected, strict=True):
+    expected = [t.mul_(1.0 / world) for t in rank_sum(per_rank)]
+    for dt, slot, ref_grad in zip(sharded_views(grads), grads.slots, expected, strict=True):
         assert dt.dtype == torch.float32
         rng = slot.placement.flat_range(slot.shape, grads.rank)
         assert torch.equal(dt.to_local(), ref_grad.reshape(-1)[rng.start : rng.stop]), slot.name

@@ -11,6 +11,7 @@ import torch
 from torch.distributed.tensor import init_device_mesh
 
 from dbuffer import DBuffer, contiguous_layout
+from dbuffer.testing import load_full_
 from ragged_dtensor.testing import expect_error_on_every_rank, run_threaded
 
 SHAPES = [(2, 4), (4,)]
@@ -71,13 +72,13 @@ CASES: dict[str, Case] = {
         ("shard_axis 3", "1-D mesh"),
     ),
     "load_full_: wrong numel": (
-        lambda mesh: _buffer(mesh).load_full_([torch.zeros(9), torch.zeros(4)]),
+        lambda mesh: load_full_(_buffer(mesh), [torch.zeros(9), torch.zeros(4)]),
         ValueError,
         ("'layer.w'", "9 elements", "expects 8"),
     ),
     "load_full_: wrong dtype": (
-        lambda mesh: _buffer(mesh).load_full_(
-            [torch.zeros(8), torch.zeros(4, dtype=torch.float64)]
+        lambda mesh: load_full_(
+            _buffer(mesh), [torch.zeros(8), torch.zeros(4, dtype=torch.float64)]
         ),
         ValueError,
         ("'layer.b'", "torch.float64", "torch.float32"),

@@ -1,7 +1,7 @@
 """All-gather / reduce-scatter against a single-process reference (threaded process group).
 
 Numerics: gathers move bits (compared bitwise); reductions are different arithmetic, checked
-against the float64 sum with the bound derived in ``Expected``.
+against the float64 sum with the bound derived in ``dbuffer_reference.Expected``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from dbuffer_helpers import (
     make_tensors,
     reset_collective_counts,
 )
+from dbuffer_reference import check_shards, reference
 from torch.distributed.device_mesh import init_device_mesh
 
-from dbuffer import CopiedBytes, DBuffer, contiguous_layout
+from dbuffer import DBuffer, contiguous_layout
+from dbuffer.testing import CopiedBytes, load_full_
 from ragged_dtensor.testing import run_threaded
 
 install_collective_counter()
@@ -30,62 +32,6 @@ pytestmark = pytest.mark.numerics
 
 def _layout(world: int) -> object:
     return contiguous_layout([torch.Size(s).numel() for s in SHAPES], world, blocks=BLOCKS)
-
-
-class Expected:
-    """The single-process result of a reduction and the error it may legitimately carry.
-
-    Different arithmetic: the reference sums in float64 the values each rank sends (cast to the
-    reduce dtype first, as the engine does); the process group sums n terms in the reduce dtype
-    and the result is scaled and cast. Recursive summation of n terms errs by at most
-    (n - 1) * u * sum|g| (u = eps / 2), the scale, the cast and an accumulation add one rounding
-    each: ``bound = (n + 3) * eps * (scale * sum|g| + |initial|)`` with eps that of the coarser
-    of the reduce and the buffer dtype.
-    """
-
-    def __init__(self, ranks: range, op: str, dtype: torch.dtype | None) -> None:
-        self.terms = len(ranks)
-        self.dtype = dtype
-        self.values = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
-        self.magnitudes = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
-        for r in ranks:
-            for acc, mag, g in zip(
-                self.values, self.magnitudes, make_tensors(SHAPES, 100 + r), strict=True
-            ):
-                sent = (g.to(dtype) if dtype is not None else g).double()
-                acc.add_(sent)
-                mag.add_(sent.abs())
-        if op == "avg":
-            self.values = [t / self.terms for t in self.values]
-            self.magnitudes = [t / self.terms for t in self.magnitudes]
-
-    def plus(self, initial: list[torch.Tensor]) -> Expected:
-        """The result accumulated into ``initial`` (``accumulate=True``)."""
-        for value, mag, i in zip(self.values, self.magnitudes, initial, strict=True):
-            value.add_(i.double())
-            mag.add_(i.double().abs())
-        return self
-
-    def bound(self, index: int, buffer_dtype: torch.dtype) -> torch.Tensor:
-        eps = max(torch.finfo(d).eps for d in (buffer_dtype, self.dtype or buffer_dtype))
-        return (self.terms + 3) * eps * self.magnitudes[index]
-
-
-def _reference(ranks: range, op: str, dtype: torch.dtype | None) -> Expected:
-    return Expected(ranks, op, dtype)
-
-
-def _check_shards(buf: DBuffer, expected: Expected) -> None:
-    for i, (dt, slot) in enumerate(zip(buf.sharded_views(), buf.slots, strict=True)):
-        rng = slot.placement.flat_range(slot.shape, buf.rank)
-        want = expected.values[i].reshape(-1)[rng.start : rng.stop]
-        bound = expected.bound(i, buf.dtype).reshape(-1)[rng.start : rng.stop]
-        error = (dt.to_local().double() - want).abs()
-        worst = int(torch.argmax(error - bound)) if error.numel() else 0
-        assert bool((error <= bound).all()), (
-            f"{slot.name}: element {worst} off by {error[worst].item():.3e}, "
-            f"bound {bound[worst].item():.3e}"
-        )
 
 
 def _gather_reduce(
@@ -98,7 +44,7 @@ def _gather_reduce(
 ) -> None:
     mesh = init_device_mesh("cpu", (world,))
     params = make_tensors(SHAPES, 0)
-    buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(_layout(world), SHAPES, mesh), params)  # type: ignore[arg-type]
     reset_collective_counts()
     handle = buf.unshard(async_op=async_op)
     handle.wait()
@@ -111,7 +57,7 @@ def _gather_reduce(
     grads = buf.new_like()
     initial = make_tensors(SHAPES, 7)
     if accumulate:
-        grads.load_full_(initial)
+        load_full_(grads, initial)
     for view, g in zip(
         grads.alloc_unsharded(zero=True), make_tensors(SHAPES, 100 + rank), strict=True
     ):
@@ -126,10 +72,10 @@ def _gather_reduce(
     handle.wait()
     assert collective_counts() == Counter(reduce_scatter_single=1)
     assert not grads.is_unsharded()  # the input storage is released when the handle completes
-    expected = _reference(range(world), op, reduce_dtype)
+    expected = reference(range(world), op, reduce_dtype)
     if accumulate:
         expected = expected.plus(initial)
-    _check_shards(grads, expected)
+    check_shards(grads, expected)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -157,7 +103,7 @@ def test_reduce_variants_match_the_reference(
 def _hsdp(rank: int, world: int, async_op: bool) -> None:
     mesh = init_device_mesh("cpu", (2, 2))  # axis 0 replicate, axis 1 shard
     params = make_tensors(SHAPES, 0)
-    buf = DBuffer(_layout(2), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(_layout(2), SHAPES, mesh), params)  # type: ignore[arg-type]
     assert buf.rank == mesh.get_local_rank(1) and buf.replicate_axes == (0,)
     reset_collective_counts()
     buf.unshard(async_op=async_op).wait()
@@ -170,7 +116,7 @@ def _hsdp(rank: int, world: int, async_op: bool) -> None:
     grads.reduce_scatter(op="avg", async_op=async_op).wait()
     # One reduce-scatter over the shard axis, one all-reduce over the replicate axis.
     assert collective_counts() == Counter(reduce_scatter_single=1, all_reduce=1)
-    _check_shards(grads, _reference(range(4), "avg", None))
+    check_shards(grads, reference(range(4), "avg", None))
 
 
 @pytest.mark.parametrize("async_op", [False, True])
@@ -190,7 +136,7 @@ def _mixed_precision(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     group = mesh.get_group()
     params = make_tensors(SHAPES, 0)
-    buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(_layout(world), SHAPES, mesh), params)  # type: ignore[arg-type]
     size = buf.shard_size
 
     def bare_gather(dtype: torch.dtype) -> None:
@@ -230,7 +176,7 @@ def test_mixed_precision_unshard_casts_the_shard_once() -> None:
 def _inflight(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     params = make_tensors(SHAPES, 0)
-    buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(_layout(world), SHAPES, mesh), params)  # type: ignore[arg-type]
     handle = buf.unshard(async_op=True)
     buf.reshard()  # waits for the gather first: memory is never freed under a collective
     assert handle.done and not buf.is_unsharded()
@@ -240,7 +186,7 @@ def _inflight(rank: int, world: int) -> None:
     handle = grads.reduce_scatter(op="sum", async_op=True)
     grads.scale_(1.0 / world)  # a fused op waits for the reduce-scatter writing the shard
     assert handle.done
-    _check_shards(grads, _reference(range(world), "avg", None))
+    check_shards(grads, reference(range(world), "avg", None))
 
 
 def test_ops_wait_for_collectives_in_flight() -> None:

@@ -12,11 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from dbuffer_helpers import BLOCKS, SHAPES, DispatchedOps, make_tensors
-from test_dbuffer_autograd import _train_step
-from test_dbuffer_collectives import _check_shards, _reference
+from dbuffer_mlp import train_step
+from dbuffer_reference import check_shards, reference
 from torch.distributed.device_mesh import init_device_mesh
 
-from dbuffer import CopiedBytes, DBuffer, LayoutMismatchError, contiguous_layout
+from dbuffer import DBuffer, LayoutMismatchError, contiguous_layout
+from dbuffer.testing import CopiedBytes, load_full_
 from ragged_dtensor.testing import run_processes
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.numerics]
@@ -30,7 +31,7 @@ def _gather_reduce(mesh_shape: tuple[int, ...]) -> dict[str, int]:
     mesh = init_device_mesh("cpu", mesh_shape)
     world = mesh_shape[-1]
     params = make_tensors(SHAPES, 0)
-    buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(_layout(world), SHAPES, mesh), params)  # type: ignore[arg-type]
     with DispatchedOps() as ops, CopiedBytes() as gather_copies:
         buf.unshard()
     assert Counter(ops.collectives()) == Counter({"c10d._allgather_base_.default": 1})
@@ -48,7 +49,7 @@ def _gather_reduce(mesh_shape: tuple[int, ...]) -> dict[str, int]:
     if len(mesh_shape) == 2:
         expected["c10d.allreduce_.default"] = 1
     assert Counter(ops.collectives()) == Counter(expected)
-    _check_shards(grads, _reference(range(dist.get_world_size()), "avg", None))
+    check_shards(grads, reference(range(dist.get_world_size()), "avg", None))
     # gloo's reduce-scatter copies its result out of an internal all-reduce buffer (backend
     # code, reached through the dispatcher): the same bytes as a bare reduce-scatter.
     bare = torch.empty(buf.shard_size)
@@ -64,7 +65,7 @@ def _async_and_mixed_precision(mesh_shape: tuple[int, ...]) -> None:
     mesh = init_device_mesh("cpu", mesh_shape)
     world = mesh_shape[-1]
     params = make_tensors(SHAPES, 0)
-    buf = DBuffer(_layout(world), SHAPES, mesh).load_full_(params)  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(_layout(world), SHAPES, mesh), params)  # type: ignore[arg-type]
     # Mixed precision: one cast of the shard (S bf16 elements), one bf16 all-gather, async.
     with DispatchedOps() as ops, CopiedBytes() as copied:
         handle = buf.unshard(dtype=torch.bfloat16, async_op=True)
@@ -77,7 +78,7 @@ def _async_and_mixed_precision(mesh_shape: tuple[int, ...]) -> None:
     # Async reduce-scatter with a bf16 reduce dtype, accumulated into an fp32 sharded gradient.
     grads = buf.new_like()
     initial = make_tensors(SHAPES, 7)
-    grads.load_full_(initial)
+    load_full_(grads, initial)
     for view, g in zip(
         grads.alloc_unsharded(), make_tensors(SHAPES, 100 + dist.get_rank()), strict=True
     ):
@@ -86,8 +87,8 @@ def _async_and_mixed_precision(mesh_shape: tuple[int, ...]) -> None:
         op="avg", reduce_dtype=torch.bfloat16, accumulate=True, async_op=True
     )
     handle.wait()
-    expected = _reference(range(dist.get_world_size()), "avg", torch.bfloat16).plus(initial)
-    _check_shards(grads, expected)
+    expected = reference(range(dist.get_world_size()), "avg", torch.bfloat16).plus(initial)
+    check_shards(grads, expected)
     assert not grads.is_unsharded()
     # An async gloo all-gather bumps its output's version counter in the background when it
     # completes; views autograd saved must still see the version they were saved at.
@@ -109,7 +110,7 @@ def _world_2(rank: int, world: int) -> None:
     _gather_reduce((world,))
     _async_and_mixed_precision((world,))
     for mode in ("accumulate-unsharded", "reduce-each-backward"):
-        _train_step(rank, world, mode)
+        train_step(rank, world, mode)
     dist.barrier()
 
 
@@ -123,7 +124,7 @@ def _world_4(rank: int, world: int) -> None:
     _gather_reduce((world,))
     _gather_reduce((2, 2))  # HSDP: axis 0 replicate, axis 1 shard
     _async_and_mixed_precision((2, 2))
-    _train_step(rank, world, "accumulate-unsharded", exact=False)  # gloo's own sum order
+    train_step(rank, world, "accumulate-unsharded", exact=False)  # gloo's own sum order
     dist.barrier()
 
 

@@ -9,7 +9,8 @@ import torch
 from dbuffer_helpers import BLOCKS, SHAPES, make_tensors
 from torch.distributed.device_mesh import init_device_mesh
 
-from dbuffer import CopiedBytes, DBuffer, LiveBytes, contiguous_layout
+from dbuffer import DBuffer, contiguous_layout
+from dbuffer.testing import CopiedBytes, LiveBytes, load_full_
 from ragged_dtensor.testing import run_threaded
 
 
@@ -61,7 +62,7 @@ def test_copied_bytes_counts_destinations() -> None:
 def _released(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     layout = contiguous_layout([torch.Size(s).numel() for s in SHAPES], world, blocks=BLOCKS)
-    buf = DBuffer(layout, SHAPES, mesh).load_full_(make_tensors(SHAPES, 0))  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(layout, SHAPES, mesh), make_tensors(SHAPES, 0))  # type: ignore[arg-type]
     shard_bytes = buf.shard_size * 4
     full_bytes = world * shard_bytes
     storage = buf.unsharded.untyped_storage()

@@ -23,6 +23,7 @@ from dbuffer import (
     contiguous_layout,
     packed_layout,
 )
+from dbuffer.testing import load_full_
 from ragged_dtensor.testing import run_processes, run_threaded
 
 install_collective_counter()  # counts the threaded group's calls too (no dispatcher there)
@@ -81,7 +82,7 @@ def _packed_roundtrip(rank: int, world: int) -> dict[str, int]:
     buf = DBuffer(contiguous_layout(numels, world), SHAPES, mesh)
     gen = torch.Generator().manual_seed(3)
     full = [torch.randn(s, generator=gen) for s in SHAPES]
-    buf.load_full_(full)
+    load_full_(buf, full)
     layout = packed_layout(_sizes(buf))
     gather = PackedAllGather(buf, layout)
     extra: list[torch.Tensor] = []

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch.distributed.device_mesh import init_device_mesh
 
 from dbuffer import DBuffer, contiguous_layout
+from dbuffer.testing import load_full_, sharded_views
 from ragged_dtensor.testing import run_threaded
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "15"))
@@ -38,9 +39,9 @@ def _roundtrip(
     mesh = init_device_mesh("cpu", (world,))
     layout = contiguous_layout([math.prod(s) for s in shapes], world, blocks=blocks, align=align)
     full = make_tensors(shapes, 0)
-    buf = DBuffer(layout, shapes, mesh).load_full_(full)
+    buf = load_full_(DBuffer(layout, shapes, mesh), full)
     ptr = buf.shard.untyped_storage().data_ptr()
-    for dt, slot, tensor in zip(buf.sharded_views(), buf.slots, full, strict=True):
+    for dt, slot, tensor in zip(sharded_views(buf), buf.slots, full, strict=True):
         assert dt._local_tensor.untyped_storage().data_ptr() == ptr
         rng = slot.placement.flat_range(slot.shape, rank)
         assert torch.equal(dt.to_local(), tensor.reshape(-1)[rng.start : rng.stop])
@@ -52,7 +53,7 @@ def _roundtrip(
         view.copy_(g)
     grads.reduce_scatter(op="sum")
     # Same arithmetic: the threaded process group sums in rank order in fp32 (bitwise).
-    for dt, slot in zip(grads.sharded_views(), grads.slots, strict=True):
+    for dt, slot in zip(sharded_views(grads), grads.slots, strict=True):
         ref = make_tensors(shapes, 100)[slot.index].clone()
         for r in range(1, world):
             ref += make_tensors(shapes, 100 + r)[slot.index]

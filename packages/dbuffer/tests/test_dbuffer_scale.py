@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from dbuffer import DBuffer, contiguous_layout
 from dbuffer._private import refs
 from dbuffer._private.layout import _units_match, first_cut, span_units
+from dbuffer.testing import sharded_views, views_held_elsewhere
 from ragged_dtensor.testing import run_threaded
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "150"))
@@ -118,11 +119,11 @@ def _fake_world_lines(world: int) -> dict[str, Counter[tuple[str, int]]]:
 
         counts["build"] = _lines_in_dbuffer(build)
         params: DBuffer = box["params"]
-        counts["sharded_views"] = _lines_in_dbuffer(params.sharded_views)
+        counts["sharded_views"] = _lines_in_dbuffer(lambda: sharded_views(params))
 
         def like() -> None:
             box["grads"] = params.new_like()
-            box["grads"].sharded_views()
+            sharded_views(box["grads"])
             box["grads"].claim_views()
 
         counts["new_like"] = _lines_in_dbuffer(like)
@@ -136,7 +137,7 @@ def _fake_world_lines(world: int) -> dict[str, Counter[tuple[str, int]]]:
             unsharded = params.new_like()
             unsharded.alloc_unsharded(zero=True)
             unsharded.reduce_scatter(into=grads, op="avg")
-            grads.sharded_views()
+            sharded_views(grads)
             assert grads.release_shard()
 
         step()  # the first call makes the unsharded storage once
@@ -177,7 +178,7 @@ def test_new_like_shares_the_geometry(monkeypatch: pytest.MonkeyPatch) -> None:
         mesh = init_device_mesh("cpu", (world,))
         layout = contiguous_layout([6, 8], world)
         params = DBuffer(layout, [(2, 3), (8,)], mesh)
-        views = params.sharded_views()
+        views = sharded_views(params)
         original = geometry_module.slots_for
         geometry_module.slots_for = None  # type: ignore[assignment]
         try:
@@ -185,7 +186,7 @@ def test_new_like_shares_the_geometry(monkeypatch: pytest.MonkeyPatch) -> None:
         finally:
             geometry_module.slots_for = original
         assert grads.slots is params.slots and grads.geometry is params.geometry
-        low = grads.sharded_views()
+        low = sharded_views(grads)
         for a, b in zip(views, low, strict=True):
             assert a.placements == b.placements and a.shape == b.shape
             assert b.dtype == torch.float64
@@ -205,24 +206,24 @@ def test_release_shard_only_when_nobody_else_holds_it() -> None:
 
         mesh = init_device_mesh("cpu", (world,))
         buf = DBuffer(contiguous_layout([6, 8], world), [(2, 3), (8,)], mesh)
-        views = buf.sharded_views()
-        assert buf.views_held_elsewhere()  # nothing claimed yet: never freed
+        views = sharded_views(buf)
+        assert views_held_elsewhere(buf)  # nothing claimed yet: never freed
         assert not buf.release_shard()
         buf.claim_views()
         held: list[Callable[[], Any]] = [
-            lambda: buf.sharded_views()[0],  # one of the buffer's own objects
-            lambda: buf.sharded_views()[1].to_local(),  # noqa: PLW0108
-            lambda: buf.sharded_views()[0].to_local().view(-1),  # a new tensor over it
+            lambda: sharded_views(buf)[0],  # one of the buffer's own objects
+            lambda: sharded_views(buf)[1].to_local(),  # noqa: PLW0108
+            lambda: sharded_views(buf)[0].to_local().view(-1),  # a new tensor over it
             lambda: buf.shard[1:],
             lambda: buf.local_views()[1].detach(),  # noqa: PLW0108
         ]
         for make in held:
             kept = make()
-            assert buf.views_held_elsewhere()
+            assert views_held_elsewhere(buf)
             assert not buf.release_shard()
             assert buf.shard_allocated
             del kept
-            assert not buf.views_held_elsewhere()
+            assert not views_held_elsewhere(buf)
         impl = buf.shard.untyped_storage()._cdata  # an int: holding the storage would count
         assert buf.release_shard()
         assert not buf.shard_allocated
@@ -232,7 +233,7 @@ def test_release_shard_only_when_nobody_else_holds_it() -> None:
             buf.unshard()
         buf.alloc_shard(zero=True)
         assert buf.shard.untyped_storage()._cdata == impl  # the same storage object
-        assert buf.sharded_views() is views  # the same objects, over the new memory
+        assert sharded_views(buf) is views  # the same objects, over the new memory
         buf.shard.fill_(3.0)
         assert all(bool((v.to_local() == 3.0).all()) for v in views)
         assert buf.release_shard()  # and again, with the same claim

@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from dbuffer import DBuffer, LayoutMismatchError, contiguous_layout
+from dbuffer.testing import load_full_, sharded_views
 from ragged_dtensor import RaggedShard
 from ragged_dtensor.testing import run_threaded
 
@@ -23,10 +24,10 @@ def _zero_copy(rank: int, world: int, align: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     layout = _layout(world, align)
     full = make_tensors(SHAPES, seed=0)
-    buf = DBuffer(layout, SHAPES, mesh).load_full_(full)  # type: ignore[arg-type]
+    buf = load_full_(DBuffer(layout, SHAPES, mesh), full)  # type: ignore[arg-type]
     shard_ptr = buf.shard.untyped_storage().data_ptr()
     size = buf.shard_size
-    for i, (dt, shape) in enumerate(zip(buf.sharded_views(), SHAPES, strict=True)):
+    for i, (dt, shape) in enumerate(zip(sharded_views(buf), SHAPES, strict=True)):
         assert isinstance(dt, DTensor)
         assert dt.shape == torch.Size(shape)
         (placement,) = dt.placements
@@ -49,7 +50,7 @@ def _zero_copy(rank: int, world: int, align: int) -> None:
         if local.numel():
             dt.to_local()[0] = 1234.0
             assert buf.shard[local.storage_offset()] == 1234.0
-    buf.load_full_(full)
+    load_full_(buf, full)
     buf.unshard()
     flat_ptr = buf.unsharded.untyped_storage().data_ptr()
     for i, view in enumerate(buf.full_views()):
@@ -75,7 +76,7 @@ def test_views_are_zero_copy_slices_of_the_buffer(world: int, align: int) -> Non
 def _hsdp_placements(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (2, 2))
     buf = DBuffer(_layout(2), SHAPES, mesh)  # type: ignore[arg-type]
-    for dt in buf.sharded_views():
+    for dt in sharded_views(buf):
         assert dt.placements[0] == Replicate()
         assert isinstance(dt.placements[1], RaggedShard)
         assert (
@@ -90,8 +91,8 @@ def test_hsdp_views_replicate_on_axis_0() -> None:
 def _fused_ops(rank: int, world: int) -> None:
     mesh = init_device_mesh("cpu", (world,))
     layout = _layout(world)
-    a = DBuffer(layout, SHAPES, mesh).load_full_(make_tensors(SHAPES, 1))  # type: ignore[arg-type]
-    b = a.new_like().load_full_(make_tensors(SHAPES, 2))
+    a = load_full_(DBuffer(layout, SHAPES, mesh), make_tensors(SHAPES, 1))  # type: ignore[arg-type]
+    b = load_full_(a.new_like(), make_tensors(SHAPES, 2))
     ref_a, ref_b = a.shard.clone(), b.shard.clone()
     with DispatchedOps() as ops:
         a.scale_(0.5)
@@ -122,7 +123,7 @@ def _fused_ops(rank: int, world: int) -> None:
     assert ops.compute() == ["aten.zero_.default"]
     # The sharded views see every fused op (they are views of the same storage).
     b.scale_(0.0)
-    assert all(not dt.to_local().any() for dt in b.sharded_views())
+    assert all(not dt.to_local().any() for dt in sharded_views(b))
 
 
 def test_fused_group_ops_are_one_kernel_per_group() -> None:
@@ -136,15 +137,15 @@ def _bad_tensors(rank: int, world: int) -> None:
     good = make_tensors(SHAPES, 0)
     wrong_numel = [*good[:3], torch.zeros(36, 16), *good[4:]]
     with pytest.raises(ValueError, match=r"tensor 'layers.0.p3' \(index 3\): has 576 elements"):
-        buf.load_full_(wrong_numel)
+        load_full_(buf, wrong_numel)
     wrong_dtype = [*good[:1], good[1].double(), *good[2:]]
     with pytest.raises(ValueError, match=r"'layers.0.p1' \(index 1\): dtype torch.float64"):
-        buf.load_full_(wrong_dtype)
+        load_full_(buf, wrong_dtype)
     wrong_device = [*good[:2], good[2].to("meta"), *good[3:]]
     with pytest.raises(ValueError, match=r"'layers.0.p2' \(index 2\): on device meta"):
-        buf.load_full_(wrong_device)
+        load_full_(buf, wrong_device)
     with pytest.raises(ValueError, match="got 2 tensors for 9 slots"):
-        buf.load_full_(good[:2])
+        load_full_(buf, good[:2])
     with pytest.raises(RuntimeError, match="unsharded storage is not allocated"):
         buf.reduce_scatter()
     other = DBuffer(contiguous_layout([5], world), [(5,)], mesh, check=False)

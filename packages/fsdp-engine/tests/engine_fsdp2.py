@@ -22,6 +22,7 @@ from ragged_dtensor.testing import count_collectives
 ALL_GATHER = "all_gather_single"
 REDUCE_SCATTER = "reduce_scatter_single"
 ALL_REDUCE = "all_reduce"
+ENGINES = ["ours", "fsdp2"]  # fsdp_engine, and torch's FSDP2 as the control
 
 
 def engine(name: str) -> Any:
@@ -71,6 +72,17 @@ def shard_stack(api: Any, model: Stack, **kwargs: Any) -> None:
     for block in model.blocks:
         api.fully_shard(block, **kwargs)
     api.fully_shard(model, **kwargs)
+
+
+def sharded_stack_and_reference() -> tuple[nn.Module, nn.Module, Any, Any]:
+    """A ``Stack`` sharded by fsdp_engine, an unsharded one with the same init (one process's
+    reference), and an Adam (lr 1e-2) for each."""
+    model = make(Stack)
+    reference = make(Stack)
+    shard_stack(engine("ours"), model)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ref_optim = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    return model, reference, optim, ref_optim
 
 
 def data(rank: int, step: int = 0, batch: int = 4, dim: int = 8) -> torch.Tensor:

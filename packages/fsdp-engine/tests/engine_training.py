@@ -1,4 +1,5 @@
-"""Training loops shared by the parity tests: ours, torch FSDP2, the single-process references.
+"""Training loops shared by the parity tests: ours, torch FSDP2, the single-process references
+(and the checks that compare them).
 
 [Note: the two kinds of numeric comparison]
 - *Same arithmetic* (compared bitwise): ``reference_per_rank`` runs, in one process, exactly the
@@ -212,3 +213,38 @@ def assert_bitwise_equal(got: dict[str, Any], want: dict[str, Any], what: str = 
     for kind in ("losses", "local_losses"):
         if kind in want and kind in got:
             assert got[kind] == want[kind], f"{what}: {kind} differ: {got[kind]} vs {want[kind]}"
+
+
+STEPS = 10  # the parity tests' default run length
+
+
+def per_rank_reference(world: int, steps: int = STEPS, **kwargs: Any) -> list[dict[str, Any]]:
+    """``reference_per_rank`` as one result per rank, the shape ``train_sharded`` returns."""
+    torch.set_num_threads(1)  # the ranks run with one thread too
+    losses, params = reference_per_rank(steps, world, **kwargs)
+    return [{"params": params, "local_losses": losses[rank]} for rank in range(world)]
+
+
+def check_bitwise(results: list[dict[str, Any]], want: list[dict[str, Any]], what: str) -> None:
+    """Same arithmetic: every rank's result equals its expected one, bitwise."""
+    for rank, (got, expected) in enumerate(zip(results, want, strict=True)):
+        assert_bitwise_equal(got, expected, f"{what}, rank {rank}")
+
+
+def check_fp64(results: list[dict[str, Any]], ref_losses: list[float], ref: Any) -> None:
+    """Different arithmetic: float64 losses and parameters within ``FP64_TOLERANCE``."""
+    for result in results:
+        for got, want in zip(result["losses"], ref_losses, strict=True):
+            assert abs(got - want) <= FP64_TOLERANCE * max(1.0, abs(want))
+        assert max_relative_difference(result["params"], ref) <= FP64_TOLERANCE
+
+
+def sharded_tiny_llama(world: int, **kwargs: Any) -> tuple[TinyLlama, Any]:
+    """A TinyLlama with ``initial_state``, fully_shard per layer and at the root, and its mesh."""
+    mesh = init_device_mesh("cpu", (world,))
+    model = build()
+    model.load_state_dict(initial_state())
+    for layer in model.layers:
+        fsdp_engine.fully_shard(layer, mesh=mesh, **kwargs)
+    fsdp_engine.fully_shard(model, mesh=mesh, **kwargs)
+    return model, mesh

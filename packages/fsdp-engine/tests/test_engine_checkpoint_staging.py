@@ -10,7 +10,7 @@ invalid python storage"; ``dcp.async_save`` first on ``new_empty([])``): see [No
 data_ptr] in ``checkpoint_staging``.
 
 Numerics: copies and checkpoints move bits; the engines train the same arithmetic (bitwise
-FSDP2's, ``test_engine_parity``): bitwise.
+FSDP2's, ``test_engine_training_parity``): bitwise.
 """
 
 from __future__ import annotations

@@ -93,3 +93,13 @@ def _dtensors(rank: int, world: int) -> bool:
 
 def test_dtensor_and_mesh_entries() -> None:
     assert all(run_threaded(_dtensors, 4))
+
+
+def test_profiler_enabled_follows_torchs_profilers() -> None:
+    """The trace opens its ranges only while a profiler records (``compat.profiler_enabled``)."""
+    assert not compat.profiler_enabled()
+    with torch.profiler.profile():
+        assert compat.profiler_enabled()
+    with torch.autograd.profiler.profile():
+        assert compat.profiler_enabled()
+    assert not compat.profiler_enabled()

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 import fsdp_engine
-from dbuffer import LiveBytes
+from dbuffer.testing import LiveBytes
 from fsdp_engine._private.handover import InPlaceHandover
 from ragged_dtensor.testing import run_threaded
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_engine
-from dbuffer import LiveBytes
+from dbuffer.testing import LiveBytes
 from fsdp_engine._private import init as init_module
 from fsdp_engine._private.init import choose_device, value_digest
 from fsdp_engine._private.presence import _sum_over_mesh

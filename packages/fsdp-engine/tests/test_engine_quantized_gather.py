@@ -660,7 +660,7 @@ def test_readme_quantized_example_is_the_file_and_runs() -> None:
 
     package = Path(__file__).resolve().parents[1]
     example = package / "examples" / "quantized_all_gather.py"
-    out = run_readme_example(package / "README.md", example, index=4)
+    out = run_readme_example(package / "README.md", example, index=3)
     assert out.strip().endswith("ok")
 
 

@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 import torch
+from engine_fsdp2 import Mlp, engine
 from engine_models import TinyLlama
+from engine_models import build as build_tiny_llama
 from engine_reliability_common import build, train
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -441,3 +443,122 @@ def test_checkpoint_mismatch_names_the_offender(saved: Path, name: str) -> None:
         assert message.startswith("ok: "), (rank, message)
         for fragment in fragments:
             assert fragment in message, (rank, message)
+
+
+# -- bad arguments against FSDP2 (threaded): its exception types, our messages ----------------
+
+
+def _argument_errors(rank: int, world: int) -> dict[str, str]:
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict[str, str] = {}
+
+    def capture(name: str, fn: Any) -> None:
+        try:
+            fn()
+        except (ValueError, TypeError, NotImplementedError, AssertionError) as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            out[name] = "no error"
+
+    model = build_tiny_llama()
+    fully_shard(model.layers[0], mesh=mesh)
+    capture("twice", lambda: fully_shard(model.layers[0], mesh=mesh))
+    capture(
+        "block", lambda: fully_shard(model.layers[1], mesh=mesh, block_policy=lambda name, p: 7)
+    )
+    capture("not a module", lambda: fully_shard(42, mesh=mesh))  # type: ignore[call-overload]
+    capture(
+        "3-D mesh",
+        lambda: fully_shard(nn.Linear(2, 2), mesh=init_device_mesh("cpu", (world, 1, 1))),
+    )
+    return out
+
+
+def test_bad_input_raises_clearly() -> None:
+    out = run_threaded(_argument_errors, 2, timeout=60)[0]
+    assert out["twice"].startswith("AssertionError"), out  # FSDP2's type
+    assert "already been applied" in out["twice"], out
+    assert "block policy gave parameter 'attn_norm.weight'" in out["block"], out
+    assert "block of 7 elements" in out["block"], out
+    assert out["not a module"].startswith("TypeError"), out
+    assert out["3-D mesh"].startswith("ValueError: fully_shard expects a 1D or 2D DeviceMesh"), out
+
+
+def _exception_types(rank: int, world: int, impl: str) -> dict[str, str]:
+    api = engine(impl)
+    out: dict[str, str] = {}
+
+    def capture(name: str, fn: Any) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            out[name] = type(exc).__name__
+        else:
+            out[name] = "no error"
+
+    capture("3-D mesh", lambda: api.fully_shard(Mlp(), mesh=init_device_mesh("cpu", (world, 1, 1))))
+    capture(
+        "2-D mesh without names",
+        lambda: api.fully_shard(Mlp(), mesh=init_device_mesh("cpu", (2, 2))),
+    )
+
+    def scalar() -> None:
+        m = Mlp()
+        m.register_parameter("scale", nn.Parameter(torch.tensor(1.0)))
+        api.fully_shard(m)
+
+    capture("scalar parameter", scalar)
+    capture(
+        "non-contiguous parameter",
+        lambda: api.fully_shard(nn.Conv2d(4, 4, 3).to(memory_format=torch.channels_last)),
+    )
+
+    def meta_forward() -> None:
+        with torch.device("meta"):
+            m = Mlp()
+        api.fully_shard(m)
+        m(torch.randn(2, 8))
+
+    capture("forward on meta parameters", meta_forward)
+    capture(
+        "uneven Shard(1)",
+        lambda: api.fully_shard(nn.Linear(3, 8), shard_placement_fn=lambda p: Shard(p.dim() - 1)),
+    )
+    capture(
+        "Shard(1) of a 1-D parameter",
+        lambda: api.fully_shard(nn.Linear(8, 8), shard_placement_fn=lambda p: Shard(1)),
+    )
+    capture(
+        "set_reshard_after_forward(int)",
+        lambda: _sharded_mlp(api).set_reshard_after_forward(2),  # type: ignore[arg-type]
+    )
+    capture(
+        "prefetch of a plain module",
+        lambda: _sharded_mlp(api).set_modules_to_forward_prefetch([nn.Linear(2, 2)]),
+    )
+    return out
+
+
+def _sharded_mlp(api: Any) -> Any:
+    m = Mlp()
+    api.fully_shard(m)
+    return m
+
+
+@pytest.mark.numerics
+def test_error_contract_matches_fsdp2() -> None:
+    """The same inputs raise the same exception types as FSDP2 (4 ranks)."""
+    ours = run_threaded(_exception_types, 4, "ours")[0]
+    theirs = run_threaded(_exception_types, 4, "fsdp2")[0]
+    assert ours == theirs, (ours, theirs)
+    assert theirs == {
+        "3-D mesh": "ValueError",
+        "2-D mesh without names": "AssertionError",
+        "scalar parameter": "ValueError",
+        "non-contiguous parameter": "NotImplementedError",
+        "forward on meta parameters": "RuntimeError",
+        "uneven Shard(1)": "NotImplementedError",
+        "Shard(1) of a 1-D parameter": "AssertionError",
+        "set_reshard_after_forward(int)": "ValueError",
+        "prefetch of a plain module": "ValueError",
+    }, theirs

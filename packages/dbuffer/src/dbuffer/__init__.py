@@ -4,6 +4,8 @@ One flat storage per group of tensors, sharded over a mesh axis by a layout (``B
 the tensors' shards are zero-copy ``RaggedShard`` DTensor views of the shard storage, their full
 values zero-copy views of an unsharded storage that exists only between ``unshard`` and
 ``reshard``; one all-gather / reduce-scatter per group, fused group ops, mixed precision on demand.
+Loading full tensors, DTensor views of the shards, attaching gradients and the memory and copy
+tallies (``LiveBytes``, ``CopiedBytes``) are in ``dbuffer.testing``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from dbuffer._private.agreement import LayoutMismatchError
 from dbuffer._private.buffer import DBuffer
 from dbuffer._private.collectives import AllGatherComm, Handle, ReduceScatterComm
 from dbuffer._private.layout import BufferLayout, ContiguousLayout, contiguous_layout
-from dbuffer._private.measure import CopiedBytes, LiveBytes
 from dbuffer._private.packed import PackedAllGather, PackedLayout, packed_layout
 from dbuffer._private.reduction import Op as ReduceOp
 from dbuffer._private.reduction import ReduceSpec, avg_supported, reduce_spec
@@ -43,8 +44,5 @@ __all__ = [
     "BufferLayout",
     "ContiguousLayout",
     "contiguous_layout",
-    # measurement
-    "LiveBytes",
-    "CopiedBytes",
     "__version__",
 ]

@@ -39,7 +39,6 @@ from fsdp_engine._private.checkpoint import (
     verify_checkpoint,
 )
 from fsdp_engine._private.export import load_full_state_dict
-from fsdp_engine._private.flat_optim import FlatAdam, FlatAdamW
 from fsdp_engine._private.fsdp_module import (
     FSDPModule,
     UnshardHandle,
@@ -62,8 +61,6 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "fully_shard",
-    "FlatAdamW",
-    "FlatAdam",
     "FSDPModule",
     "UnshardHandle",
     "register_fsdp_forward_method",

@@ -1,9 +1,12 @@
-"""Muon, blockwise 8-bit AdamW, Shampoo and SOAP that work natively on sharded parameters.
+"""Muon, blockwise 8-bit AdamW, Shampoo and SOAP that work natively on sharded parameters, and
+torch's Adam(W) stepped on flat runs of parameters (``FlatAdamW``, ``FlatAdam``).
 
 The optimizers are ordinary ``torch.optim.Optimizer``s that accept plain tensors, ``RaggedShard``
 DTensors (ragged-dtensor) and torch FSDP2 ``Shard(0)`` DTensors, and give the single-device
 result on sharded parameters (bit-identical for ``AdamW8bit``). Each exposes the block policy a
 sharding engine needs (``(name, param) -> elements``) so that shards respect its blocks.
+``FlatAdamW`` / ``FlatAdam`` are torch's own optimizers, bit for bit, run as one kernel set per
+run of parameters that are views of one storage (a flat-buffer engine's shard).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from optim_blockwise._private.adamw8bit import AdamW8bit, adamw8bit_block_policy
+from optim_blockwise._private.flat_adam import FlatAdam, FlatAdamW
 from optim_blockwise._private.muon import Muon, muon_block_policy
 from optim_blockwise._private.newton_schulz import (
     DEFAULT_NS_COEFFICIENTS,
@@ -49,6 +53,8 @@ __all__ = [
     "Muon",
     "Shampoo",
     "SOAP",
+    "FlatAdamW",
+    "FlatAdam",
     # block policies (the engine's protocol: (name, param) -> elements)
     "AdamW8bitBlockPolicy",
     "MuonBlockPolicy",

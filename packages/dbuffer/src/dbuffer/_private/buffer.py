@@ -25,19 +25,12 @@ from dbuffer._private.collectives import AllGatherComm, Handle, ReduceScatterCom
 from dbuffer._private.fused import FusedOps
 from dbuffer._private.geometry import BufferGeometry
 from dbuffer._private.layout import BufferLayout
-from dbuffer._private.loading import check_tensors
 from dbuffer._private.reduction import Op as ReduceOp
 from dbuffer._private.reduction import ReduceSpec
 from dbuffer._private.refs import Claim, ReleasableShard
 from dbuffer._private.storage import Unsharded
 
 __all__ = ["DBuffer"]
-
-
-def _dtensor_view(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    """A DTensor over ``local`` (no copy: its local tensor *is* ``local``), as DTensor's own
-    no-autograd constructors build it."""
-    return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
 
 
 class DBuffer(FusedOps, ReleasableShard):
@@ -55,8 +48,9 @@ class DBuffer(FusedOps, ReleasableShard):
         check: compare the layout across all ranks of the mesh now (a mismatch raises
             ``LayoutMismatchError`` on every rank instead of aborting a later collective).
 
-    The shard storage is ``shard`` (S elements, zero-initialised); ``sharded_views()`` are the
-    tensors' shards as ``RaggedShard`` DTensors whose local tensors are views of it.
+    The shard storage is ``shard`` (S elements, zero-initialised); ``local_views()`` are the
+    tensors' shares of it and ``specs()`` their ``RaggedShard`` DTensor specs (a DTensor over a
+    local view with its spec is the tensor's shard, no copy).
     ``unshard()`` all-gathers into ``unsharded`` (m * S elements), whose slices ``full_views()``
     are the full tensors; ``reshard()`` frees it.
     """
@@ -97,6 +91,9 @@ class DBuffer(FusedOps, ReleasableShard):
         # never touches m * S elements
         self._unsharded: dict[torch.dtype, Unsharded] = {}
         self._local_views = tuple(self.shard[s.local_start : s.local_stop] for s in self.slots)
+        # made by dbuffer.testing's sharded_views / attach_grads (kept here: the shard's
+        # release counts the views as the buffer's own, a release of the unsharded storage
+        # resets the attached .grad)
         self._sharded_views: tuple[DTensor, ...] | None = None
         self._grad_owners: list[tuple[weakref.ref[torch.Tensor], torch.Tensor]] = []
         self._inflight: list[Handle] = []
@@ -133,16 +130,6 @@ class DBuffer(FusedOps, ReleasableShard):
     def specs(self) -> tuple[DTensorSpec, ...]:
         """Each tensor's DTensor spec for this buffer's dtype (shared by buffers of the layout)."""
         return self.geometry.specs(self.dtype)
-
-    def sharded_views(self) -> tuple[DTensor, ...]:
-        """Each tensor as a ``RaggedShard`` DTensor whose local tensor is a view of ``shard``.
-        Made once; the same objects every call (and across ``release_shard``)."""
-        if self._sharded_views is None:
-            self._sharded_views = tuple(
-                _dtensor_view(local, spec)
-                for local, spec in zip(self._local_views, self.specs(), strict=True)
-            )
-        return self._sharded_views
 
     def _unsharded_of(self, dtype: torch.dtype | None) -> Unsharded:
         dtype = dtype or self.dtype
@@ -327,34 +314,6 @@ class DBuffer(FusedOps, ReleasableShard):
             comm=comm,
             allocate=allocate,
         )
-
-    # -- loading tensors ---------------------------------------------------------------------
-    @torch.no_grad()
-    def load_full_(self, tensors: Sequence[torch.Tensor]) -> DBuffer:
-        """Copy this rank's share of each full tensor into the shard (initialisation)."""
-        check_tensors(self, tensors, full=True)
-        self.wait()
-        for slot, local, tensor in zip(self.slots, self._local_views, tensors, strict=True):
-            flat = tensor.reshape(-1)
-            local.copy_(flat[slot.tensor_start : slot.tensor_start + slot.local_numel])
-        return self
-
-    def attach_grads(self, params: Sequence[torch.Tensor]) -> None:
-        """Make each ``params[i].grad`` the full view ``i`` of this (gradient) buffer, so
-        autograd accumulates gradients in place into the unsharded storage. The storage must be
-        allocated (``alloc_unsharded(zero=True)``). When the storage is released (``reshard`` or
-        a ``reduce_scatter`` that frees it), those ``.grad`` are reset to None."""
-        check_tensors(self, params, full=True, what="parameter")
-        if not self.is_unsharded():
-            raise RuntimeError("DBuffer.attach_grads: allocate the unsharded storage first")
-        for param, view in zip(params, self.full_views(), strict=True):
-            if tuple(param.shape) != tuple(view.shape):
-                raise ValueError(
-                    f"parameter shape {tuple(param.shape)} differs from the "
-                    f"layout's {tuple(view.shape)}"
-                )
-            param.grad = view
-            self._grad_owners.append((weakref.ref(param), view))
 
     @property
     def nbytes(self) -> int:

@@ -106,7 +106,7 @@ class ReleasableShard:
         claim.mark()  # here, not in Claim(): the arguments of that call hold references
         self._claim = claim
 
-    def views_held_elsewhere(self) -> bool:
+    def _views_held_elsewhere(self) -> bool:
         """True if anything beyond the claimed references holds the shard storage or one of its
         views (a tensor a user kept), or if nothing was claimed."""
         return self._claim is None or not self._claim.unchanged()
@@ -115,7 +115,7 @@ class ReleasableShard:
         """Free the shard storage in place, keeping the storage object and every view, if no
         reference beyond the claimed ones exists; True if freed. ``alloc_shard`` re-allocates:
         the same views then see the new memory (its values are undefined until written)."""
-        if self.views_held_elsewhere():
+        if self._views_held_elsewhere():
             return False
         self.wait()
         storage.free_storage(self.shard)

@@ -58,6 +58,7 @@ __all__ = [
     "offset_free",
     "post_accumulate_grad_hooks",
     "preserve_version_counter",
+    "profiler_enabled",
     "queue_backward_callback",
     "registered_param",
     "set_local_tensor",
@@ -161,6 +162,12 @@ def apply_to_tensors(fn: Callable[[torch.Tensor], Any], container: Any) -> Any:
 # -- the autograd engine ----------------------------------------------------------------------
 _GRAPH_TASK_ID: Callable[[], int] | None = getattr(torch._C, "_current_graph_task_id", None)
 _STATUS["graph_task_id"] = "torch" if _GRAPH_TASK_ID is not None else "unavailable"
+
+
+def profiler_enabled() -> bool:
+    """Whether a profiler (``torch.profiler.profile`` or the autograd profiler) is recording:
+    only then does a ``record_function`` range end up anywhere."""
+    return bool(torch._C._autograd._profiler_enabled())
 
 
 def in_backward() -> bool:

@@ -21,9 +21,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
 
 import torch
+
+from fsdp_engine._private import compat
 
 __all__ = ["logger", "traced", "warning_once", "with_fqn"]
 
@@ -36,13 +37,19 @@ def with_fqn(label: str, fqn: str | None) -> str:
     return f"{label} ({fqn})" if fqn else label
 
 
-@contextlib.contextmanager
-def traced(label: str, *, log: bool = True) -> Iterator[None]:
-    """A profiler range named ``label``, after a debug line ``label`` when ``log``."""
-    if log:
-        logger.debug("%s", label, stacklevel=3)  # the caller, not this helper
-    with torch.profiler.record_function(label):
-        yield
+def traced(label: str, *, log: bool = True) -> contextlib.AbstractContextManager[object]:
+    """A profiler range named ``label``, after a debug line ``label`` when ``log``.
+
+    Without a profiler running, no range is opened (``record_function`` would cost a dispatcher
+    call each way, tens of them per module and step, for a range nobody records)."""
+    if log and logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s", label, stacklevel=2)  # the caller, not this helper
+    if compat.profiler_enabled():
+        return torch.profiler.record_function(label)
+    return _NO_RANGE
+
+
+_NO_RANGE = contextlib.nullcontext()
 
 
 _WARNED: set[str] = set()

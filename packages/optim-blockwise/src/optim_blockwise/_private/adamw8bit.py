@@ -74,11 +74,11 @@ from optim_blockwise._private.policy import (
     check_adamw8bit_blocks,
 )
 from optim_blockwise._private.runs import (
+    Run,
     Slot,
     compact,
     flat_view,
-    follows,
-    grads_follow,
+    group_runs,
     local_of,
     slot_of,
 )
@@ -142,13 +142,6 @@ class _Place:
     """Element offset of its state in the flat state buffers of its storage."""
     block_offset: int
     """Block offset of its absmaxes in the flat absmax buffers of its storage."""
-
-
-@attrs.frozen(eq=False)
-class _Run:
-    items: tuple[int, ...]
-    """Indices into the step's items, in storage order."""
-    numel: int
 
 
 def _cuts_blocks(layout: ParamLayout, block: int) -> bool:
@@ -475,51 +468,27 @@ class AdamW8bit(ShardedOptimizer):
         return result
 
     # -- the step ----------------------------------------------------------------------------
-    def _runs(self, items: list[_Item], places: list[_Place]) -> list[_Run]:
-        """Consecutive items (storage order) that one flat update can serve (module note)."""
-        order = sorted(
-            range(len(items)), key=lambda i: (places[i].slot.storage[0], places[i].slot.offset)
-        )
-        runs: list[_Run] = []
-        current: list[int] = []
-        numel = 0
+    def _runs(self, items: list[_Item], places: list[_Place]) -> list[Run]:
+        """Consecutive items (storage order) that one flat update can serve (module note): one
+        param group, state kind and step count, no boundary exchange, and for 8-bit state the
+        blocks kept whole (the run is one grid of blocks)."""
         block = self.block_size
-        for i in order:
-            item, place = items[i], places[i]
-            if place.slot.numel == 0:
-                continue  # nothing to compute (its step still counts)
-            grad = local_of(cast(torch.Tensor, item.param.grad))
-            if current:
-                j = current[-1]
-                prev, prev_place = items[j], places[j]
-                joins = (
-                    not item.exchange
-                    and not prev.exchange
-                    and item.group is prev.group
-                    and place.eight_bit == prev_place.eight_bit
-                    and self._step_counts[item.param] == self._step_counts[prev.param]
-                    and follows(prev_place.slot, place.slot)
-                    and grads_follow(
-                        local_of(cast(torch.Tensor, prev.param.grad)),
-                        grad,
-                        prev_place.slot.numel,
-                    )
-                    and (
-                        not place.eight_bit
-                        or (
-                            place.head == 0
-                            and (prev_place.head + prev_place.slot.numel) % block == 0
-                        )
-                    )
-                )
-                if not joins:
-                    runs.append(_Run(tuple(current), numel))
-                    current, numel = [], 0
-            current.append(i)
-            numel += place.slot.numel
-        if current:
-            runs.append(_Run(tuple(current), numel))
-        return runs
+
+        def may_join(prev: int, nxt: int) -> bool:
+            before, after = places[prev], places[nxt]
+            aligned = after.head == 0 and (before.head + before.slot.numel) % block == 0
+            exchanged = items[prev].exchange or items[nxt].exchange
+            return not exchanged and (not after.eight_bit or aligned)
+
+        return group_runs(
+            [place.slot for place in places],
+            [local_of(cast(torch.Tensor, item.param.grad)) for item in items],
+            [
+                (id(item.group), place.eight_bit, self._step_counts[item.param])
+                for item, place in zip(items, places, strict=True)
+            ],
+            may_join=may_join,
+        )
 
     def _plan_inputs(self) -> tuple[object, ...]:
         key: list[object] = [self.block_size, self.min_8bit_size]
@@ -584,7 +553,7 @@ class AdamW8bit(ShardedOptimizer):
             if run.numel == 0:
                 continue
             if scratch is None:
-                device = local_of(items[run.items[0]].param).device
+                device = local_of(items[run.members[0]].param).device
                 scratch = quant.Scratch(min(chunk, max(total, 1)) + 2 * block, device)
             chunks += self._update_run(run, items, places, states, edges, chunk, scratch)
         self._count_steps([(item.param, state) for item, state in zip(items, states, strict=True)])
@@ -596,7 +565,7 @@ class AdamW8bit(ShardedOptimizer):
 
     def _update_run(
         self,
-        run: _Run,
+        run: Run,
         items: list[_Item],
         places: list[_Place],
         states: list[dict[str, Any]],
@@ -605,8 +574,8 @@ class AdamW8bit(ShardedOptimizer):
         scratch: quant.Scratch,
     ) -> int:
         """Update one run in chunks of whole blocks; returns the number of chunks."""
-        first = items[run.items[0]]
-        place = places[run.items[0]]
+        first = items[run.members[0]]
+        place = places[run.members[0]]
         group = first.group
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
@@ -614,10 +583,10 @@ class AdamW8bit(ShardedOptimizer):
         bias1 = 1.0 - beta1**step
         bias2_sqrt = math.sqrt(1.0 - beta2**step)
         assert first.param.grad is not None
-        if len(run.items) == 1:
+        if len(run.members) == 1:
             p_all = local_flat(first.param, first.name)
             g_all = local_flat(first.param.grad, first.name)
-            state = states[run.items[0]]
+            state = states[run.members[0]]
             views = {k: state[k] for k in (_EIGHT_BIT_KEYS if place.eight_bit else _FP32_KEYS)}
         else:
             p_all = flat_view(local_of(first.param), run.numel)
@@ -625,7 +594,7 @@ class AdamW8bit(ShardedOptimizer):
             views = self._views(place, run.numel)
         block = self.block_size
         head = place.head if place.eight_bit else 0
-        edge = edges.get(run.items[0]) if len(run.items) == 1 else None
+        edge = edges.get(run.members[0]) if len(run.members) == 1 else None
         n_total = run.numel
         lo, count = 0, 0
         while lo < n_total:

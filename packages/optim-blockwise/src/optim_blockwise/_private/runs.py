@@ -9,19 +9,34 @@ constant number of kernels for the whole run instead of per parameter. Nothing i
 the engine: adjacency is read from the tensors (storage, offset, contiguity), and anything else
 (plain parameters, gradients set by hand) falls back to runs of one.
 
-The optimizer's state then lives in one flat buffer per storage (``CompactLayout``: parameters
-sorted by offset, gaps dropped), so a run's state is one slice too; ``state[p]`` holds views.
+The optimizer's state then lives in one flat buffer per storage (``compact``: parameters sorted
+by offset, gaps dropped), so a run's state is one slice too; ``state[p]`` holds views.
+
+``group_runs`` is the one grouping rule every run-stepping optimizer uses (``AdamW8bit``,
+``FlatAdamW`` / ``FlatAdam``); each adds what else must match (``keys``: param group, step count,
+state kind) and what else a join needs (``may_join``: e.g. quantization blocks kept whole).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Literal
 
 import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["Slot", "slot_of", "local_of", "follows", "grads_follow", "flat_view", "compact"]
+__all__ = [
+    "Run",
+    "Slot",
+    "slot_of",
+    "local_of",
+    "follows",
+    "grads_follow",
+    "flat_view",
+    "compact",
+    "group_runs",
+]
 
 StorageKey = tuple[int, torch.dtype, torch.device]
 
@@ -86,3 +101,68 @@ def compact(slots: Sequence[Slot], sizes: Iterable[int] | None = None) -> list[i
         offsets[i] = totals.get(key, 0)
         totals[key] = offsets[i] + length[i]
     return offsets
+
+
+@attrs.frozen
+class Run:
+    """Members stepped as one flat update."""
+
+    members: tuple[int, ...]
+    """Indices of the members, in storage order."""
+    numel: int
+    anchor: int
+    """The member whose data starts the run: its first with elements (the first if none has)."""
+
+
+def group_runs(
+    slots: Sequence[Slot],
+    grads: Sequence[torch.Tensor],
+    keys: Sequence[Hashable],
+    *,
+    empty: Literal["skip", "join"] = "skip",
+    may_join: Callable[[int, int], bool] | None = None,
+) -> list[Run]:
+    """The runs of members ``0 .. n-1``: ``slots[i]`` is where member ``i``'s local data lies,
+    ``grads[i]`` its local gradient, ``keys[i]`` what must be equal for two members to share one
+    update (param group, step count, state kind).
+
+    Members are taken in storage order. One joins the current run when its key equals the run's
+    last member's, its data follows the run's last member with elements in one storage and so
+    does its gradient (one flat view then spans both), and ``may_join(last, i)`` allows it.
+
+    Members without elements have nothing to compute: ``"skip"`` leaves them out of every run;
+    ``"join"`` adds one to the current run when the keys match (it shares the run's step), else
+    it starts a run, which the next member with its key joins wherever that member's data lies
+    (the run has no data yet that it would have to follow).
+    """
+    order = sorted(range(len(slots)), key=lambda i: (slots[i].storage[0], slots[i].offset))
+    runs: list[Run] = []
+    current: list[int] = []
+    numel = 0
+    last = -1  # the current run's last member with elements
+
+    def close() -> None:
+        anchor = next((j for j in current if slots[j].numel), current[0])
+        runs.append(Run(tuple(current), numel, anchor))
+
+    for i in order:
+        n = slots[i].numel
+        if n == 0 and empty == "skip":
+            continue
+        joins = bool(current) and keys[i] == keys[current[-1]]
+        if joins and n and numel:
+            joins = (
+                follows(slots[last], slots[i])
+                and grads_follow(grads[last], grads[i], slots[last].numel)
+                and (may_join is None or may_join(last, i))
+            )
+        if current and not joins:
+            close()
+            current, numel = [], 0
+        current.append(i)
+        numel += n
+        if n:
+            last = i
+    if current:
+        close()
+    return runs

@@ -111,6 +111,28 @@ def backward_work_bytes(group: Group, compute_bytes: int) -> int:
     return 2 * s.hidden * c + max(inner, attention)
 
 
+def attention_part(group: Group, compute_bytes: int) -> tuple[int, int]:
+    """Per token, a decoder layer's attention half (its first in forward, last in backward): the
+    activations it keeps and its backward working set; ``(0, 0)`` for the ends. While it runs
+    backward, autograd has already made the MLP's gradients and freed the MLP's activations."""
+    s = group.layer
+    if s is None or s.kind in ("embed", "head"):
+        return 0, 0
+    c = compute_bytes
+    return _attention(s, c), 2 * s.hidden * c + (s.q_dim + 2 * s.kv_dim + s.v_dim) * c
+
+
+def second_half_numel(group: Group) -> int:
+    """Parameters of a decoder layer's MLP half (post-attention norm, MLP or experts): their
+    gradients exist while the attention half runs backward."""
+    if group.layer is None or group.layer.kind in ("embed", "head"):
+        return 0
+    return sum(w.numel for w in group.weights if w.name.startswith(_SECOND_HALF))
+
+
+_SECOND_HALF = ("mlp.", "post_attention_layernorm.")
+
+
 def fused_gradient_bytes(group: Group, compute_bytes: int) -> int:
     """Per group instance, not per token: the gradients of fused 3-D expert tensors, whole,
     alive before they are added into the gradient storage (module Note)."""

@@ -21,13 +21,17 @@ Forward of group ``i``: the activations kept by the groups before it (``activati
 its own, its gathered parameters, and those of the ``forward_prefetch`` groups after it (ours: their
 unsharded storage, FSDP2: one all-gather output kept until the next all-gather, as FSDP2's
 ``AllGatherState`` does). Backward of group ``j``: activations of the groups up to ``j``, the
-backward working set, its gathered parameters and (ours, allocated up front) unsharded
-gradients, the ``backward_prefetch`` groups before it gathered, the previous group's reduction
-still in flight (ours: its unsharded gradients and reduce-dtype copy; FSDP2: its reduce-scatter
-input, kept until the next reduce-scatter) and the sharded gradients of every group already
-reduced. After the backward of ``j`` (its activations freed): its reduction's buffers replace
-the previous one's, with its unsharded gradients whole (FSDP2's appear one by one during the
-backward as autograd frees the activations that made them, so they are counted here). Optimizer
+backward working set, its gathered parameters, the ``backward_prefetch`` groups before it
+gathered, the previous group's reduction still in flight (ours: its gradient storage, the
+reduce-scatter input, written in the reduce dtype; FSDP2: its reduce-scatter input, kept until
+the next reduce-scatter) and the sharded gradients of every group already reduced. After the
+backward of ``j`` (its activations freed; both engines reshard first): its reduction's buffers
+replace the previous one's, with autograd's unsharded gradients whole (they appear one by one
+during the backward as autograd frees the activations that made them, and both engines hold them
+to the group's post-backward, so they are counted here). Late in the backward of ``j``, while
+the attention half of its first layer runs: the gradients of everything else in the group exist
+(the MLP or experts' first of all), only that half's activations remain, and the last fused
+expert gradient is being stacked from its per-expert pieces (both alive). Optimizer
 step: shards, states, gradients and one shard-size temporary (torch's foreach AdamW computes the
 square root of the second moment out of place). Mixed precision: parameters and their shards in
 ``param_bytes``, gathered parameters, activations and unsharded gradients in ``compute_bytes``, the
@@ -60,9 +64,11 @@ import attrs
 from shard_planner import TensorSpec, plan
 from shard_planner.projection._private.activations import (
     activation_bytes,
+    attention_part,
     backward_work_bytes,
     forward_flops,
     fused_gradient_bytes,
+    second_half_numel,
 )
 from shard_planner.projection._private.catalogue import Group, Model, Weight
 from shard_planner.projection._private.hardware import NETWORKS, Gpu, Network, collective_seconds
@@ -305,6 +311,11 @@ class _Slot:
     activations_live: float  # the full activations while this group computes
     work: float  # backward working set
     numel: int
+    # while the attention half of the group's first layer runs backward ([Note: the memory
+    # timeline]): autograd's gradients made so far, the activations still kept, the working set
+    late_grads: float
+    late_activations: float
+    late_work: float
 
 
 def _slots(groups: Sequence[GroupLayout], setup: Setup, engine: str) -> list[_Slot]:
@@ -320,13 +331,29 @@ def _slots(groups: Sequence[GroupLayout], setup: Setup, engine: str) -> list[_Sl
             fused_gradient_bytes(p, cb) * n for p, n in g.parts
         )
         if engine == "ours":
-            gather_extra = g.shard * cb if cb != pb else 0
-            unsharded = g.gathered * cb
-            reduce = (g.gathered * rb if rb != cb else 0) + (g.shard * rb if rb != pb else 0)
+            gather_extra = 0  # the cast shard is written into the output's slot (no temporary)
+            unsharded = g.numel * cb  # autograd's gradients, held to the group's post-backward
+            # the reduce-scatter input is the group's gradient storage, written in the reduce
+            # dtype at once; its output is the gradient shard unless that dtype differs
+            reduce = g.gathered * rb + (g.shard * rb if rb != pb else 0)
         else:
             gather_extra = g.gathered * cb + g.shard * cb  # all-gather output and copy-in
             unsharded = g.numel * cb  # autograd's gradients of the unpadded parameters
             reduce = g.gathered * rb + g.shard * rb  # reduce-scatter input and output
+        # the group's first decoder layer (in forward) runs backward last: every other copy's
+        # gradients and its own MLP half's exist, only its attention half's activations remain
+        layer_parts = [(p, n) for p, n in g.parts if attention_part(p, cb) != (0, 0)]
+        late = (0.0, 0.0, 0.0)
+        if layer_parts:
+            first = layer_parts[0][0]
+            acts, late_work = attention_part(first, cb)
+            first_attention = first.numel - second_half_numel(first)
+            # a fused 3-D expert tensor's gradient is stacked from its per-expert pieces when
+            # its last piece is made, at the end of the MLP half: both alive then (the first
+            # layer's first fused tensor in forward is the last stacked)
+            fused = [w.numel for w in first.weights if w.matrix and len(w.shape) == 3]
+            stack = fused[0] * cb if fused else 0
+            late = ((g.numel - first_attention) * cb, acts * tokens, late_work * tokens + stack)
         for _ in range(g.count):
             slots.append(
                 _Slot(
@@ -342,6 +369,9 @@ def _slots(groups: Sequence[GroupLayout], setup: Setup, engine: str) -> list[_Sl
                     activations_live=full,
                     work=work,
                     numel=g.numel,
+                    late_grads=late[0],
+                    late_activations=late[1],
+                    late_work=late[2],
                 )
             )
     return slots
@@ -411,11 +441,10 @@ def _peak(slots: Sequence[_Slot], setup: Setup, engine: str) -> tuple[int, str, 
     for j in range(n - 1, -1, -1):
         s = slots[j]
         prefetched = ahead(range(j - 1, j - 1 - e, -1)) if e else 0.0
-        inflight_grads, inflight_reduce = 0.0, 0.0
+        inflight_reduce = 0.0
         if j + 1 < n:
             nxt = slots[j + 1]
             inflight_reduce = nxt.reduce_buffers
-            inflight_grads = nxt.unsharded_grads if engine == "ours" else 0.0
         if engine == "fsdp2":
             # the copy-out of this group's parameters (its all-gather output freed right
             # after), before its backward starts and before it prefetches the next one
@@ -431,10 +460,8 @@ def _peak(slots: Sequence[_Slot], setup: Setup, engine: str) -> tuple[int, str, 
                     },
                 )
             )
-        # ours allocates the group's unsharded gradients before its backward; FSDP2's appear
-        # one by one as autograd frees the activations that made them (counted whole at the
-        # reduction below)
-        own_grads = s.unsharded_grads if engine == "ours" else 0.0
+        # autograd's gradients appear one by one as it frees the activations that made them
+        # (counted whole at the reduction below); both engines hold them to post-backward
         points.append(
             (
                 f"backward of {s.name} (group {j})",
@@ -442,23 +469,37 @@ def _peak(slots: Sequence[_Slot], setup: Setup, engine: str) -> tuple[int, str, 
                     **base,
                     "gradient shards": grads_after,
                     "gathered parameters": s.gathered + prefetched,
-                    "unsharded gradients": own_grads + inflight_grads,
                     "reduce buffers": inflight_reduce,
                     "activations": kept_before[j] + s.activations_live,
                     "backward working set": s.work,
                 },
             )
         )
+        if s.late_grads:
+            points.append(
+                (
+                    f"backward of {s.name} (group {j}), its first attention",
+                    {
+                        **base,
+                        "gradient shards": grads_after,
+                        "gathered parameters": s.gathered + prefetched,
+                        "unsharded gradients": s.late_grads,
+                        "reduce buffers": inflight_reduce,
+                        "activations": kept_before[j] + s.late_activations,
+                        "backward working set": s.late_work,
+                    },
+                )
+            )
         grads_after += s.grads
-        # FSDP2 reshards before it reduces; ours reduces, then reshards
-        own_params = s.gathered if engine == "ours" else 0.0
+        # both engines reshard before they reduce: the reduction's buffers come after the
+        # group's gathered parameters have gone
         points.append(
             (
                 f"reduction of {s.name} (group {j})",
                 {
                     **base,
                     "gradient shards": grads_after,
-                    "gathered parameters": own_params + prefetched,
+                    "gathered parameters": prefetched,
                     "unsharded gradients": s.unsharded_grads,
                     "reduce buffers": s.reduce_buffers,
                     "activations": kept_before[j],

@@ -3,7 +3,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import init_device_mesh
 
-from fsdp_engine import FlatAdamW, fully_shard
+from fsdp_engine import fully_shard
+from optim_blockwise import FlatAdamW
 from ragged_dtensor.testing import run_processes
 
 

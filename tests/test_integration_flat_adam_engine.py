@@ -1,28 +1,38 @@
-"""FlatAdamW / FlatAdam: torch's Adam(W) on flat runs of each group's shard, with torch's param
-groups and per-parameter state.
+"""optim_blockwise's FlatAdamW / FlatAdam on fsdp_engine's ``fully_shard``: torch's Adam(W) on
+flat runs of each group's shard, with torch's param groups and per-parameter state, and its
+checkpoints resharded by the engine's save / load.
 
 Every comparison here is *same arithmetic* (bitwise): both sides run torch's own Adam kernels
 element by element on the same gradients (same engine, same data), with 1 intra-op thread set
-explicitly on every rank of both runs.
+explicitly on every rank of both runs. The engine's test model and initial state come from
+fsdp-engine's test helpers; the optimizer alone (plain parameters, hand-made flat storage) is
+tested in ``packages/optim-blockwise/tests/test_optim_flat_adam.py``.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from engine_models import TinyLlama, batches, build, loss_fn
-from engine_training import initial_state
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, init_device_mesh
 
-from fsdp_engine import FlatAdam, FlatAdamW, fully_shard, load_checkpoint, save_checkpoint
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "packages" / "fsdp-engine" / "tests"))
+
+from engine_models import batches, build, loss_fn
+from engine_training import initial_state
+
+from fsdp_engine import fully_shard, load_checkpoint, save_checkpoint
+from optim_blockwise import FlatAdam, FlatAdamW
 from ragged_dtensor.testing import run_threaded
 
 pytestmark = pytest.mark.numerics
+
+ROOT = Path(__file__).resolve().parents[1]
 
 STEPS = 4
 
@@ -142,32 +152,6 @@ def test_flat_adam_and_foreach_equal_torch() -> None:
             _assert_same(x["snapshot"], y["snapshot"])
 
 
-@pytest.mark.parametrize("amsgrad", [False, True])
-def test_plain_parameters_and_missing_gradients(amsgrad: bool) -> None:
-    """Without the engine (plain parameters, each its own storage) and with gradients that
-    come and go: a parameter without a gradient is skipped (no decay, no state step), like
-    torch; later it steps at its own count (amsgrad too: torch's AMSGrad does not run on
-    RaggedShard DTensors, so it is compared here)."""
-    torch.manual_seed(0)
-    a_model, b_model = TinyLlama(), TinyLlama()
-    b_model.load_state_dict(a_model.state_dict())
-    a = FlatAdamW(param_groups(a_model), lr=1e-2, amsgrad=amsgrad)
-    b = torch.optim.AdamW(param_groups(b_model), lr=1e-2, amsgrad=amsgrad)
-    data = batches(5, 1)
-    for step, tokens in enumerate(data):
-        for model, opt in ((a_model, a), (b_model, b)):
-            loss_fn(model, tokens).backward()
-            if step in (1, 2):
-                model.layers[0].qkv.weight.grad = None  # type: ignore[union-attr]
-            opt.step()
-            opt.zero_grad()
-    for (name, p), q in zip(a_model.named_parameters(), b_model.parameters(), strict=True):
-        assert torch.equal(p, q), name
-        assert sorted(a.state[p]) == sorted(b.state[q]), name
-        for key in b.state[q]:
-            assert torch.equal(a.state[p][key], b.state[q][key]), (name, key)
-
-
 def _flat_runs(rank: int, world: int) -> tuple[int, int]:
     """One param group over 2 layers of 7 parameters + 4 root parameters: one run per
     ``fully_shard`` group (the planner leaves no gap here; empty local shares join a run)."""
@@ -225,19 +209,11 @@ def test_state_reshards_across_world_sizes_and_interchanges_with_torch_adamw(
         _assert_same(a["after"], b["after"])
 
 
-def test_unsupported_flags_are_refused_by_name() -> None:
-    p = nn.Parameter(torch.zeros(3))
-    with pytest.raises(ValueError, match=r"capturable=True"):
-        FlatAdamW([p], capturable=True)
-    with pytest.raises(ValueError, match=r"differentiable=True"):
-        FlatAdam([p], differentiable=True)
-
-
 @pytest.mark.slow  # ~10 s idle, 30 s loaded (two gloo processes): beside quickstart's, not in CI
 @pytest.mark.multiprocess
 def test_readme_flat_adamw_example_is_the_file_and_runs() -> None:
     from ragged_dtensor.testing import run_readme_example
 
-    package = Path(__file__).resolve().parents[1]
+    package = ROOT / "packages" / "optim-blockwise"
     out = run_readme_example(package / "README.md", package / "examples" / "flat_adamw.py", index=3)
     assert out.strip().endswith("ok")
