@@ -27,7 +27,8 @@ while it is on gets ours. So: switch on before importing such a trainer module, 
 (``modules=``), and the switch rebinds every global of it that is one of torch's FSDP2 objects
 (and puts them back when it is removed). Switching on warns about every other loaded module
 that holds one of torch's objects under FSDP2's own name (it would still run torch's FSDP2).
-Imports inside functions (accelerate, Lightning, transformers) need neither.
+Imports inside functions (accelerate, Lightning; transformers' Trainer, through accelerate)
+need neither.
 
 ``FSDPModule``. Our class subclasses torch's, so ``isinstance(m, <torch's FSDPModule>)`` holds
 for our modules with or without the switch; the switch rebinds the name too, so that
