@@ -5,7 +5,8 @@ architecture (fast, so a mistake there fails in a minute), then every package's 
 venv, cross-package integration, and the newcomer path (`nox -s dev` + a 2-step torchrun demo).
 `nox -s demo` is the main job; `nox -s dev` builds `.venv` for running the examples and torchrun;
 `nox -s numerics` runs the floating-point tests under every CPU kernel set x thread count;
-`nox -s fuzz` the property tests at 10,000 random examples; `nox -s bench` the benchmarks.
+`nox -s fuzz` the property tests at 10,000 random examples; `nox -s bench` the benchmarks;
+`nox -s trainers` accelerate, Lightning, transformers' Trainer, torchtitan on fsdp_engine.
 
 Each package's test session installs only what that package declares (its sibling dependencies come
 from this checkout), so an undeclared import fails there instead of passing by accident.
@@ -218,6 +219,7 @@ def integration(session: nox.Session) -> None:
         "-m",
         "not slow",
         "--ignore-glob=tests/test_hf_*.py",  # the `hf` session's (they need transformers)
+        "--ignore-glob=tests/test_trainers_*.py",  # the `trainers` session's
         "--ignore-glob=tests/test_float8_*.py",  # the `float8` session's (they need torchao)
         "-p",
         "no:cacheprovider",
@@ -241,6 +243,7 @@ def slow(session: nox.Session) -> None:
         "-m",
         "slow",
         "--ignore-glob=tests/test_hf_*.py",
+        "--ignore-glob=tests/test_trainers_*.py",
         "--ignore-glob=tests/test_float8_*.py",
         "-p",
         "no:cacheprovider",
@@ -402,6 +405,43 @@ def hf_demo(session: nox.Session) -> None:
     """``examples/hf_train.py`` on 2 gloo processes (posargs: its options)."""
     _install_hf(session)
     session.run("python", "examples/hf_train.py", *session.posargs, env=HF_ENV)
+
+
+@nox.session
+def trainers(session: nox.Session) -> None:
+    """Trainers that import FSDP2 themselves, switched to fully_shard by
+    ``fsdp_engine.use_as_torch_fsdp()`` (not in CI: the CI budget; installs
+    ``examples[hf,trainers]``): accelerate's FSDP2 plugin, Lightning's ModelParallelStrategy,
+    transformers' Trainer and torchtitan's FSDP helpers, each loss for loss against torch's FSDP2
+    on 2 gloo processes (``tests/test_trainers_*.py``)."""
+    _install_torch(session)
+    _install_local(
+        session,
+        *(str(p) + "[test]" for p in _packages().values()),
+        f"{ROOT / 'examples'}[hf,trainers]",
+        XDIST,
+    )
+    session.run(
+        "python",
+        "-c",
+        "import torch, accelerate, lightning, transformers, torchtitan;"
+        " assert torch.__version__.startswith('2.13.0') and '_shared_torch' in torch.__file__,"
+        " torch.__file__",
+    )
+    session.run("python", "-m", "pip", "check")
+    tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_trainers_*.py"))
+    if not tests:
+        session.error("no tests/test_trainers_*.py")
+    session.run(
+        "pytest",
+        *_pytest_parallel(),
+        *tests,
+        "-p",
+        "no:cacheprovider",
+        "--timeout=1800",
+        *session.posargs,
+        env=HF_ENV,
+    )
 
 
 @nox.session

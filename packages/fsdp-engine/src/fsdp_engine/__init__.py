@@ -4,6 +4,11 @@ DBuffer.
 Switching from torch's FSDP2 is an import change::
 
     from fsdp_engine import fully_shard, MixedPrecisionPolicy
+
+and for code that imports FSDP2 itself (a trainer), one line that is undone as easily::
+
+    fsdp_engine.use_as_torch_fsdp()      # or: with fsdp_engine.as_torch_fsdp(): ...
+    fsdp_engine.restore_torch_fsdp()
 """
 
 from __future__ import annotations
@@ -43,6 +48,13 @@ from fsdp_engine._private.fsdp_module import (
 from fsdp_engine._private.fully_shard import fully_shard
 from fsdp_engine._private.replaced import ReplacedParameterWarning
 from fsdp_engine._private.runtime_checks import NonFiniteGradientError
+from fsdp_engine._private.switch import (
+    TorchFSDPSwitchError,
+    as_torch_fsdp,
+    restore_torch_fsdp,
+    use_as_torch_fsdp,
+    used_as_torch_fsdp,
+)
 
 try:
     __version__ = version("fsdp-engine")
@@ -60,6 +72,11 @@ __all__ = [
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "BlockPolicy",
+    "use_as_torch_fsdp",
+    "restore_torch_fsdp",
+    "as_torch_fsdp",
+    "used_as_torch_fsdp",
+    "TorchFSDPSwitchError",
     "QuantizedAllGather",
     "QuantizedWeight",
     "save_checkpoint",

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 
 from dbuffer import AllGatherComm, DBuffer, Handle, LayoutMismatchError, contiguous_layout
 from fsdp_engine._private import compat
@@ -92,10 +93,10 @@ def _free(tensor: torch.Tensor) -> None:
 
 
 def _torch_policy(policy: MixedPrecisionPolicy) -> Any:
-    """The policy as the type FSDP2 passes to ``fsdp_pre_all_gather``."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
-
-    return TorchPolicy(
+    """The policy as the type FSDP2 passes to ``fsdp_pre_all_gather``: torch's own class,
+    bound at import (read from ``torch.distributed.fsdp`` now, it would be ours while
+    ``use_as_torch_fsdp`` is on)."""
+    return TorchMixedPrecisionPolicy(
         param_dtype=policy.param_dtype,
         reduce_dtype=policy.reduce_dtype,
         output_dtype=policy.output_dtype,
