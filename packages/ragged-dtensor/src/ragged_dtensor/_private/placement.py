@@ -182,20 +182,16 @@ class RaggedBoxView(RaggedShard):
 
 
 @attrs.frozen(weakref_slot=False, eq=False, repr=False)
-class RaggedPaddedView(RaggedShard):
-    """Internal: the same layout as ``RaggedShard`` with the local share written into a tensor of
-    X's full shape, every other element ``fill`` (the identity of the reduction that follows).
-
-    Only op dispatch uses it, for reductions over some dims of a share that is not a box: each
-    rank reduces its padded tensor to a full-size partial result (a local copy, no
-    communication).
-    """
+class _FilledView(RaggedShard):
+    """Internal: ``RaggedShard``'s layout with a ``fill`` value that is part of its identity
+    (equality, hash, pickling, repr) for the op-dispatch views below."""
 
     fill: float = attrs.field(default=0.0, kw_only=True)
 
     def __eq__(self, other: object) -> bool:
         return (
-            isinstance(other, RaggedPaddedView)
+            type(other) is type(self)
+            and isinstance(other, _FilledView)
             and self.dims == other.dims
             and self.local_units == other.local_units
             and self.fill == other.fill
@@ -205,20 +201,34 @@ class RaggedPaddedView(RaggedShard):
         return hash((type(self).__name__, self.dims, self.local_units, self.fill))
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_padded_view, (self.dims, self.local_units, self.fill))
+        return (_filled_view, (type(self), self.dims, self.local_units, self.fill))
 
     def __repr__(self) -> str:
         return (
-            f"RaggedPaddedView(dims={self.dims}, local_units={self.local_units}, fill={self.fill})"
+            f"{type(self).__name__}(dims={self.dims}, local_units={self.local_units}, "
+            f"fill={self.fill})"
         )
 
 
-def _padded_view(dims: Sequence[int], local_units: Sequence[int], fill: float) -> RaggedPaddedView:
-    return RaggedPaddedView(dims, local_units, fill=fill)
+def _filled_view(
+    cls: type[_FilledView], dims: Sequence[int], local_units: Sequence[int], fill: float
+) -> _FilledView:
+    return cls(dims, local_units, fill=fill)
 
 
 @attrs.frozen(weakref_slot=False, eq=False, repr=False)
-class RaggedNonEmptyView(RaggedShard):
+class RaggedPaddedView(_FilledView):
+    """Internal: the same layout as ``RaggedShard`` with the local share written into a tensor of
+    X's full shape, every other element ``fill`` (the identity of the reduction that follows).
+
+    Only op dispatch uses it, for reductions over some dims of a share that is not a box: each
+    rank reduces its padded tensor to a full-size partial result (a local copy, no
+    communication).
+    """
+
+
+@attrs.frozen(weakref_slot=False, eq=False, repr=False)
+class RaggedNonEmptyView(_FilledView):
     """Internal: the same layout as ``RaggedShard`` with an empty local share replaced by one
     element ``fill`` (the identity of the whole-tensor reduction that follows); a non-empty
     share is passed as it is (no copy).
@@ -228,31 +238,3 @@ class RaggedNonEmptyView(RaggedShard):
     planned layout). Each rank's result is its partial value; ``fill`` never changes the
     combined result (0 for the inf norm, whose partial values are >= 0; +inf for -inf).
     """
-
-    fill: float = attrs.field(default=0.0, kw_only=True)
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, RaggedNonEmptyView)
-            and self.dims == other.dims
-            and self.local_units == other.local_units
-            and self.fill == other.fill
-        )
-
-    def __hash__(self) -> int:
-        return hash((type(self).__name__, self.dims, self.local_units, self.fill))
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (_non_empty_view, (self.dims, self.local_units, self.fill))
-
-    def __repr__(self) -> str:
-        return (
-            f"RaggedNonEmptyView(dims={self.dims}, local_units={self.local_units}, "
-            f"fill={self.fill})"
-        )
-
-
-def _non_empty_view(
-    dims: Sequence[int], local_units: Sequence[int], fill: float
-) -> RaggedNonEmptyView:
-    return RaggedNonEmptyView(dims, local_units, fill=fill)
