@@ -51,8 +51,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 
 from dbuffer import AllGatherComm, DBuffer, Handle, LayoutMismatchError, contiguous_layout
 from fsdp_engine._private import compat
+from fsdp_engine._private import gather as gather_module
 from fsdp_engine._private.api import MixedPrecisionPolicy
-from fsdp_engine._private.gather import Gather, choose_gather, event_now
+from fsdp_engine._private.gather import Gather, choose_gather
 from fsdp_engine._private.param import FSDPParam
 from fsdp_engine._private.quantized_gather import QuantizedGather
 from fsdp_engine._private.storage import ShardStorage
@@ -286,7 +287,7 @@ class ExtensionGather(Gather):
         self._pending = self._last_kinds = list(enumerate(hooked))
         # the inputs were made on the caller's stream: the all-gather waits for them
         return packed.unshard(
-            async_op=async_op, ready=event_now(self.storage.device), comm=self.comm
+            async_op=async_op, ready=gather_module.event_now(self.storage.device), comm=self.comm
         )
 
     def complete(self) -> None:

@@ -31,8 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fsdp_engine._private import compat
-from fsdp_engine._private.gather import event_now
+from fsdp_engine._private import compat, gather
 
 if TYPE_CHECKING:
     from fsdp_engine._private.param_group import ParamGroup
@@ -148,5 +147,5 @@ def iteration_event(states: Sequence[FSDPState]) -> torch.Event | None:
     all-gather of this iteration waits for (the optimizer's writes are before it)."""
     for state in states:
         for group in state.groups:
-            return event_now(group.storage.device)
+            return gather.event_now(group.storage.device)
     return None
