@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import torch
 import torch.distributed as dist
-from demo import _persistent_tensors, build
+from demo import build
 from llama import get_batch, load_corpus, loss_fn
+from run_tools import persistent_tensors
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -129,7 +130,7 @@ def main() -> None:
         measure = (step + 1) % args.every == 0
         t0 = time.perf_counter()
         if measure:
-            with LiveBytes(seed=_persistent_tensors(model, opt)) as live:
+            with LiveBytes(seed=persistent_tensors(model, opt)) as live:
                 loss_fn(model, tokens).backward()
                 opt.step()
                 opt.zero_grad()

@@ -87,12 +87,8 @@ def persistent_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[tor
             out.append(_local(p.grad))
     for state in opt.state.values():
         out.extend(_local(v) for v in state.values() if isinstance(v, torch.Tensor))
-    for m in model.modules():  # ours: the flat buffers (a released gradient buffer is None)
-        group = getattr(m.__dict__.get("_fsdp_engine_state"), "group", None)
-        if group is not None:
-            out += [group.params.shard, group.unsharded_grads.shard]
-            if group.grads is not None:
-                out.append(group.grads.shard)
+    # ours: the parameters' local tensors view their group's shard storage, which the tally
+    # counts whole; gradient storage lives only while a .grad views it (both above)
     return out
 
 
