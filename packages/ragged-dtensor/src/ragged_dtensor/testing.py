@@ -72,9 +72,14 @@ def _process_entry(
     os.environ.update(env)
     torch.set_num_threads(threads)
     try:
+        # the store's server is the parent's (it holds its port from bind to the end: no other
+        # process can take it between choosing and binding, as with a port chosen then freed)
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout)
+        )
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=store,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout),
@@ -111,7 +116,15 @@ def run_processes(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    server = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1",
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout),
+    )
+    port = server.port
     procs = [
         ctx.Process(
             target=_process_entry,
