@@ -159,10 +159,7 @@ class TakeHandover(Handover):
 
     def _gap_index(self) -> torch.Tensor:
         if self._gaps is None:
-            flat = self.grads.unsharded_flat()
-            base = int(flat.storage_offset())
-            spans = [(int(v.storage_offset()) - base, v.numel()) for v in self.views()]
-            self._gaps = gap_index(spans, flat.numel(), flat.device)
+            self._gaps = _gaps(self.grads.unsharded_flat(), self.views())
         return self._gaps
 
     def _write(self, i: int, grad: torch.Tensor) -> None:
@@ -170,10 +167,7 @@ class TakeHandover(Handover):
             self._allocate()
         view = self.views()[i]
         with torch.no_grad():
-            if self.written[i]:
-                view.add_(grad.view(view.shape))
-            else:
-                view.copy_(grad.view(view.shape))
+            _accumulate(view, grad, add=self.written[i])
         self.written[i] = self.taken[i] = True
 
     def collect(self, unsharded: Sequence[nn.Parameter]) -> list[bool]:
@@ -199,10 +193,7 @@ class HoldHandover(TakeHandover):
     (FSDP2's way); post-backward copies them into the storage, allocated then, and drops them."""
 
     def prepare(self, unsharded: Sequence[nn.Parameter]) -> None:
-        pass  # no hook: the gradients are collected after the backward
-
-    def collect(self, unsharded: Sequence[nn.Parameter]) -> list[bool]:
-        return super().collect(unsharded)  # takes every .grad, then zeroes the rest
+        pass  # no hook: ``collect`` takes every .grad after the backward, then zeroes the rest
 
 
 class InPlaceHandover(HoldHandover):
@@ -252,10 +243,7 @@ class InPlaceHandover(HoldHandover):
         local = compat.local_tensor(grad) if isinstance(grad, DTensor) else grad
         # the parameters' views share one version counter: kept, as for an all-gather's write
         with compat.no_grad_and_preserved(view):
-            if self.written[i]:
-                view.add_(local.view(view.shape))
-            else:
-                view.copy_(local.view(view.shape))
+            _accumulate(view, local, add=self.written[i])
         self.written[i] = self.taken[i] = True
 
     def collect(self, unsharded: Sequence[nn.Parameter]) -> list[bool]:
@@ -279,10 +267,23 @@ class InPlaceHandover(HoldHandover):
 
     def _gaps_of(self, flat: torch.Tensor) -> torch.Tensor:
         if self._target_gaps is None:
-            base = int(flat.storage_offset())
-            spans = [(int(v.storage_offset()) - base, v.numel()) for v in self._target_views]
-            self._target_gaps = gap_index(spans, flat.numel(), flat.device)
+            self._target_gaps = _gaps(flat, self._target_views)
         return self._target_gaps
+
+
+def _gaps(flat: torch.Tensor, views: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The indices of ``flat`` no view covers (padding, alignment gaps)."""
+    base = int(flat.storage_offset())
+    spans = [(int(v.storage_offset()) - base, v.numel()) for v in views]
+    return gap_index(spans, flat.numel(), flat.device)
+
+
+def _accumulate(view: torch.Tensor, grad: torch.Tensor, *, add: bool) -> None:
+    """``view`` gets ``grad`` (a microbatch after the first adds; caller holds no_grad)."""
+    if add:
+        view.add_(grad.view(view.shape))
+    else:
+        view.copy_(grad.view(view.shape))
 
 
 # the hand-over new groups use ([Note: gradient hand-over]; the benchmark switches it): unarmed,
