@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ragged_dtensor import testing
+from ragged_dtensor._private.processes import STARTUP_FAULT_ENV
 from ragged_dtensor.testing import DistributedFailure, run_processes
 
 
@@ -23,7 +23,7 @@ def test_a_startup_failure_starts_every_rank_again(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     marker = tmp_path / "failed-once"
-    env = {testing.STARTUP_FAULT_ENV: str(marker)}
+    env = {STARTUP_FAULT_ENV: str(marker)}
     results = run_processes(_sum_of_ranks, 2, env=env, timeout=120)
     assert results == [1.0, 1.0]  # the body ran once, on a group that started cleanly
     assert marker.exists()  # the fault fired, so the first start did fail
