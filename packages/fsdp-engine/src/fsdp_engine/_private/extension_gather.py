@@ -10,6 +10,9 @@ FSDP2's protocol (torch 2.13, ``_fsdp_param.py``), followed call for call:
   tensor at every all-gather. ``mesh`` is the shard mesh (HSDP: the shard axis' 1-D mesh),
   ``outer_size``/``outer_stride`` the full parameter's size and contiguous stride, ``module``
   the module registering the parameter, ``mp_policy`` torch's ``MixedPrecisionPolicy``.
+- The pre-hooks and the packing run on the all-gather stream after ``ready`` (the event of the
+  shards' last write; default the caller's stream now), as FSDP2 runs them on its copy-in
+  stream: they overlap the compute queued before them.
 - Every input travels in the group's one all-gather, next to the other parameters' chunks:
   each rank's section packs every input's bytes (any dtypes, each at a 16-byte offset), one
   all-gather of bytes moves all sections, and each input's gathered copy is cut out into its
@@ -27,8 +30,9 @@ FSDP2's protocol (torch 2.13, ``_fsdp_param.py``), followed call for call:
   metadata, param_dtype, out=unsharded_parameter)`` to refill it in place (so autograd's saved
   references stay valid). ``param_dtype`` is the policy's, or the parameter's dtype.
 - The methods are looked up on the local tensor at every all-gather, so hooks patched onto the
-  class after ``fully_shard`` (before or between iterations) are used, and a parameter whose
-  class has neither is gathered as plain values. Defining only one of the two raises FSDP2's
+  class or onto the local tensor object itself after ``fully_shard`` (before or between
+  iterations) are used, and a parameter whose class has neither is gathered as plain values
+  (a subclass with its own storage: its padded chunk, FSDP2's all-gather input). Defining only one of the two raises FSDP2's
   AssertionError.
 
 Plain parameters of the same group (a call holding subclass parameters: [Note: subclass
@@ -49,7 +53,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 
-from dbuffer import AllGatherComm, DBuffer, Handle, LayoutMismatchError, contiguous_layout
+from dbuffer import (
+    AllGatherComm,
+    DBuffer,
+    Handle,
+    LayoutMismatchError,
+    contiguous_layout,
+    on_all_gather_stream,
+)
 from fsdp_engine._private import compat
 from fsdp_engine._private import gather as gather_module
 from fsdp_engine._private.api import MixedPrecisionPolicy
@@ -174,8 +185,12 @@ class ExtensionGather(Gather):
         for i, param in enumerate(self.params):
             local = compat.local_tensor(param.dtensor)
             if not extension_hooks(local):
-                off = placed.offsets[i]
-                chunk = shard[off : off + placed.chunks[i]]
+                own = param.padded_own
+                if own is not None:  # FSDP2's input: the subclass's padded chunk, cast
+                    chunk = own.reshape(-1)
+                else:
+                    off = placed.offsets[i]
+                    chunk = shard[off : off + placed.chunks[i]]
                 inputs.append([chunk.to(self.compute_dtype)])
                 hooked.append(False)
                 continue
@@ -273,7 +288,11 @@ class ExtensionGather(Gather):
         _free(self._bytes.shard)
 
     def issue(self, *, ready: torch.Event | None, async_op: bool) -> Handle | None:
-        with torch.no_grad():
+        device = self.storage.device
+        # [Note: all-gather extensions]: the hooks and the packing run on the all-gather stream
+        # once the shards' last write (``ready``) has passed, as FSDP2's copy-in stream does, so
+        # they overlap the compute before them; their temporaries belong to that stream
+        with on_all_gather_stream(device, ready), torch.no_grad():
             inputs, hooked = self._inputs()
             self._layout(inputs, hooked)
             packed = self._bytes
@@ -284,11 +303,10 @@ class ExtensionGather(Gather):
                 for t, off in zip(ts, offs, strict=True):
                     nbytes = t.numel() * t.element_size()
                     send[off : off + nbytes].copy_(t.contiguous().view(torch.uint8))
+            del inputs  # the hooks' temporaries go back to the all-gather stream's pool
+            packed_at = gather_module.event_now(device)  # on the all-gather stream
         self._pending = self._last_kinds = list(enumerate(hooked))
-        # the inputs were made on the caller's stream: the all-gather waits for them
-        return packed.unshard(
-            async_op=async_op, ready=gather_module.event_now(self.storage.device), comm=self.comm
-        )
+        return packed.unshard(async_op=async_op, ready=packed_at, comm=self.comm)
 
     def complete(self) -> None:
         packed = self._bytes
