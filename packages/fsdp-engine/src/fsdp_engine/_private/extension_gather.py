@@ -14,7 +14,8 @@ FSDP2's protocol (torch 2.13, ``_fsdp_param.py``), followed call for call:
   shards' last write; default the caller's stream now), as FSDP2 runs them on its copy-in
   stream: they overlap the compute queued before them.
 - Every input travels in the group's one all-gather, next to the other parameters' chunks:
-  each rank's section packs every input's bytes (any dtypes, each at a 16-byte offset), one
+  each rank's section packs every input's bytes (any dtypes, each at an offset that is a
+  multiple of its element size: FSDP2's bytes, no more, as FSDP2 packs them back to back), one
   all-gather of bytes moves all sections, and each input's gathered copy is cut out into its
   *all-gather output* (``m`` times its numel, rank-major), a tensor made once and refilled in
   place on later gathers (its memory freed at reshard), viewed as ``(-1, *size[1:])``.
@@ -72,7 +73,6 @@ from ragged_dtensor import check_ranks_agree
 
 __all__ = ["ExtensionGather", "extension_hooks", "gather_for_params"]
 
-_ALIGN = 16  # bytes: every segment can be viewed as any dtype
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -251,16 +251,18 @@ class ExtensionGather(Gather):
         record = {}
         offsets: list[list[int]] = []
         cursor = 0
+        widest = 1
         for param, ts, h in zip(self.params, inputs, hooked, strict=True):
             kind = "fsdp_pre_all_gather inputs" if h else "chunk"
             record[f"all-gather {kind} of {param.fqn!r} (dtype, numel)"] = repr(
                 [(str(t.dtype), t.numel()) for t in ts]
             )
             mine = []
-            for t in ts:
-                cursor = _round_up(cursor, _ALIGN)
+            for t in ts:  # at a multiple of its element size: viewable as its dtype
+                cursor = _round_up(cursor, t.element_size())
                 mine.append(cursor)
                 cursor += t.numel() * t.element_size()
+                widest = max(widest, t.element_size())
             offsets.append(mine)
         check_ranks_agree(
             self.storage.mesh,
@@ -269,7 +271,8 @@ class ExtensionGather(Gather):
             "sizes: FSDP2's rule)",
             error=LayoutMismatchError,
         )
-        self._section = max(_ALIGN, _round_up(cursor, _ALIGN))
+        # every rank's section starts at a multiple of the widest element size
+        self._section = max(widest, _round_up(cursor, widest))
         self._offsets = offsets
         self._key = key
         world = self.storage.world
