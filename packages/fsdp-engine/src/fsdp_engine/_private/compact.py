@@ -124,10 +124,11 @@ def reduction_for_mask(storage: ShardStorage, mask: tuple[bool, ...], align: int
     if not any(mask):
         return Reduction(mask, "none")
     placed = storage.placed
-    if placed is not None and not all(mask):
-        if all(d == 0 for d, t in zip(placed.dims, mask, strict=True) if t):
-            segment, pieces = placed_compact_pieces(placed, mask, align)
-            return Reduction(mask, "compact", segment, pieces)
+    dims = () if placed is None else placed.dims
+    shard0 = all(d == 0 for d, t in zip(dims, mask, strict=False) if t)
+    if placed is not None and not all(mask) and shard0:
+        segment, pieces = placed_compact_pieces(placed, mask, align)
+        return Reduction(mask, "compact", segment, pieces)
     if all(mask) or placed is not None:
         # a placed group with a trainable Shard(d > 0) member reduces its frozen members' zeros
         # too ([Note: placed groups]): the trainable ones' values are the same, only frozen

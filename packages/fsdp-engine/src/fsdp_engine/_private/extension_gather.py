@@ -33,8 +33,8 @@ FSDP2's protocol (torch 2.13, ``_fsdp_param.py``), followed call for call:
 - The methods are looked up on the local tensor at every all-gather, so hooks patched onto the
   class or onto the local tensor object itself after ``fully_shard`` (before or between
   iterations) are used, and a parameter whose class has neither is gathered as plain values
-  (a subclass with its own storage: its padded chunk, FSDP2's all-gather input). Defining only one of the two raises FSDP2's
-  AssertionError.
+  (a subclass with its own storage: its padded chunk, FSDP2's all-gather input). Defining only
+  one of the two raises FSDP2's AssertionError.
 
 Plain parameters of the same group (a call holding subclass parameters: [Note: subclass
 parameters] in subclass.py) travel in the same all-gather as their padded chunks in the compute
@@ -45,14 +45,12 @@ group: one copy out of the gathered bytes per parameter (FSDP2 pays it too), and
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 
 from dbuffer import (
     AllGatherComm,
@@ -65,6 +63,15 @@ from dbuffer import (
 from fsdp_engine._private import compat
 from fsdp_engine._private import gather as gather_module
 from fsdp_engine._private.api import MixedPrecisionPolicy
+from fsdp_engine._private.extension_hooks import (
+    Hooked,
+    alloc,
+    extension_hooks,
+    free,
+    pre_all_gather,
+    round_up,
+    torch_policy,
+)
 from fsdp_engine._private.gather import Gather, choose_gather
 from fsdp_engine._private.param import FSDPParam
 from fsdp_engine._private.quantized_gather import QuantizedGather
@@ -72,59 +79,6 @@ from fsdp_engine._private.storage import ShardStorage
 from ragged_dtensor import check_ranks_agree
 
 __all__ = ["ExtensionGather", "extension_hooks", "gather_for_params"]
-
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def extension_hooks(local: torch.Tensor) -> bool:
-    """Whether ``local`` defines the extension (FSDP2's AssertionError when only one hook)."""
-    pre = hasattr(local, "fsdp_pre_all_gather")
-    post = hasattr(local, "fsdp_post_all_gather")
-    if pre != post:
-        raise AssertionError(
-            "Both fsdp_pre_all_gather and fsdp_post_all_gather should be defined "
-            f"if using all-gather extensions: {local}"
-        )
-    return pre
-
-
-def _alloc(tensor: torch.Tensor) -> None:
-    size = tensor.numel() * tensor.itemsize
-    storage = tensor.untyped_storage()
-    if storage.size() != size:
-        storage.resize_(size)
-
-
-def _free(tensor: torch.Tensor) -> None:
-    storage = tensor.untyped_storage()
-    if storage.size() != 0:
-        storage.resize_(0)
-
-
-def _torch_policy(policy: MixedPrecisionPolicy) -> Any:
-    """The policy as the type FSDP2 passes to ``fsdp_pre_all_gather``: torch's own class,
-    bound at import (read from ``torch.distributed.fsdp`` now, it would be ours while
-    ``use_as_torch_fsdp`` is on)."""
-    return TorchMixedPrecisionPolicy(
-        param_dtype=policy.param_dtype,
-        reduce_dtype=policy.reduce_dtype,
-        output_dtype=policy.output_dtype,
-        cast_forward_inputs=policy.cast_forward_inputs,
-    )
-
-
-class _Hooked:
-    """One extension parameter's all-gather outputs and unsharded tensor (module Note)."""
-
-    def __init__(self) -> None:
-        self.sizes: list[torch.Size] = []
-        self.outputs: list[torch.Tensor] = []
-        self.metadata: Any = None
-        self.unsharded: torch.Tensor | None = None  # what the first post-hook returned
-        self.inner: list[torch.Tensor] = []  # freed at reshard, re-allocated before out=
 
 
 class ExtensionGather(Gather):
@@ -153,7 +107,7 @@ class ExtensionGather(Gather):
             )
         self.placed = placed
         self.params = params
-        self.policy = _torch_policy(mp_policy)
+        self.policy = torch_policy(mp_policy)
         self.comm = comm
         self.unsharded_of = unsharded_of
         self.forget = forget
@@ -163,10 +117,10 @@ class ExtensionGather(Gather):
         device = storage.device
         self._full = [torch.empty(s, dtype=compute_dtype, device=device) for s in storage.shapes]
         for full in self._full:
-            _free(full)
+            free(full)
         for param in params:  # FSDP2 checks at fully_shard (and again at every gather here)
             extension_hooks(compat.local_tensor(param.dtensor))
-        self._hooked: dict[int, _Hooked] = {}
+        self._hooked: dict[int, Hooked] = {}
         self._key: tuple[Any, ...] | None = None
         self._offsets: list[list[int]] = []
         self._section = 0
@@ -194,7 +148,7 @@ class ExtensionGather(Gather):
                 inputs.append([chunk.to(self.compute_dtype)])
                 hooked.append(False)
                 continue
-            state = self._hooked.setdefault(i, _Hooked())
+            state = self._hooked.setdefault(i, Hooked())
             outs, state.metadata = self._pre_all_gather(i, param, local)
             state_sizes = [t.size() for t in outs]
             if state.sizes and state_sizes != state.sizes:
@@ -208,33 +162,18 @@ class ExtensionGather(Gather):
     def _pre_all_gather(
         self, i: int, param: FSDPParam, local: torch.Tensor
     ) -> tuple[Sequence[torch.Tensor], Any]:
-        pre = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
-        count = len(inspect.signature(pre).parameters)
-        if count not in (1, 5):
-            raise AssertionError(
-                f"Invalid fsdp_pre_all_gather: {inspect.signature(pre)}\n"
-                "Expects fsdp_pre_all_gather(self, mesh: DeviceMesh, "
-                "outer_size: torch.Size, outer_stride: tuple[int, ...], "
-                "module: nn.Module, mp_policy: MixedPrecisionPolicy)"
-            )
-        shape = torch.Size(self.storage.shapes[i])
-        if count == 1:
-            inputs, metadata = pre(self.shard_mesh)
-            return tuple(inputs), metadata
-        stride = torch.empty(shape, device="meta").stride()
-        inputs, metadata = pre(self.shard_mesh, shape, stride, param.ref.owner, self.policy)
         padded = self._padded_size(i)
-        # FSDP2 checks on the ranks holding a short chunk only (the others then hang in the
-        # all-gather); every rank knows whether some rank does, so every rank raises here
+        # every rank knows whether some rank's chunk is short (FSDP2: only the short ranks do)
         uneven = torch.Size(self.placed.local_shape(i, self.storage.world - 1)) != padded
-        if uneven and any(t.size() != padded for t in inputs):
-            raise AssertionError(
-                "When a parameter is unevenly sharded by FSDP "
-                f"(orig size={shape}, FSDP world size={self.storage.world}), "
-                "fsdp_pre_all_gather must return all-gather inputs with the padded sharded size "
-                f"{padded} but got {[t.size() for t in inputs]}"
-            )
-        return tuple(inputs), metadata
+        return pre_all_gather(
+            local,
+            self.shard_mesh,
+            torch.Size(self.storage.shapes[i]),
+            param.ref.owner,
+            self.policy,
+            padded=padded if uneven else None,
+            world=self.storage.world,
+        )
 
     def _padded_size(self, i: int) -> torch.Size:
         """Rank 0's chunk: the padded chunk of every rank (FSDP2's ``padded_sharded_size``)."""
@@ -259,7 +198,7 @@ class ExtensionGather(Gather):
             )
             mine = []
             for t in ts:  # at a multiple of its element size: viewable as its dtype
-                cursor = _round_up(cursor, t.element_size())
+                cursor = round_up(cursor, t.element_size())
                 mine.append(cursor)
                 cursor += t.numel() * t.element_size()
                 widest = max(widest, t.element_size())
@@ -272,7 +211,7 @@ class ExtensionGather(Gather):
             error=LayoutMismatchError,
         )
         # every rank's section starts at a multiple of the widest element size
-        self._section = max(widest, _round_up(cursor, widest))
+        self._section = max(widest, round_up(cursor, widest))
         self._offsets = offsets
         self._key = key
         world = self.storage.world
@@ -288,7 +227,7 @@ class ExtensionGather(Gather):
             device=self.storage.device,
             zero=False,
         )
-        _free(self._bytes.shard)
+        free(self._bytes.shard)
 
     def issue(self, *, ready: torch.Event | None, async_op: bool) -> Handle | None:
         device = self.storage.device
@@ -300,7 +239,7 @@ class ExtensionGather(Gather):
             self._layout(inputs, hooked)
             packed = self._bytes
             assert packed is not None
-            _alloc(packed.shard)
+            alloc(packed.shard)
             send = packed.shard
             for ts, offs in zip(inputs, self._offsets, strict=True):
                 for t, off in zip(ts, offs, strict=True):
@@ -321,7 +260,7 @@ class ExtensionGather(Gather):
                 offs = self._offsets[i]
                 if not hooked:
                     full = self._full[i]
-                    _alloc(full)
+                    alloc(full)
                     chunk = self.placed.chunks[i] * full.element_size()
                     src = recv[:, offs[0] : offs[0] + chunk].view(self.compute_dtype)
                     with compat.preserve_version_counter(full):
@@ -336,12 +275,12 @@ class ExtensionGather(Gather):
                         for size, dtype in zip(state.sizes, dtypes, strict=True)
                     ]
                 for out, off in zip(state.outputs, offs, strict=True):
-                    _alloc(out)
+                    alloc(out)
                     nbytes = out.numel() * out.element_size() // world
                     with compat.preserve_version_counter(out):
                         out.view(torch.uint8).view(world, nbytes).copy_(recv[:, off : off + nbytes])
         packed.reshard()
-        _free(packed.shard)
+        free(packed.shard)
         for i, hooked in self._pending:
             if hooked:
                 self._post_all_gather(i)
@@ -367,7 +306,7 @@ class ExtensionGather(Gather):
             and self._given.get(i) is state.unsharded
         ):
             for tensor in state.inner:
-                _alloc(tensor)
+                alloc(tensor)
             post(outputs, state.metadata, self.compute_dtype, out=param)
             return
         tensor, inner = post(outputs, state.metadata, self.compute_dtype)
@@ -401,10 +340,10 @@ class ExtensionGather(Gather):
         if self._bytes is not None:
             self._bytes.reshard()
         for full in self._full:
-            _free(full)
+            free(full)
         for state in self._hooked.values():
             for tensor in (*state.outputs, *state.inner):
-                _free(tensor)
+                free(tensor)
 
 
 def gather_for_params(

@@ -308,7 +308,8 @@ class FSDPParam:
         else:
             full = value.full_tensor() if isinstance(value, DTensor) else value
             self.own = fsdp2_chunk(full, storage.rank, storage.world, storage.device)
-            param = compat.sharded_parameter(self._dtensor(storage.local(self.index)), value.requires_grad)
+            local = storage.local(self.index)
+            param = compat.sharded_parameter(self._dtensor(local), value.requires_grad)
         self.sharded = param
         self.record_block_policy(self.block_policy)
         self.register_sharded()

@@ -204,7 +204,7 @@ def fsdp2_chunk(
         padded = value.new_zeros(chunks[0].size())
         chunk = chunks[rank] if rank < len(chunks) else None
         length = chunk.size(0) if chunk is not None and chunk.numel() > 0 else 0
-        if length and not padded.is_meta:
+        if chunk is not None and length and not padded.is_meta:
             padded.narrow(0, 0, length).copy_(chunk)
         return padded, padded.narrow(0, 0, length)
 
