@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
 from dbuffer import LayoutMismatchError
-from ragged_dtensor.testing import run_threaded
+from ragged_dtensor.testing import count_collectives, run_threaded
 
 pytestmark = pytest.mark.numerics
 
@@ -132,7 +132,7 @@ def _compare(run: Any, world: int, *args: Any) -> dict[str, Any]:
         for name, values in theirs["params"].items():
             for mine, their in zip(ours["params"][name], values, strict=True):
                 assert torch.equal(mine, their), name
-        for key in set(theirs) - {"losses", "params"}:
+        for key in set(theirs) - {"losses", "params", "bytes"}:
             assert ours[key] == theirs[key], (key, ours[key], theirs[key])
     return {"calls": calls["ours"], **out}
 
@@ -310,3 +310,56 @@ def test_unsharded_two_tensor_matches_the_module_without_fsdp() -> None:
 
     for same in run_threaded(run, 2):
         assert same and all(same) and math.prod([len(same)]) == 6, same
+
+
+class _Adapted(nn.Module):
+    """A frozen base weight of a subclass with its own storage that gathers in bf16 (the
+    three-argument-unflatten one) with trainable plain low-rank adapters in the same group (the
+    QLoRA shape, without torchao); 3 and 9 rows are uneven over 2 ranks."""
+
+    def __init__(self, into: int, out: int) -> None:
+        super().__init__()
+        base = torch.randn(out, into)
+        self.weight = nn.Parameter(Bf16Gathered(base), requires_grad=False)
+        self.lora_a = nn.Parameter(torch.randn(3, into) * 0.3)
+        self.lora_b = nn.Parameter(torch.randn(out, 3) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+def _adapted_run(rank: int, world: int, impl: str) -> dict[str, Any]:
+    api = engine(impl)
+    model = make(lambda: nn.Sequential(_Adapted(8, 9), _Adapted(9, 8)))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        api.fully_shard(layer, mesh=mesh)
+    api.fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses, sent = [], []
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
+    for _ in range(3):
+        with count_collectives() as counter:
+            loss = model(x).sum()
+            loss.backward()
+        sent.append(dict(counter.bytes))
+        opt.step()
+        opt.zero_grad()
+        losses.append(_scalar(loss))
+    return {
+        "losses": losses,
+        "params": {n: _values(p) for n, p in model.named_parameters()},
+        "bytes": sent[1:],
+    }
+
+
+def test_frozen_subclass_weights_with_trainable_adapters_reduce_like_fsdp2() -> None:
+    """A group holding a frozen subclass weight and trainable plain adapters (FSDP2's
+    ``Shard(0)`` layout for all of them) reduces only the adapters (FSDP2's reduce-scatter
+    input: the frozen weights take no bytes): every collective moves no more bytes than
+    FSDP2's, and losses and every local tensor equal FSDP2's bitwise."""
+    result = _compare(_adapted_run, 2)
+    for ours, theirs in zip(result["ours"], result["fsdp2"], strict=True):
+        for mine, control in zip(ours["bytes"], theirs["bytes"], strict=True):
+            assert set(mine) == set(control), (mine, control)
+            assert all(mine[k] <= control[k] for k in mine), (mine, control)

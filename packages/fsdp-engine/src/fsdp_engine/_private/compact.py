@@ -127,7 +127,8 @@ def reduction_for_mask(storage: ShardStorage, mask: tuple[bool, ...], align: int
     dims = () if placed is None else placed.dims
     shard0 = all(d == 0 for d, t in zip(dims, mask, strict=False) if t)
     if placed is not None and not all(mask) and shard0:
-        segment, pieces = placed_compact_pieces(placed, mask, align)
+        # FSDP2's bytes: no alignment (the segments are never viewed as another dtype)
+        segment, pieces = placed_compact_pieces(placed, mask, 1)
         return Reduction(mask, "compact", segment, pieces)
     if all(mask) or placed is not None:
         # a placed group with a trainable Shard(d > 0) member reduces its frozen members' zeros
