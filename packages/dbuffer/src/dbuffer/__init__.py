@@ -19,6 +19,7 @@ from dbuffer._private.layout import BufferLayout, ContiguousLayout, contiguous_l
 from dbuffer._private.packed import PackedAllGather, PackedLayout, packed_layout
 from dbuffer._private.reduction import Op as ReduceOp
 from dbuffer._private.reduction import ReduceSpec, avg_supported, reduce_spec
+from dbuffer._private.streams import on_all_gather_stream
 
 try:
     __version__ = version("dbuffer")
@@ -35,6 +36,7 @@ __all__ = [
     "avg_supported",
     "AllGatherComm",
     "ReduceScatterComm",
+    "on_all_gather_stream",
     "LayoutMismatchError",
     # packed (byte) all-gathers: quantized codes and scales in one collective
     "PackedAllGather",

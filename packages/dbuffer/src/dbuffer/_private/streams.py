@@ -53,6 +53,7 @@ __all__ = [
     "current_stream",
     "event_after",
     "hand_back",
+    "on_all_gather_stream",
     "on_stream",
     "ordered_after",
 ]
@@ -133,4 +134,17 @@ def on_stream(stream: torch.Stream | None) -> Iterator[None]:
         yield
         return
     with stream:
+        yield
+
+
+@contextlib.contextmanager
+def on_all_gather_stream(device: torch.device, ready: torch.Event | None) -> Iterator[None]:
+    """Run the body on ``device``'s all-gather stream once ``ready`` (default: the caller's
+    stream now) has passed: the work a caller does to make an all-gather's input (FSDP2's
+    pre-all-gather hooks and copy-in), off the compute stream. What the body allocates belongs
+    to the all-gather stream's pool; the caller issues the all-gather next (on the same
+    stream). Nothing changes on devices without streams."""
+    stream = comm_stream_for(device, "all_gather")
+    ordered_after(stream, device, ready)
+    with on_stream(stream):
         yield

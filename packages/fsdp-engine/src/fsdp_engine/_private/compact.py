@@ -12,9 +12,17 @@ import attrs
 import torch
 
 from dbuffer import DBuffer, contiguous_layout
+from fsdp_engine._private.placed import PlacedLayout
 from fsdp_engine._private.storage import ShardStorage
 
-__all__ = ["Piece", "Reduction", "compact_buffer", "compact_pieces", "reduction_for_mask"]
+__all__ = [
+    "Piece",
+    "Reduction",
+    "compact_buffer",
+    "compact_pieces",
+    "placed_compact_pieces",
+    "reduction_for_mask",
+]
 
 Piece = tuple[
     int, int, int, int
@@ -60,6 +68,30 @@ def compact_pieces(
     return size, tuple(by_rank)
 
 
+def placed_compact_pieces(
+    placed: PlacedLayout, trainable: Sequence[bool], align: int
+) -> tuple[int, tuple[tuple[Piece, ...], ...]]:
+    """FSDP2's reduce-scatter input for the trainable ``Shard(0)`` members of a placed group:
+    segment r holds each trainable parameter's padded chunk r (``chunks[i]`` elements, the
+    first ``local_numel(i, r)`` of them its rows ``[r*c_i, ...)``, which start at
+    ``r * chunks[i]`` in the flattened full gradient), back to back; frozen members take no
+    bytes (a QLoRA block's frozen NF4 weights are neither reduced nor communicated)."""
+    by_rank: list[tuple[Piece, ...]] = []
+    cursor = 0
+    for r in range(placed.world):
+        cursor = 0
+        pieces: list[Piece] = []
+        for i, chunk in enumerate(placed.chunks):
+            if not trainable[i]:
+                continue
+            length = placed.local_numel(i, r)
+            pieces.append((i, r * chunk if length else 0, length, cursor))
+            cursor += chunk
+        by_rank.append(tuple(pieces))
+    size = max(align, -(-cursor // align) * align)
+    return size, tuple(by_rank)
+
+
 @attrs.frozen
 class Reduction:
     """How a group reduces its gradients for one trainable mask ([Note: frozen parameters])."""
@@ -91,9 +123,17 @@ def reduction_for_mask(storage: ShardStorage, mask: tuple[bool, ...], align: int
     """The reduction of ``mask``: none, full, or compact over the trainable subset."""
     if not any(mask):
         return Reduction(mask, "none")
-    if all(mask) or storage.placed is not None:
-        # a placed group reduces its frozen members' zeros too ([Note: placed groups]): the
-        # trainable ones' values are the same, only frozen ones get no .grad
+    placed = storage.placed
+    dims = () if placed is None else placed.dims
+    shard0 = all(d == 0 for d, t in zip(dims, mask, strict=False) if t)
+    if placed is not None and not all(mask) and shard0:
+        # FSDP2's bytes: no alignment (the segments are never viewed as another dtype)
+        segment, pieces = placed_compact_pieces(placed, mask, 1)
+        return Reduction(mask, "compact", segment, pieces)
+    if all(mask) or placed is not None:
+        # a placed group with a trainable Shard(d > 0) member reduces its frozen members' zeros
+        # too ([Note: placed groups]): the trainable ones' values are the same, only frozen
+        # ones get no .grad
         return Reduction(mask, "full")
     plan = storage.plan
     segment, pieces = compact_pieces(

@@ -10,8 +10,12 @@ FSDP2's protocol (torch 2.13, ``_fsdp_param.py``), followed call for call:
   tensor at every all-gather. ``mesh`` is the shard mesh (HSDP: the shard axis' 1-D mesh),
   ``outer_size``/``outer_stride`` the full parameter's size and contiguous stride, ``module``
   the module registering the parameter, ``mp_policy`` torch's ``MixedPrecisionPolicy``.
+- The pre-hooks and the packing run on the all-gather stream after ``ready`` (the event of the
+  shards' last write; default the caller's stream now), as FSDP2 runs them on its copy-in
+  stream: they overlap the compute queued before them.
 - Every input travels in the group's one all-gather, next to the other parameters' chunks:
-  each rank's section packs every input's bytes (any dtypes, each at a 16-byte offset), one
+  each rank's section packs every input's bytes (any dtypes, each at an offset that is a
+  multiple of its element size: FSDP2's bytes, no more, as FSDP2 packs them back to back), one
   all-gather of bytes moves all sections, and each input's gathered copy is cut out into its
   *all-gather output* (``m`` times its numel, rank-major), a tensor made once and refilled in
   place on later gathers (its memory freed at reshard), viewed as ``(-1, *size[1:])``.
@@ -27,9 +31,10 @@ FSDP2's protocol (torch 2.13, ``_fsdp_param.py``), followed call for call:
   metadata, param_dtype, out=unsharded_parameter)`` to refill it in place (so autograd's saved
   references stay valid). ``param_dtype`` is the policy's, or the parameter's dtype.
 - The methods are looked up on the local tensor at every all-gather, so hooks patched onto the
-  class after ``fully_shard`` (before or between iterations) are used, and a parameter whose
-  class has neither is gathered as plain values. Defining only one of the two raises FSDP2's
-  AssertionError.
+  class or onto the local tensor object itself after ``fully_shard`` (before or between
+  iterations) are used, and a parameter whose class has neither is gathered as plain values
+  (a subclass with its own storage: its padded chunk, FSDP2's all-gather input). Defining only
+  one of the two raises FSDP2's AssertionError.
 
 Plain parameters of the same group (a call holding subclass parameters: [Note: subclass
 parameters] in subclass.py) travel in the same all-gather as their padded chunks in the compute
@@ -40,19 +45,33 @@ group: one copy out of the gathered bytes per parameter (FSDP2 pays it too), and
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 
-from dbuffer import AllGatherComm, DBuffer, Handle, LayoutMismatchError, contiguous_layout
+from dbuffer import (
+    AllGatherComm,
+    DBuffer,
+    Handle,
+    LayoutMismatchError,
+    contiguous_layout,
+    on_all_gather_stream,
+)
 from fsdp_engine._private import compat
 from fsdp_engine._private import gather as gather_module
 from fsdp_engine._private.api import MixedPrecisionPolicy
+from fsdp_engine._private.extension_hooks import (
+    Hooked,
+    alloc,
+    extension_hooks,
+    free,
+    pre_all_gather,
+    round_up,
+    torch_policy,
+)
 from fsdp_engine._private.gather import Gather, choose_gather
 from fsdp_engine._private.param import FSDPParam
 from fsdp_engine._private.quantized_gather import QuantizedGather
@@ -60,60 +79,6 @@ from fsdp_engine._private.storage import ShardStorage
 from ragged_dtensor import check_ranks_agree
 
 __all__ = ["ExtensionGather", "extension_hooks", "gather_for_params"]
-
-_ALIGN = 16  # bytes: every segment can be viewed as any dtype
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-def extension_hooks(local: torch.Tensor) -> bool:
-    """Whether ``local`` defines the extension (FSDP2's AssertionError when only one hook)."""
-    pre = hasattr(local, "fsdp_pre_all_gather")
-    post = hasattr(local, "fsdp_post_all_gather")
-    if pre != post:
-        raise AssertionError(
-            "Both fsdp_pre_all_gather and fsdp_post_all_gather should be defined "
-            f"if using all-gather extensions: {local}"
-        )
-    return pre
-
-
-def _alloc(tensor: torch.Tensor) -> None:
-    size = tensor.numel() * tensor.itemsize
-    storage = tensor.untyped_storage()
-    if storage.size() != size:
-        storage.resize_(size)
-
-
-def _free(tensor: torch.Tensor) -> None:
-    storage = tensor.untyped_storage()
-    if storage.size() != 0:
-        storage.resize_(0)
-
-
-def _torch_policy(policy: MixedPrecisionPolicy) -> Any:
-    """The policy as the type FSDP2 passes to ``fsdp_pre_all_gather``: torch's own class,
-    bound at import (read from ``torch.distributed.fsdp`` now, it would be ours while
-    ``use_as_torch_fsdp`` is on)."""
-    return TorchMixedPrecisionPolicy(
-        param_dtype=policy.param_dtype,
-        reduce_dtype=policy.reduce_dtype,
-        output_dtype=policy.output_dtype,
-        cast_forward_inputs=policy.cast_forward_inputs,
-    )
-
-
-class _Hooked:
-    """One extension parameter's all-gather outputs and unsharded tensor (module Note)."""
-
-    def __init__(self) -> None:
-        self.sizes: list[torch.Size] = []
-        self.outputs: list[torch.Tensor] = []
-        self.metadata: Any = None
-        self.unsharded: torch.Tensor | None = None  # what the first post-hook returned
-        self.inner: list[torch.Tensor] = []  # freed at reshard, re-allocated before out=
 
 
 class ExtensionGather(Gather):
@@ -142,7 +107,7 @@ class ExtensionGather(Gather):
             )
         self.placed = placed
         self.params = params
-        self.policy = _torch_policy(mp_policy)
+        self.policy = torch_policy(mp_policy)
         self.comm = comm
         self.unsharded_of = unsharded_of
         self.forget = forget
@@ -152,10 +117,10 @@ class ExtensionGather(Gather):
         device = storage.device
         self._full = [torch.empty(s, dtype=compute_dtype, device=device) for s in storage.shapes]
         for full in self._full:
-            _free(full)
+            free(full)
         for param in params:  # FSDP2 checks at fully_shard (and again at every gather here)
             extension_hooks(compat.local_tensor(param.dtensor))
-        self._hooked: dict[int, _Hooked] = {}
+        self._hooked: dict[int, Hooked] = {}
         self._key: tuple[Any, ...] | None = None
         self._offsets: list[list[int]] = []
         self._section = 0
@@ -174,12 +139,16 @@ class ExtensionGather(Gather):
         for i, param in enumerate(self.params):
             local = compat.local_tensor(param.dtensor)
             if not extension_hooks(local):
-                off = placed.offsets[i]
-                chunk = shard[off : off + placed.chunks[i]]
+                own = param.padded_own
+                if own is not None:  # FSDP2's input: the subclass's padded chunk, cast
+                    chunk = own.reshape(-1)
+                else:
+                    off = placed.offsets[i]
+                    chunk = shard[off : off + placed.chunks[i]]
                 inputs.append([chunk.to(self.compute_dtype)])
                 hooked.append(False)
                 continue
-            state = self._hooked.setdefault(i, _Hooked())
+            state = self._hooked.setdefault(i, Hooked())
             outs, state.metadata = self._pre_all_gather(i, param, local)
             state_sizes = [t.size() for t in outs]
             if state.sizes and state_sizes != state.sizes:
@@ -193,33 +162,18 @@ class ExtensionGather(Gather):
     def _pre_all_gather(
         self, i: int, param: FSDPParam, local: torch.Tensor
     ) -> tuple[Sequence[torch.Tensor], Any]:
-        pre = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
-        count = len(inspect.signature(pre).parameters)
-        if count not in (1, 5):
-            raise AssertionError(
-                f"Invalid fsdp_pre_all_gather: {inspect.signature(pre)}\n"
-                "Expects fsdp_pre_all_gather(self, mesh: DeviceMesh, "
-                "outer_size: torch.Size, outer_stride: tuple[int, ...], "
-                "module: nn.Module, mp_policy: MixedPrecisionPolicy)"
-            )
-        shape = torch.Size(self.storage.shapes[i])
-        if count == 1:
-            inputs, metadata = pre(self.shard_mesh)
-            return tuple(inputs), metadata
-        stride = torch.empty(shape, device="meta").stride()
-        inputs, metadata = pre(self.shard_mesh, shape, stride, param.ref.owner, self.policy)
         padded = self._padded_size(i)
-        # FSDP2 checks on the ranks holding a short chunk only (the others then hang in the
-        # all-gather); every rank knows whether some rank does, so every rank raises here
+        # every rank knows whether some rank's chunk is short (FSDP2: only the short ranks do)
         uneven = torch.Size(self.placed.local_shape(i, self.storage.world - 1)) != padded
-        if uneven and any(t.size() != padded for t in inputs):
-            raise AssertionError(
-                "When a parameter is unevenly sharded by FSDP "
-                f"(orig size={shape}, FSDP world size={self.storage.world}), "
-                "fsdp_pre_all_gather must return all-gather inputs with the padded sharded size "
-                f"{padded} but got {[t.size() for t in inputs]}"
-            )
-        return tuple(inputs), metadata
+        return pre_all_gather(
+            local,
+            self.shard_mesh,
+            torch.Size(self.storage.shapes[i]),
+            param.ref.owner,
+            self.policy,
+            padded=padded if uneven else None,
+            world=self.storage.world,
+        )
 
     def _padded_size(self, i: int) -> torch.Size:
         """Rank 0's chunk: the padded chunk of every rank (FSDP2's ``padded_sharded_size``)."""
@@ -236,16 +190,18 @@ class ExtensionGather(Gather):
         record = {}
         offsets: list[list[int]] = []
         cursor = 0
+        widest = 1
         for param, ts, h in zip(self.params, inputs, hooked, strict=True):
             kind = "fsdp_pre_all_gather inputs" if h else "chunk"
             record[f"all-gather {kind} of {param.fqn!r} (dtype, numel)"] = repr(
                 [(str(t.dtype), t.numel()) for t in ts]
             )
             mine = []
-            for t in ts:
-                cursor = _round_up(cursor, _ALIGN)
+            for t in ts:  # at a multiple of its element size: viewable as its dtype
+                cursor = round_up(cursor, t.element_size())
                 mine.append(cursor)
                 cursor += t.numel() * t.element_size()
+                widest = max(widest, t.element_size())
             offsets.append(mine)
         check_ranks_agree(
             self.storage.mesh,
@@ -254,7 +210,8 @@ class ExtensionGather(Gather):
             "sizes: FSDP2's rule)",
             error=LayoutMismatchError,
         )
-        self._section = max(_ALIGN, _round_up(cursor, _ALIGN))
+        # every rank's section starts at a multiple of the widest element size
+        self._section = max(widest, round_up(cursor, widest))
         self._offsets = offsets
         self._key = key
         world = self.storage.world
@@ -270,25 +227,28 @@ class ExtensionGather(Gather):
             device=self.storage.device,
             zero=False,
         )
-        _free(self._bytes.shard)
+        free(self._bytes.shard)
 
     def issue(self, *, ready: torch.Event | None, async_op: bool) -> Handle | None:
-        with torch.no_grad():
+        device = self.storage.device
+        # [Note: all-gather extensions]: the hooks and the packing run on the all-gather stream
+        # once the shards' last write (``ready``) has passed, as FSDP2's copy-in stream does, so
+        # they overlap the compute before them; their temporaries belong to that stream
+        with on_all_gather_stream(device, ready), torch.no_grad():
             inputs, hooked = self._inputs()
             self._layout(inputs, hooked)
             packed = self._bytes
             assert packed is not None
-            _alloc(packed.shard)
+            alloc(packed.shard)
             send = packed.shard
             for ts, offs in zip(inputs, self._offsets, strict=True):
                 for t, off in zip(ts, offs, strict=True):
                     nbytes = t.numel() * t.element_size()
                     send[off : off + nbytes].copy_(t.contiguous().view(torch.uint8))
+            del inputs  # the hooks' temporaries go back to the all-gather stream's pool
+            packed_at = gather_module.event_now(device)  # on the all-gather stream
         self._pending = self._last_kinds = list(enumerate(hooked))
-        # the inputs were made on the caller's stream: the all-gather waits for them
-        return packed.unshard(
-            async_op=async_op, ready=gather_module.event_now(self.storage.device), comm=self.comm
-        )
+        return packed.unshard(async_op=async_op, ready=packed_at, comm=self.comm)
 
     def complete(self) -> None:
         packed = self._bytes
@@ -300,7 +260,7 @@ class ExtensionGather(Gather):
                 offs = self._offsets[i]
                 if not hooked:
                     full = self._full[i]
-                    _alloc(full)
+                    alloc(full)
                     chunk = self.placed.chunks[i] * full.element_size()
                     src = recv[:, offs[0] : offs[0] + chunk].view(self.compute_dtype)
                     with compat.preserve_version_counter(full):
@@ -315,12 +275,12 @@ class ExtensionGather(Gather):
                         for size, dtype in zip(state.sizes, dtypes, strict=True)
                     ]
                 for out, off in zip(state.outputs, offs, strict=True):
-                    _alloc(out)
+                    alloc(out)
                     nbytes = out.numel() * out.element_size() // world
                     with compat.preserve_version_counter(out):
                         out.view(torch.uint8).view(world, nbytes).copy_(recv[:, off : off + nbytes])
         packed.reshard()
-        _free(packed.shard)
+        free(packed.shard)
         for i, hooked in self._pending:
             if hooked:
                 self._post_all_gather(i)
@@ -346,7 +306,7 @@ class ExtensionGather(Gather):
             and self._given.get(i) is state.unsharded
         ):
             for tensor in state.inner:
-                _alloc(tensor)
+                alloc(tensor)
             post(outputs, state.metadata, self.compute_dtype, out=param)
             return
         tensor, inner = post(outputs, state.metadata, self.compute_dtype)
@@ -380,10 +340,10 @@ class ExtensionGather(Gather):
         if self._bytes is not None:
             self._bytes.reshard()
         for full in self._full:
-            _free(full)
+            free(full)
         for state in self._hooked.values():
             for tensor in (*state.outputs, *state.inner):
-                _free(tensor)
+                free(tensor)
 
 
 def gather_for_params(

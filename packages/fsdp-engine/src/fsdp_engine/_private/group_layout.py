@@ -60,7 +60,19 @@ def lay_out_group(
     wraps: list[SubclassWrap | None] = [
         subclass_wrap(r.fqn, p) for r, p in zip(refs, registered, strict=True)
     ]
-    originals = [p.to_local() if isinstance(p, DTensor) else plain_values(p) for p in registered]
+    # [Note: subclasses with a storage of their own]: a slot of the shape, the values elsewhere
+    originals = [
+        p.to_local()
+        if isinstance(p, DTensor)
+        else torch.empty(p.shape, dtype=p.dtype, device="meta")
+        if w is not None and w.owns_storage
+        else plain_values(p)
+        for p, w in zip(registered, wraps, strict=True)
+    ]
+    real = [
+        p.is_meta if w is not None and w.owns_storage else o.is_meta
+        for p, o, w in zip(registered, originals, wraps, strict=True)
+    ]
     dtypes = {p.dtype for p in originals}
     if len(dtypes) != 1:  # the caller splits a call's parameters by dtype
         raise ValueError(f"a group holds one dtype, got {sorted(map(str, dtypes))}")
@@ -90,7 +102,7 @@ def lay_out_group(
             chosen = frozenset(n for n, q in zip(names, selected, strict=True) if q)
             block_policy = TileAlignedBlocks(quantization, chosen, block_policy)
         plan = build_plan(names, originals, world, block_policy, aligned, planner)
-    meta = all(p.is_meta for p in originals)  # [Note: meta-device parameters]
+    meta = all(real)  # [Note: meta-device parameters]
     storage = ShardStorage(
         plan,
         names,
@@ -109,7 +121,7 @@ def lay_out_group(
             if not p.is_meta:
                 storage.load_full(i, p.detach().to(storage.device))
     params = tuple(
-        FSDPParam(ref, i, storage, meta=o.is_meta, requires_grad=p.requires_grad, wrap=w)
-        for i, (ref, o, p, w) in enumerate(zip(refs, originals, registered, wraps, strict=True))
+        FSDPParam(ref, i, storage, meta=m, requires_grad=p.requires_grad, wrap=w, value=p)
+        for i, (ref, m, p, w) in enumerate(zip(refs, real, registered, wraps, strict=True))
     )
     return GroupLayout(storage, quantized, params)

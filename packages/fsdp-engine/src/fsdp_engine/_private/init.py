@@ -28,7 +28,7 @@ from fsdp_engine._private.api import (
 )
 from fsdp_engine._private.param import ParamRef
 from fsdp_engine._private.state import get_state
-from fsdp_engine._private.subclass import is_subclass_tensor, plain_values
+from fsdp_engine._private.subclass import inner_tensors, is_subclass_tensor, plain_values
 from fsdp_engine._private.trace import warning_once
 from ragged_dtensor import check_ranks_agree
 
@@ -305,8 +305,12 @@ def value_digest(param: torch.Tensor) -> str:
     the two sums reach the host. Not cryptographic: it tells copies that differ apart (a
     difference anywhere, including swapped values, changes both lanes), which is its job."""
     local = compat.local_tensor(param) if isinstance(param, DTensor) else param
-    flat = plain_values(local).detach().reshape(-1)
-    data = flat.contiguous().view(torch.uint8)
+    try:
+        parts = [plain_values(local)]
+    except ValueError:  # a subclass with its own storage (NF4's codes and scales): all its bytes
+        parts = inner_tensors(local)
+    data_parts = [t.detach().reshape(-1).contiguous().view(torch.uint8) for t in parts]
+    data = data_parts[0] if len(data_parts) == 1 else torch.cat(data_parts)
     pad = (-data.numel()) % 4
     if pad:
         data = torch.cat([data, data.new_zeros(pad)])

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from fsdp_engine._private import compat
-from fsdp_engine._private.subclass import SubclassWrap, plain_values
+from fsdp_engine._private.subclass import SubclassWrap, fsdp2_chunk, fsdp2_repad, plain_values
 from ragged_dtensor import RaggedShard
 
 if TYPE_CHECKING:
@@ -149,12 +149,18 @@ class FSDPParam:
         meta: bool,
         requires_grad: bool,
         wrap: SubclassWrap | None = None,
+        value: torch.Tensor | None = None,
     ) -> None:
         self.ref = ref
         self.index = index
         self.storage = storage
         # [Note: subclass parameters]: the local tensor is the user's subclass over our storage
         self.wrap = wrap
+        # [Note: subclasses with a storage of their own]: FSDP2's padded chunk and local tensor
+        self.own: tuple[torch.Tensor, torch.Tensor] | None = None
+        if wrap is not None and wrap.owns_storage:
+            assert value is not None, "a subclass with its own storage needs its value"
+            self.own = fsdp2_chunk(value, storage.rank, storage.world, storage.device)
         local = storage.local_or_meta(index, meta)
         self.sharded = compat.sharded_parameter(self._dtensor(local), requires_grad)
         self._unsharded: dict[torch.dtype, nn.Parameter] = {}
@@ -170,8 +176,23 @@ class FSDPParam:
             setattr(self.sharded, "block_policy", policy)  # noqa: B010 - not an nn.Parameter field
 
     def _local(self, plain: torch.Tensor) -> torch.Tensor:
-        """The local tensor over ``plain`` (our storage): the subclass wrapped around it."""
+        """The local tensor over ``plain`` (our storage): the subclass wrapped around it (or
+        the subclass's own local tensor when it keeps its own storage)."""
+        if self.own is not None:
+            return self.own[1]
         return plain if self.wrap is None else self.wrap.wrap(plain)
+
+    @property
+    def padded_own(self) -> torch.Tensor | None:
+        """[Note: subclasses with a storage of their own]: FSDP2's padded chunk (its
+        all-gather input without hooks), or None for a parameter held in our storage."""
+        return None if self.own is None else self.own[0]
+
+    def _take_own(self, local: torch.Tensor) -> torch.Tensor:
+        """A subclass local tensor given in our place (FSDP2's ``reset_sharded_param``)."""
+        rows = self.storage.placed.local_shape(self.index, 0)[0] if self.storage.placed else 0
+        self.own = fsdp2_repad(local, rows)
+        return self.own[1]
 
     def _dtensor(self, plain: torch.Tensor) -> DTensor:
         """The sharded DTensor over ``plain`` (its local tensor the subclass, if any)."""
@@ -241,6 +262,9 @@ class FSDPParam:
         same_layout = isinstance(value, DTensor) and tuple(value.placements) == tuple(
             self.dtensor.placements
         )
+        if self.own is not None:
+            self._adopt_own(value, same_layout)
+            return
         if same_layout:
             assert isinstance(value, DTensor)
             local = plain_values(compat.local_tensor(value))
@@ -271,6 +295,26 @@ class FSDPParam:
         self.register_sharded()
         self.forget_unsharded()
 
+    def _adopt_own(self, value: torch.Tensor, same_layout: bool) -> None:
+        """``adopt`` for a subclass with its own storage: its local tensor (re-padded), or
+        FSDP2's chunk of the full value."""
+        storage = self.storage
+        if not value.is_meta:
+            storage.materialize()  # the group's slot (layout and gradients) becomes real
+        if same_layout and isinstance(value, nn.Parameter):
+            assert isinstance(value, DTensor)
+            compat.set_local_tensor(value, self._take_own(compat.local_tensor(value)))
+            param: nn.Parameter = value
+        else:
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            self.own = fsdp2_chunk(full, storage.rank, storage.world, storage.device)
+            local = storage.local(self.index)
+            param = compat.sharded_parameter(self._dtensor(local), value.requires_grad)
+        self.sharded = param
+        self.record_block_policy(self.block_policy)
+        self.register_sharded()
+        self.forget_unsharded()
+
     def adopt_applied(self, current: DTensor, *, copy: bool = True) -> None:
         """After ``nn.Module._apply`` (``.to``, ``.float()``, ``to_empty``): ``current`` (the
         registered DTensor, in the group's new dtype) gets a view of our storage as its local
@@ -278,6 +322,16 @@ class FSDPParam:
         local tensor holds them, or set ``param.data``, so only the wrapper changed).
         ``copy=False`` (``to_empty``): the values are undefined, nothing is copied."""
         storage, i = self.storage, self.index
+        if self.own is not None:  # the subclass converted itself: its new local is the truth
+            if current.device.type != "meta":
+                storage.materialize()
+            compat.set_local_tensor(current, self._take_own(compat.local_tensor(current)))
+            assert isinstance(current, nn.Parameter)
+            self.sharded = current
+            self.record_block_policy(self.block_policy)
+            self.register_sharded()
+            self.forget_unsharded()
+            return
         local = plain_values(compat.local_tensor(current))
         if current.device.type == "meta":
             new_local = storage.local_or_meta(i, True)
