@@ -195,7 +195,10 @@ class ParamGroup:
         made = [p.unsharded(dtype) for p in self.params]
         if any(u is None for u in made):
             views = self.gather.views()
-            made = [p.make_unsharded(dtype, v) for p, v in zip(self.params, views, strict=True)]
+            guarded = self.config.gradients_in_place  # [Note: reading an overwritten weight]
+            made = [
+                p.make_unsharded(dtype, v, guarded) for p, v in zip(self.params, views, strict=True)
+            ]
         return [u for u in made if u is not None]
 
     def register_unsharded(self) -> None:
