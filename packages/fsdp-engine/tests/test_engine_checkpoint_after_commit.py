@@ -57,9 +57,7 @@ def _save_and_die(rank: int, world: int, root: str, mode: str) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_rank_dying_after_the_commit_gives_after_commit_error(
-    tmp_path: Path, mode: str
-) -> None:
+def test_a_rank_dying_after_the_commit_gives_after_commit_error(tmp_path: Path, mode: str) -> None:
     with pytest.raises(DistributedFailure, match=r"ranks \[1\] exited without reporting"):
         run_processes(_save_and_die, 2, str(tmp_path), mode, timeout=120)
     outcome = json.loads((tmp_path / "rank0.json").read_text())

@@ -322,12 +322,9 @@ def value_digest(param: torch.Tensor) -> str:
     return f"{tuple(param.shape)} {param.dtype} digest:{digest}"
 
 
-# [Note: torch's policy classes by identity]
-# The switch rebinds ``torch.distributed.fsdp.OffloadPolicy`` & co. to ours, so a check that
-# looked torch's classes up through those names at call time would see ours, and a policy made
-# from torch's class before the switch (by an ``Accelerator`` or ``Trainer`` built first) would
-# be refused. torch's classes are read from FSDP2's implementation module, which the switch
-# never rebinds, once at import.
+# [Note: torch's policy classes by identity]: the switch rebinds torch.distributed.fsdp's policy
+# names to ours, so torch's classes are read once from FSDP2's implementation module (never
+# rebound): a policy made from torch's class before the switch is accepted.
 _TORCH_MP_POLICY = torch_fsdp_api.MixedPrecisionPolicy
 _TORCH_OFFLOAD_POLICY = torch_fsdp_api.OffloadPolicy
 _TORCH_CPU_OFFLOAD_POLICY = torch_fsdp_api.CPUOffloadPolicy

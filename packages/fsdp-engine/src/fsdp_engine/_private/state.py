@@ -290,9 +290,8 @@ class FSDPState:
                 if group.post_forward is not None and grad:  # reshard_after_forward=k
                     group.reshard_post_forward()
                 elif group.post_forward is not None or self.reshard_after_forward or not grad:
-                    # no_grad (an eval forward): no backward needs them, and a copy kept
-                    # (the root's, or reshard_after_forward=False) would be reused by the next
-                    # forward after an optimizer step changed the shards: stale (FSDP2 is)
+                    # no_grad (eval): no backward needs them; a copy kept would be stale after
+                    # an optimizer step, at the next forward (FSDP2's is)
                     group.reshard()
             if grad:  # the backward prefetch order
                 ctx = self.ctx
