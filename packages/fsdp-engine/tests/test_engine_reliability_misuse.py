@@ -303,6 +303,61 @@ def test_a_non_finite_gradient_is_named_across_both_axes_of_an_hsdp_mesh() -> No
         assert "First parameter with a non-finite gradient: '0.weight'" in message
 
 
+def _poisoned_stack(rank: int, world: int, name: str, targets: list[str]) -> dict[str, Any]:
+    """The ``Stack`` model (the root owns ``proj`` and ``out``, so its group's order is not the
+    parameters' order) with rank 1's gradients of ``targets`` set to NaN, one backward."""
+    from engine_fsdp2 import Stack, data, make, shard_stack
+
+    model: Any = make(Stack)
+    shard_stack(engine(name), model, mesh=init_device_mesh("cpu", (world,)))
+    if name == "ours":
+        model.set_check_finite_gradients(True)
+    for target in targets:
+        owner, attr = target.rsplit(".", 1)
+        hooked: list[bool] = []
+
+        def hook(
+            module: nn.Module, args: Any, attr: str = attr, hooked: list[bool] = hooked
+        ) -> None:
+            if not hooked:  # once: the unsharded parameter lives across the step
+                hooked.append(True)
+                getattr(module, attr).register_hook(
+                    lambda g: torch.full_like(g, float("nan")) if rank == 1 else g
+                )
+
+        model.get_submodule(owner).register_forward_pre_hook(hook)
+    try:
+        model(data(rank)).sum().backward()
+    except NonFiniteGradientError as exc:
+        return {"error": str(exc)}
+    nonfinite = [
+        n
+        for n, p in model.named_parameters()
+        if not bool(torch.isfinite(p.grad.full_tensor()).all())
+    ]
+    return {"error": "", "nonfinite": nonfinite}
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [["out.bias", "blocks.0.up.weight"], ["blocks.1.down.bias"], ["out.weight"]],
+    ids=["root-last-and-a-block", "a-later-parameter-of-a-group", "root-owned"],
+)
+def test_the_first_non_finite_parameter_in_parameter_order_is_named(targets: list[str]) -> None:
+    """The named parameter is the first in ``named_parameters()`` order whose reduced gradient
+    is non-finite: FSDP2 (control, no check) reduces the same NaNs silently, and its
+    non-finite gradients, in parameter order, are the ones the message names."""
+    control = run_threaded(_poisoned_stack, 2, "fsdp2", targets)
+    expected = control[0]["nonfinite"]
+    assert control[1]["nonfinite"] == expected and sorted(expected) == sorted(targets)
+    for result in run_threaded(_poisoned_stack, 2, "ours", targets):
+        message = result["error"]
+        named = f"First parameter with a non-finite gradient: {expected[0]!r}"
+        if len(expected) > 1:
+            named += f" ({len(expected)} in all: {', '.join(map(repr, expected))})"
+        assert f"{named}. Raised on every rank" in message, message
+
+
 # -- the block policy, recorded on the sharded parameters --------------------------------------
 
 

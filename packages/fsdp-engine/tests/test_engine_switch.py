@@ -257,18 +257,6 @@ def trainer_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     sys.modules.pop(name, None)
 
 
-def test_a_trainer_imported_before_the_switch_keeps_torchs_and_is_warned_about(
-    trainer_module: str,
-) -> None:
-    trainer = importlib.import_module(trainer_module)
-    theirs = {n: t for n, (t, _) in switched_names().items()}
-    held = r"\(FSDPModule, fully_shard, MixedPrecisionPolicy\)"  # torch's __all__ order
-    with pytest.warns(UserWarning, match=rf"{trainer_module} {held}"):
-        fsdp_engine.use_as_torch_fsdp()
-    assert trainer.fully_shard is theirs["fully_shard"]  # bound at its import: still torch's
-    fsdp_engine.restore_torch_fsdp()
-
-
 def test_a_named_trainer_module_is_switched_and_restored(trainer_module: str) -> None:
     theirs = {n: t for n, (t, _) in switched_names().items()}
     # by name: imported before the switch flips (so it binds torch's), then rebound

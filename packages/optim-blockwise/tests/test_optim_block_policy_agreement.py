@@ -46,13 +46,6 @@ def _params() -> list[torch.nn.Parameter]:
             "block_size=128, min_8bit_size=256",
             "block_size=64, min_8bit_size=512",
         ),
-        # harmless (the policy asks more than needed) but still one setting written twice
-        (
-            {"min_8bit_size": 256},
-            {"min_8bit_size": 4096},
-            "min_8bit_size=4096",
-            "min_8bit_size=256",
-        ),
     ],
 )
 def test_policy_settings_that_disagree_are_refused_naming_both(
@@ -64,13 +57,41 @@ def test_policy_settings_that_disagree_are_refused_naming_both(
     message = str(info.value)
     assert f"AdamW8bit({ours})" in message, message
     assert repr(given) in message and f"({theirs})" in message, message
+    assert "for parameter" in message and "multiples of" in message, message
+
+
+@pytest.mark.parametrize(
+    ("policy", "settings"),
+    [
+        ({"block_size": 64}, {"block_size": 32}),  # issue 33: a block size dividing the policy's
+        ({"block_size": 64}, {"block_size": 1}),
+        ({"min_8bit_size": 256}, {"min_8bit_size": 4096}),  # the policy asks more than needed
+        ({"block_size": 128, "min_8bit_size": 256}, {"block_size": 64, "min_8bit_size": 512}),
+    ],
+)
+def test_settings_compatible_with_the_policy_are_accepted(
+    policy: dict[str, int], settings: dict[str, int]
+) -> None:
+    """Compatible: for every tensor kept in 8 bits, the policy's block is a multiple of
+    gcd(numel, block_size), so no shard boundary it allows cuts a quantization block. The
+    settings given are the optimizer's; given, recorded on the parameters, or both."""
+    given = ob.AdamW8bit.block_policy(**policy)
+    opt = ob.AdamW8bit(_params(), block_policy=given, **settings)
+    want = {**{"block_size": given.block_size, "min_8bit_size": given.min_8bit_size}, **settings}
+    assert {"block_size": opt.block_size, "min_8bit_size": opt.min_8bit_size} == want
+    params = _params()
+    for p in params:
+        p.block_policy = given  # type: ignore[attr-defined]
+    ob.AdamW8bit(params, **want)
+    ob.AdamW8bit(params, block_policy=given, **settings)
 
 
 def test_a_policy_recorded_on_the_parameters_is_checked_like_a_given_one() -> None:
     """``param.block_policy`` (what fsdp_engine.fully_shard records): an AdamW8bitBlockPolicy
-    whose settings differ from the optimizer's is refused naming both values, with or without a
-    policy given to the optimizer; agreeing settings and other policy callables (an LCM of
-    several optimizers' policies, a Muon policy) pass as before."""
+    not compatible with the optimizer's settings is refused naming both values and the first
+    parameter it is not compatible for, with or without a policy given to the optimizer;
+    agreeing or compatible settings and other policy callables (an LCM of several optimizers'
+    policies, a Muon policy) pass as before."""
     recorded = ob.AdamW8bit.block_policy(block_size=64)
     params = _params()
     for p in params:
@@ -81,10 +102,12 @@ def test_a_policy_recorded_on_the_parameters_is_checked_like_a_given_one() -> No
     assert message.startswith("AdamW8bit(min_8bit_size=256) disagrees with the block policy "), (
         message
     )
-    assert f"{recorded!r} (min_8bit_size=4096)" in message and "'params'][0]" in message
+    assert f"{recorded!r} (min_8bit_size=4096)" in message and "'params'][1]" in message
+    assert "(512 elements) blocks of 1 elements" in message and "multiples of 64" in message
     with pytest.raises(ValueError, match=r"AdamW8bit\(block_size=256\) disagrees"):
         ob.AdamW8bit(params)  # the defaults differ too
     ob.AdamW8bit(params, block_size=64)  # agreeing
+    ob.AdamW8bit(params, block_size=32)  # compatible: 32 divides the policy's 64
     ob.AdamW8bit(params, block_policy=recorded)  # given and recorded agree
     for p in params:
         p.block_policy = ob.Muon.block_policy()  # type: ignore[attr-defined]
@@ -213,8 +236,9 @@ def test_settings_from_the_policy_train_bit_identically(world: int) -> None:
 
 
 def _disagreeing(mesh: Any) -> None:
-    spec = ragged_spec((64, 96), mesh.size(), 64, seed=0)
-    params = [torch.nn.Parameter(shard(torch.zeros(64, 96), mesh, spec))]
+    # 512 elements: 8-bit for the optimizer (min 256), unconstrained by the policy (min 4096)
+    spec = ragged_spec((8, 64), mesh.size(), 64, seed=0)
+    params = [torch.nn.Parameter(shard(torch.zeros(8, 64), mesh, spec))]
     ob.AdamW8bit(params, min_8bit_size=256, block_policy=ob.AdamW8bit.block_policy(64))
 
 
@@ -224,3 +248,21 @@ def test_refusal_is_raised_on_every_rank() -> None:
         _disagreeing, ValueError, ["AdamW8bit(min_8bit_size=256) disagrees with its block_policy"]
     )
     assert len(set(messages)) == 1, messages
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_smaller_compatible_block_trains_bit_identically_on_the_policys_layout(
+    world: int,
+) -> None:
+    """Issue 33: ``block_size=32`` under a 64-element policy (shards on multiples of 64, so on
+    multiples of 32 too): accepted, and bit-identical to one device with ``block_size=32``."""
+    shapes = [(64, 96), (40, 64), (96,), (1, 4096)]
+    specs = [
+        ragged_spec(s, world, 64 if math.prod(s) % 64 == 0 else 1, i) for i, s in enumerate(shapes)
+    ]
+    policy = ob.AdamW8bit.block_policy(block_size=64, min_8bit_size=256)
+    kwargs: dict[str, Any] = {"lr": 1e-2, "block_policy": policy, "block_size": 32}
+    results = run_threaded(dist_run_steps, world, "adamw8bit", shapes, specs, 3, kwargs)
+    explicit = {"lr": 1e-2, "block_size": 32, "min_8bit_size": 256}
+    single = run_steps(None, "adamw8bit", shapes, [("plain",)] * len(shapes), 3, explicit)
+    check_against_single(results, single, shapes, specs, 32)

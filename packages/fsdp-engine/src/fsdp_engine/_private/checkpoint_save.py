@@ -208,15 +208,35 @@ def write(
         "metadata": request.metadata,
         "files": files,
     }
-    failure, report = share_from_rank0(
-        on_rank0(rank, lambda: _commit(partial, final, record, op)), group
-    )
+    try:
+        failure, report = share_from_rank0(
+            on_rank0(rank, lambda: _commit(partial, final, record, op)), group
+        )
+    except Exception as exc:  # the outcome could not be shared: a rank died, the group broke
+        _raise_if_committed(final, save_id, op, exc)
+        raise
     if failure is not None:  # _commit reports its own failures; this is anything else
         raise CheckpointError(f"{op}: committing {str(final)!r} failed: {failure}")
     if report["error"] is not None:
         error = AfterCommitError if report["committed"] else CheckpointError
         raise error(report["error"])
     return final
+
+
+def _raise_if_committed(final: Path, save_id: str, op: str, exc: Exception) -> None:
+    """Phase 4 failed (rank 0's broadcast of the outcome; a rank that died after the commit
+    breaks it): when this save's marker is in ``final`` (rank 0's disk, or a filesystem every
+    rank shares) the checkpoint IS committed, and the error says so (``AfterCommitError``)."""
+    try:
+        marker = json.loads((final / COMMIT_MARKER).read_text())
+    except (OSError, ValueError):
+        return  # not visible from this rank: the caller re-raises the original error
+    if isinstance(marker, dict) and marker.get("save_id") == save_id:
+        raise AfterCommitError(
+            f"{op}: {str(final)!r} IS committed and loadable (its {COMMIT_MARKER} marker holds "
+            f"this save's identifier), but sharing the outcome with every rank failed after "
+            f"the commit ({describe(exc)}): a rank may have died or left after the commit"
+        ) from exc
 
 
 def _prepare(final: Path) -> str:

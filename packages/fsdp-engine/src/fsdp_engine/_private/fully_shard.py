@@ -32,6 +32,7 @@ from fsdp_engine._private.init import (
     with_placement_fn,
     with_subclass_placement,
 )
+from fsdp_engine._private.one_engine import check_not_under_torch
 from fsdp_engine._private.param import ParamRef
 from fsdp_engine._private.param_group import ParamGroup
 from fsdp_engine._private.replaced import watch_replaced
@@ -108,6 +109,7 @@ def fully_shard(
         raise ValueError(f"fully_shard: planner must be one of {PLANNER_METHODS}, got {planner!r}")
     modules = module if isinstance(module, list) else [module]
     check_modules(modules)
+    check_not_under_torch(modules)  # [Note: one engine per model]
     allow_raggedshard_in_weights_only_load()  # [Note: the per-rank save]
     if mesh is not None and not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a DeviceMesh, got {type(mesh).__name__}")

@@ -30,13 +30,15 @@ one layer's gradients (bench_engine's ``in-place gradients`` rows).
 
 Why it is sound: autograd runs a parameter's AccumulateGrad only after every node that sends it
 a gradient has run, and those are the nodes that use it; the value is read by nothing else of
-this backward unless the model uses a detached alias of its own weight (``w.detach()``, a
-computation under ``no_grad`` saved for backward), which is why it is opt-in. It is skipped (the
-gradient stays, ``HoldHandover``'s way) when the hook runs in another backward than the one
-the group's pre-backward armed (a reentrant checkpoint's nested pass) or under ``create_graph``
-(the gradient's own graph may read the parameter), and never armed for mixed precision (the
-storage must be in the reduce dtype), for no-sync microbatches, without ``reshard_after_backward``
-or for groups whose unsharded memory is not one plain all-gathered buffer.
+this backward unless the model uses a detached alias of its own weight (``w.detach()``,
+``w.data``, a view under ``no_grad``) saved for backward: such a read raises or falls back,
+never reads the gradient silently ([Note: reading an overwritten weight] in
+``in_place_guard.py``). It is skipped (the gradient stays, ``HoldHandover``'s way) when the
+hook runs in another backward than the one the group's pre-backward armed (a reentrant
+checkpoint's nested pass) or under ``create_graph`` (the gradient's own graph may read the
+parameter), and never armed for mixed precision (the storage must be in the reduce dtype),
+for no-sync microbatches, without ``reshard_after_backward`` or for groups whose unsharded
+memory is not one plain all-gathered buffer.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from dbuffer import DBuffer
 from fsdp_engine._private import compat
+from fsdp_engine._private.in_place_guard import bump_version, consume_data_reads
 from fsdp_engine._private.storage import ShardStorage, gap_index
 
 __all__ = [
@@ -206,6 +209,7 @@ class InPlaceHandover(HoldHandover):
         self._target_views: Sequence[torch.Tensor] = ()
         self._task = -1
         self._target_gaps: torch.Tensor | None = None
+        self._warned: set[str] = set()  # parameters whose .data reads were warned about
 
     @property
     def armed(self) -> bool:
@@ -214,7 +218,12 @@ class InPlaceHandover(HoldHandover):
     def arm(
         self, flat: torch.Tensor, views: Sequence[torch.Tensor], unsharded: Sequence[nn.Parameter]
     ) -> None:
-        """Before the group's backward: its gradients go into ``views`` (slices of ``flat``)."""
+        """Before the group's backward: its gradients go into ``views`` (slices of ``flat``);
+        unless the forward read ``.data`` of one of ``unsharded`` ([Note: reading an
+        overwritten weight]): then ``HoldHandover``'s way for this backward."""
+        if consume_data_reads(unsharded, self._warned, list(self.storage.names)):
+            self.disarm()
+            return
         if self.target is not flat:
             self._target_gaps = None
         self.target, self._target_views = flat, views
@@ -235,6 +244,7 @@ class InPlaceHandover(HoldHandover):
                 return  # a nested backward (reentrant checkpoint): the outer one may read it
             self._overwrite(i, grad)
             param.grad = None  # autograd's tensor goes now
+            bump_version(param)  # [Note: reading an overwritten weight]
 
         return overwrite
 
@@ -254,6 +264,7 @@ class InPlaceHandover(HoldHandover):
             if param.grad is not None:
                 self._overwrite(i, param.grad)
                 param.grad = None
+                bump_version(param)  # a retained graph's next backward must not read it
         with compat.no_grad_and_preserved(target):
             for view, written in zip(self._target_views, self.written, strict=True):
                 if not written:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp._fully_shard import _fsdp_api as torch_fsdp_api
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Shard
 
@@ -325,32 +326,40 @@ def value_digest(param: torch.Tensor) -> str:
     return f"{tuple(param.shape)} {param.dtype} digest:{digest}"
 
 
+# [Note: torch's policy classes by identity]: the switch rebinds torch.distributed.fsdp's policy
+# names to ours, so torch's classes are read once from FSDP2's implementation module (never
+# rebound): a policy made from torch's class before the switch is accepted.
+_TORCH_MP_POLICY = torch_fsdp_api.MixedPrecisionPolicy
+_TORCH_OFFLOAD_POLICY = torch_fsdp_api.OffloadPolicy
+_TORCH_CPU_OFFLOAD_POLICY = torch_fsdp_api.CPUOffloadPolicy
+_MP_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+
+
 def check_mp_policy(policy: object) -> MixedPrecisionPolicy:
-    """Ours, or any object with FSDP2's fields (so torch's MixedPrecisionPolicy works too)."""
+    """Ours, torch FSDP2's ``MixedPrecisionPolicy`` (made before or after the switch: [Note:
+    torch's policy classes by identity]), or any object with FSDP2's fields."""
     if isinstance(policy, MixedPrecisionPolicy):
         return policy
-    fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
-    if all(hasattr(policy, f) for f in fields):
-        return MixedPrecisionPolicy(*(getattr(policy, f) for f in fields))
+    if isinstance(policy, _TORCH_MP_POLICY) or all(hasattr(policy, f) for f in _MP_FIELDS):
+        return MixedPrecisionPolicy(*(getattr(policy, f) for f in _MP_FIELDS))
     raise TypeError(
-        f"fully_shard: mp_policy must be a MixedPrecisionPolicy (fields {fields}), "
-        f"got {type(policy).__name__}"
+        f"fully_shard: mp_policy must be a MixedPrecisionPolicy (fields {_MP_FIELDS}), "
+        f"got {type(policy).__module__}.{type(policy).__qualname__}"
     )
 
 
 def check_offload_policy(policy: object) -> OffloadPolicy:
-    """Ours, or torch FSDP2's OffloadPolicy / CPUOffloadPolicy."""
+    """Ours, or torch FSDP2's ``OffloadPolicy`` / ``CPUOffloadPolicy`` (made before or after
+    the switch: [Note: torch's policy classes by identity])."""
     if isinstance(policy, OffloadPolicy):
         return policy
-    from torch.distributed import fsdp as torch_fsdp
-
-    if isinstance(policy, torch_fsdp.CPUOffloadPolicy):
+    if isinstance(policy, _TORCH_CPU_OFFLOAD_POLICY):
         return CPUOffloadPolicy(pin_memory=policy.pin_memory)
-    if isinstance(policy, torch_fsdp.OffloadPolicy):
+    if isinstance(policy, _TORCH_OFFLOAD_POLICY):
         return OffloadPolicy()
     raise TypeError(
         f"fully_shard: offload_policy must be an OffloadPolicy or CPUOffloadPolicy, "
-        f"got {type(policy).__name__}"
+        f"got {type(policy).__module__}.{type(policy).__qualname__}"
     )
 
 

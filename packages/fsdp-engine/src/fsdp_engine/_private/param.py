@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from fsdp_engine._private import compat
+from fsdp_engine._private.in_place_guard import unsharded_parameter
 from fsdp_engine._private.subclass import SubclassWrap, fsdp2_chunk, fsdp2_repad, plain_values
 from ragged_dtensor import RaggedShard
 
@@ -221,11 +222,14 @@ class FSDPParam:
     def unsharded(self, dtype: torch.dtype) -> nn.Parameter | None:
         return self._unsharded.get(dtype)
 
-    def make_unsharded(self, dtype: torch.dtype, view: torch.Tensor) -> nn.Parameter:
-        """The unsharded parameter of compute dtype ``dtype`` over ``view`` (made once)."""
-        param = nn.Parameter(
-            self.storage.unsharded_view(self.index, view),
-            requires_grad=self.sharded.requires_grad,
+    def make_unsharded(
+        self, dtype: torch.dtype, view: torch.Tensor, guarded: bool = False
+    ) -> nn.Parameter:
+        """The unsharded parameter of compute dtype ``dtype`` over ``view`` (made once), with
+        a version counter of its own; ``guarded``: its gradient may overwrite it ([Note:
+        reading an overwritten weight])."""
+        param = unsharded_parameter(
+            self.storage.unsharded_view(self.index, view), self.sharded.requires_grad, guarded
         )
         self._unsharded[dtype] = param
         return param

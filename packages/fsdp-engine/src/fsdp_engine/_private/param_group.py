@@ -40,6 +40,7 @@ from fsdp_engine._private.param import (
 from fsdp_engine._private.plans import alignment, view_dtypes
 from fsdp_engine._private.presence import Presence
 from fsdp_engine._private.reduce import GradReducer, ReduceSettings
+from fsdp_engine._private.replaced import check_not_replaced_unsharded
 from fsdp_engine._private.spmd import SpmdMesh
 from fsdp_engine._private.storage import group_dtypes
 
@@ -195,11 +196,15 @@ class ParamGroup:
         made = [p.unsharded(dtype) for p in self.params]
         if any(u is None for u in made):
             views = self.gather.views()
-            made = [p.make_unsharded(dtype, v) for p, v in zip(self.params, views, strict=True)]
+            guarded = self.config.gradients_in_place  # [Note: reading an overwritten weight]
+            made = [
+                p.make_unsharded(dtype, v, guarded) for p, v in zip(self.params, views, strict=True)
+            ]
         return [u for u in made if u is not None]
 
     def register_unsharded(self) -> None:
         self.unsharded_params()  # made if needed
+        check_not_replaced_unsharded(self.params)  # a replacement is never silently dropped
         for param in self.params:
             param.register_unsharded(self.compute_dtype)
 
@@ -230,6 +235,8 @@ class ParamGroup:
             if not async_op:
                 self.wait_for_unshard()
             return
+        if self.state is ShardedState.SHARDED:
+            self.adopt_registered()  # replaced since the last step ([Note: registered parameters])
         self._check_ready()
         if self.post_forward is not None and self.post_forward.held:
             handle: Handle | None = self.post_forward.regather(
@@ -257,6 +264,8 @@ class ParamGroup:
         if self.state is ShardedState.SHARDED and self.unshard_handle is None:
             return  # already sharded: the registered parameters are the sharded ones
         self.wait_for_unshard()
+        if self.state is ShardedState.UNSHARDED:
+            check_not_replaced_unsharded(self.params)
         if release:
             self.gather.release()
         if self.post_forward is not None and not keep_part:

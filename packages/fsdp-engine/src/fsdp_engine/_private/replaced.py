@@ -42,7 +42,7 @@ from torch import nn
 if TYPE_CHECKING:
     from fsdp_engine._private.state import FSDPState
 
-__all__ = ["ReplacedParameterWarning", "watch_replaced"]
+__all__ = ["ReplacedParameterWarning", "check_not_replaced_unsharded", "watch_replaced"]
 
 
 class ReplacedParameterWarning(UserWarning):
@@ -144,3 +144,20 @@ def _user_stacklevel() -> int:
         frame = frame.f_back
         level += 1
     return level
+
+
+def check_not_replaced_unsharded(params: Sequence[Any]) -> None:
+    """At a reshard from the unsharded state: a parameter the user registered in place of an
+    unsharded one (``module.w = nn.Parameter(...)`` between unshard and reshard) would be
+    dropped by registering the sharded one; refused, naming it ([Note: registered parameters]:
+    replaced while sharded, after a step, it is taken over at the next forward)."""
+    for param in params:
+        current = param.ref.registered()
+        if current is not None and not param.is_ours(current):
+            raise ValueError(
+                f"parameter {param.fqn!r} was replaced while fully_shard held it unsharded "
+                f"(between a forward and its backward, or kept unsharded by "
+                f"reshard_after_forward/reshard_after_backward=False); the replacement would be "
+                f"lost when the module reshards. Replace parameters while the module is "
+                f"sharded (after optimizer.step()), where the next forward takes them over"
+            )

@@ -2,7 +2,8 @@
 ``fully_shard`` state below it (FSDP2's ``_lazy_init``).
 
 It checks what FSDP2 checks, with FSDP2's words: one root module, no state initialized before
-its root ran, no parameter left on the meta device. The states of the tree then share one
+its root ran, no parameter left on the meta device; and that no module of the model is sharded
+by torch's FSDP2 ([Note: one engine per model]). The states of the tree then share one
 ``IterationContext`` and learn their names under the root; the root keeps its parameters
 unsharded after forward unless the user said otherwise (backward needs them first).
 """
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from torch import nn
+
+from fsdp_engine._private.one_engine import check_one_engine
 
 if TYPE_CHECKING:
     from fsdp_engine._private.state import FSDPState
@@ -28,9 +31,10 @@ def init_root(root: FSDPState, get_state: Callable[[nn.Module], FSDPState | None
             f"FSDP requires a single root module but got a fully_shard group of several "
             f"modules ({names}) as the first to run forward; fully_shard their parent"
         )
+    root_module = root.modules[0]
+    check_one_engine(root_module, get_state)  # [Note: one engine per model]
     root.is_root = True
     root.root = root
-    root_module = root.modules[0]
     ctx = root.ctx
     for name, module in root_module.named_modules():
         state = get_state(module)

@@ -33,7 +33,9 @@ reads it on the host once. A non-finite entry raises ``NonFiniteGradientError`` 
 ``backward()`` on every rank, naming the rank(s) and group(s) where it arose and the first
 parameter (in the root's order) whose reduced gradient is non-finite: the reduction spread the
 non-finite value to exactly those elements, so after waiting for the reductions each rank
-looks at its own shards (on the failure path only) and one more all-reduce picks the first.
+flags the parameters with a non-finite element in its own shards (on the failure path only),
+one more all-reduce sums the flags, and the first flagged parameter in the root module's
+``named_parameters()`` order is named (with the count and the others' names).
 The engine is left ready for the next step; the gradients are not cleared (``zero_grad()``
 and skip the step, or stop). Cost when on: one norm kernel per group reduction and one small
 all-reduce plus one host read per backward; nothing when off.
@@ -169,31 +171,29 @@ def _label(state: FSDPState, group: ParamGroup) -> str:
 def _first_nonfinite_parameter(
     groups: Sequence[ParamGroup], mesh: DeviceMesh, root: FSDPState
 ) -> str:
-    """Failure path: the first parameter (root's order) whose reduced gradient is non-finite on
-    some rank of ``mesh``, by name (or why none is)."""
-    params = [p for g in groups for p in g.params]
+    """Failure path: the first parameter, in the root module's ``named_parameters()`` order,
+    whose reduced gradient is non-finite on some rank of ``mesh``, by name, and how many are
+    (or why none is). One flag per parameter, summed over the mesh: a parameter is named only
+    if some rank saw a non-finite element of its gradient."""
     for group in groups:
         group.wait_for_reduce()
-    mine = len(params)
+    order = {id(p): i for i, (_, p) in enumerate(root.module.named_parameters())}
+    names = {id(p): n for n, p in root.module.named_parameters(remove_duplicate=False)}
+    params = sorted(
+        (p for g in groups for p in g.params),
+        key=lambda p: order.get(id(p.sharded), len(order)),  # stable: then the groups' order
+    )
+    flags = torch.zeros(len(params), dtype=torch.float32)
     for index, param in enumerate(params):
         grad = param.sharded.grad
         if grad is None:
             continue
         local = compat.local_tensor(grad) if isinstance(grad, DTensor) else grad
         if local.numel() and not bool(torch.isfinite(local).all()):
-            mine = index
-            break
-    table = torch.zeros(dist.get_world_size(), dtype=torch.float32)
-    table[dist.get_rank()] = float(mine)
-    found = min(
-        int(v) for r, v in enumerate(_sum_over_mesh(table[None], mesh)[0]) if _in_mesh(r, mesh)
-    )
-    if found >= len(params):
+            flags[index] = 1.0
+    summed = _sum_over_mesh(flags[None], mesh)[0] if params else []
+    bad = [names.get(id(p.sharded), p.fqn) for p, f in zip(params, summed, strict=True) if f > 0]
+    if not bad:
         return "none (the norm overflowed; every element is finite)"
-    names = {id(p): n for n, p in root.module.named_parameters(remove_duplicate=False)}
-    sharded = params[found].sharded
-    return repr(names.get(id(sharded), params[found].fqn))
-
-
-def _in_mesh(rank: int, mesh: DeviceMesh) -> bool:
-    return rank in mesh.mesh.flatten().tolist()
+    more = f" ({len(bad)} in all: {', '.join(map(repr, bad[:8]))}{', ...' if len(bad) > 8 else ''})"
+    return repr(bad[0]) + (more if len(bad) > 1 else "")

@@ -289,7 +289,9 @@ class FSDPState:
             for group in self.groups:
                 if group.post_forward is not None and grad:  # reshard_after_forward=k
                     group.reshard_post_forward()
-                elif group.post_forward is not None or self.reshard_after_forward:
+                elif group.post_forward is not None or self.reshard_after_forward or not grad:
+                    # no_grad (eval): no backward needs them; a copy kept would be stale after
+                    # an optimizer step, at the next forward (FSDP2's is)
                     group.reshard()
             if grad:  # the backward prefetch order
                 ctx = self.ctx

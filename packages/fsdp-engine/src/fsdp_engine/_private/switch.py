@@ -22,13 +22,17 @@ modules that use FSDP2 for themselves are left as they are; ``replicate_with_fsd
 so that it subclasses torch's.
 
 Names bound at import. ``from torch.distributed.fsdp import fully_shard`` copies the object
-into the importing module: a module imported before the switch keeps torch's, one imported
-while it is on gets ours. So: switch on before importing such a trainer module, or name it
-(``modules=``), and the switch rebinds every global of it that is one of torch's FSDP2 objects
-(and puts them back when it is removed). Switching on warns about every other loaded module
-that holds one of torch's objects under FSDP2's own name (it would still run torch's FSDP2).
-Imports inside functions (accelerate, Lightning; transformers' Trainer, through accelerate)
-need neither.
+into the importing module. Switching on rebinds, in every loaded module outside torch and
+fsdp_engine, each global that is one of torch's FSDP2 objects (whatever its name: an alias
+too) to ours, and removal puts torch's back: a trainer module imported before the switch
+(torchtitan's ``fsdp.py``, a Lightning ``configure_model`` module) runs our engine like one
+imported after it. A module imported while the switch is on binds ours itself. ``modules=``
+imports the named modules first (and rebinds them the same way). What the switch cannot reach
+(torch's objects kept inside a container, a class attribute, or read from FSDP2's
+implementation module, the way to reach torch's FSDP2 on purpose while the switch is on) is
+caught when a model is run: one model sharded by both engines is refused at lazy init, naming
+the modules of each (``one_engine.py``). A global that cannot be rebound is refused
+(``TorchFSDPSwitchError``, nothing changed).
 
 ``FSDPModule``. Our class subclasses torch's, so ``isinstance(m, <torch's FSDPModule>)`` holds
 for our modules with or without the switch; the switch rebinds the name too, so that
@@ -44,10 +48,12 @@ torch's back too, since torch's own code always means torch's FSDP2. A module ou
 imported while the switch was on keeps ours: it cannot be told from a module that imported
 fsdp_engine's names on purpose. Name it to have it restored.
 
-Holders. ``use_as_torch_fsdp`` holds the switch until ``restore_torch_fsdp`` (which removes
-everything). Each ``as_torch_fsdp`` block is a holder of its own: the switch (and each module
+Holders. ``use_as_torch_fsdp`` holds the switch until ``restore_torch_fsdp``. Each
+``as_torch_fsdp`` block is a holder of its own, owned by its thread: the switch (and each module
 it named) stays on while any holder holds it, so blocks nest and the ranks of a threaded
-process group may each enter one.
+process group may each enter one. ``restore_torch_fsdp`` ends the explicit holder and the
+calling thread's blocks; while a block of another (live) thread holds the switch it refuses
+(``TorchFSDPSwitchError``, nothing changed): no thread can end another thread's block.
 """
 
 from __future__ import annotations
@@ -56,7 +62,6 @@ import dataclasses
 import importlib
 import sys
 import threading
-import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
@@ -102,6 +107,9 @@ class _Binding:
     original: object
     replacement: object
     holders: set[object] = dataclasses.field(default_factory=set)
+    # rebound because it held torch's object when the switch went on (not named): held, like
+    # torch's namespaces, by every holder of the switch
+    found: bool = False
 
     @property
     def where(self) -> str:
@@ -109,6 +117,15 @@ class _Binding:
 
 
 _EXPLICIT = "use_as_torch_fsdp"  # the holder of use_as_torch_fsdp() (a context has its own)
+
+
+@dataclasses.dataclass(eq=False)
+class _Block:
+    """The holder of one ``as_torch_fsdp`` block, owned by the thread that entered it."""
+
+    thread: threading.Thread = dataclasses.field(default_factory=threading.current_thread)
+
+
 _lock = threading.RLock()
 _bindings: dict[tuple[int, str], _Binding] = {}
 
@@ -156,11 +173,25 @@ def use_as_torch_fsdp(modules: Iterable[ModuleType | str] = ()) -> None:
 
 
 def restore_torch_fsdp() -> None:
-    """Put torch's FSDP2 back: every binding the switch made (by ``use_as_torch_fsdp`` and by
-    any ``as_torch_fsdp`` block) holds torch's very object again. Does nothing when the switch
-    is off. Raises ``TorchFSDPSwitchError`` and changes nothing if one of them no longer holds
-    ours."""
+    """Put torch's FSDP2 back: end ``use_as_torch_fsdp()`` and the calling thread's
+    ``as_torch_fsdp`` blocks; every binding the switch made holds torch's very object again.
+    Does nothing when the switch is off. Raises ``TorchFSDPSwitchError`` and changes nothing if
+    one of the bindings no longer holds ours, or while an ``as_torch_fsdp`` block of another
+    live thread holds the switch (no thread ends another's block)."""
     with _lock:
+        me = threading.current_thread()
+        others = {
+            h.thread.name
+            for b in _bindings.values()
+            for h in b.holders
+            if isinstance(h, _Block) and h.thread is not me and h.thread.is_alive()
+        }
+        if others:
+            raise TorchFSDPSwitchError(
+                "restore_torch_fsdp: as_torch_fsdp blocks of other threads "
+                f"({', '.join(sorted(others))}) still hold the switch; it stays on until they "
+                "leave their blocks (nothing was changed)"
+            )
         _release(list(_bindings.values()), None)
 
 
@@ -170,7 +201,7 @@ def as_torch_fsdp(modules: Iterable[ModuleType | str] = ()) -> Iterator[None]:
 
     On exit, what this block switched on is switched off again, unless another holder (an
     outer block, another thread's block, ``use_as_torch_fsdp()``) still holds it."""
-    holder = object()
+    holder = _Block()
     _apply(holder, modules)
     try:
         yield
@@ -207,6 +238,25 @@ def _planned(
     return plan
 
 
+def _loaded_holders(table: dict[str, tuple[object, object]]) -> list[_Binding]:
+    """[Note: the switch], names bound at import: every global of a loaded module outside
+    torch and fsdp_engine that is one of torch's FSDP2 objects."""
+    found: list[_Binding] = []
+    for mod_name, module in list(sys.modules.items()):
+        if not isinstance(module, ModuleType) or mod_name == "torch":
+            continue
+        if mod_name.startswith(("torch.", "fsdp_engine.")) or mod_name == "fsdp_engine":
+            continue
+        try:
+            names = list(vars(module))
+        except TypeError:  # pragma: no cover - a module object without a __dict__
+            continue
+        for binding in _planned(module, names, table):
+            binding.found = True
+            found.append(binding)
+    return found
+
+
 def _apply(holder: object, modules: Iterable[ModuleType | str]) -> None:
     # the named modules are imported before anything changes: they bind torch's objects
     named = [_resolve(m) for m in modules]
@@ -228,6 +278,7 @@ def _apply(holder: object, modules: Iterable[ModuleType | str]) -> None:
                             "switch over it (nothing was changed)"
                         )
                     plan.append(_Binding(space, name, theirs, ours))
+            plan.extend(_loaded_holders(table))
         ours_ids = {id(ours) for _, ours in table.values()}
         for module in named:
             if module.__name__ == "torch" or module.__name__.startswith("torch."):
@@ -237,48 +288,44 @@ def _apply(holder: object, modules: Iterable[ModuleType | str]) -> None:
                 )
             found = _planned(module, list(vars(module)), table)
             holds_ours = any(id(v) in ours_ids for v in vars(module).values())
-            if not found and not holds_ours:
+            if not found and not holds_ours and not any(b.module is module for b in plan):
                 raise ValueError(
                     f"use_as_torch_fsdp: module {module.__name__} holds none of torch's FSDP2 "
                     f"objects ({', '.join(table)}); only a module that bound them at its import "
                     "needs naming"
                 )
-            plan.extend(found)
+            planned_keys = {(id(b.module), b.name) for b in plan}
+            plan.extend(b for b in found if (id(b.module), b.name) not in planned_keys)
+        _bind(plan)
+        # this holder holds torch's namespaces, the modules found holding torch's objects, and
+        # each module it named (switched by it now or by another holder before)
+        for binding in _bindings.values():
+            if (
+                binding.module.__name__ in TORCH_NAMESPACES
+                or binding.found
+                or binding.module in named
+            ):
+                binding.holders.add(holder)
+
+
+def _bind(plan: list[_Binding]) -> None:
+    """Rebind every global of ``plan`` to ours, or none: a global that refuses (a module
+    object that forbids setting it) is named and everything done is undone."""
+    done: list[_Binding] = []
+    try:
         for binding in plan:
             setattr(binding.module, binding.name, binding.replacement)
-            _bindings[(id(binding.module), binding.name)] = binding
-        # this holder holds torch's namespaces and each module it named (switched by it now or
-        # by another holder before)
-        for binding in _bindings.values():
-            if binding.module.__name__ in TORCH_NAMESPACES or binding.module in named:
-                binding.holders.add(holder)
-        if plan:
-            _warn_unswitched(table)
-
-
-def _warn_unswitched(table: dict[str, tuple[object, object]]) -> None:
-    """[Note: the switch]: loaded modules that still hold torch's FSDP2 objects under FSDP2's
-    own names (bound at their import, before the switch)."""
-    stale: list[str] = []
-    for mod_name, module in list(sys.modules.items()):
-        if mod_name == "torch" or mod_name.startswith(("torch.", "fsdp_engine")):
-            continue
-        try:
-            namespace = vars(module)
-        except TypeError:  # not a module (some libraries put other objects in sys.modules)
-            continue
-        held = [n for n, (theirs, _) in table.items() if namespace.get(n) is theirs]
-        if held:
-            stale.append(f"{mod_name} ({', '.join(held)})")
-    if stale:
-        warnings.warn(
-            "fsdp_engine.use_as_torch_fsdp: these modules bound torch's FSDP2 objects when they "
-            f"were imported and still use torch's FSDP2: {'; '.join(sorted(stale))}. Import "
-            "them after switching on, or name them: use_as_torch_fsdp(modules=[...]) / "
-            "as_torch_fsdp(modules=[...])",
-            UserWarning,
-            stacklevel=4,
-        )
+            done.append(binding)
+    except Exception as exc:
+        for binding in reversed(done):
+            setattr(binding.module, binding.name, binding.original)
+        where = plan[len(done)].where
+        raise TorchFSDPSwitchError(
+            f"cannot switch {where} to fsdp_engine's object ({exc}); it holds torch's FSDP2 "
+            "object and would keep running torch's FSDP2 (nothing was changed)"
+        ) from exc
+    for binding in plan:
+        _bindings[(id(binding.module), binding.name)] = binding
 
 
 # -- removing ------------------------------------------------------------------------------------

@@ -170,12 +170,14 @@ class AdamW8bit(ShardedOptimizer):
 
     ``block_policy``: the block policy the parameters were sharded with (give the engine and the
     optimizer the same ``AdamW8bit.block_policy(...)``). The optimizer then takes ``block_size``
-    and ``min_8bit_size`` from it, and refuses at construction settings that disagree with it
-    and layouts that cut its blocks. A parameter carrying the policy it was sharded with
-    (``param.block_policy``, recorded by ``fsdp_engine.fully_shard``) whose settings differ
-    from the optimizer's is refused too, naming both values. Without either, a ``RaggedShard``
-    layout that cuts the blocks is reported with a warning (the policy module's agreement
-    note).
+    and ``min_8bit_size`` from it; settings also given must be compatible with it (for every
+    tensor kept in 8 bits, the policy's block is a multiple of ``gcd(numel, block_size)``: a
+    ``block_size`` dividing the policy's with a ``min_8bit_size`` at least the policy's always
+    is), and layouts must not cut its blocks, or construction refuses. A parameter carrying the
+    policy it was sharded with (``param.block_policy``, recorded by ``fsdp_engine.fully_shard``)
+    that is not compatible with the optimizer's settings is refused too, naming both values.
+    Without either, a ``RaggedShard`` layout that cuts the blocks is reported with a warning
+    (the policy module's agreement note).
 
     State memory: 2 bytes per element plus ``8 / block_size`` bytes of absmax (2.03 at 256).
     """
@@ -251,7 +253,6 @@ class AdamW8bit(ShardedOptimizer):
         warned = []
         for index, param in enumerate(group["params"]):
             name = self._name(group, index, param)
-            check_recorded_policy(name, param, self.block_size, self.min_8bit_size)
             layout = None
             if isinstance(param, DTensor) and (
                 any(isinstance(p, RaggedShard) for p in param.placements)
@@ -261,6 +262,8 @@ class AdamW8bit(ShardedOptimizer):
             text = check_adamw8bit_blocks(
                 name, param, layout, self.block_size, self.min_8bit_size, self._block_policy
             )
+            # after the given policy's check: that one names the policy the caller passed
+            check_recorded_policy(name, param, self.block_size, self.min_8bit_size)
             if text is not None:
                 warned.append(text)
         return warned

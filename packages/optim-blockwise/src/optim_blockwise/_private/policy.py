@@ -26,19 +26,26 @@ tensors the optimizer keeps in 8 bits are unconstrained), shard boundaries cut q
 blocks: training stays exact (the edge absmaxes are exchanged) but a checkpoint of that 8-bit
 state loads only into the layout it was saved from. So, at construction:
 
+- compatibility, per tensor: settings ``(block_size=B, min_8bit_size=M)`` are compatible with a
+  policy when, for every tensor the optimizer keeps in 8 bits (``numel >= M``), the policy's
+  block for it is a multiple of ``gcd(numel, B)`` (the block ``AdamW8bit.block_policy`` gives
+  it): every boundary the policy allows is one the optimizer's own policy allows, so no shard
+  cuts a quantization block and the 8-bit state is the same in every layout. For an
+  ``AdamW8bitBlockPolicy(Bp, Mp)`` that is: the tensor has ``numel >= Mp`` and
+  ``gcd(numel, B)`` divides ``gcd(numel, Bp)``; ``B`` dividing ``Bp`` with ``M >= Mp`` is
+  compatible for every tensor (``block_size=32`` under a 64-element policy);
 - ``AdamW8bit(..., block_policy=policy)`` takes its settings from an ``AdamW8bitBlockPolicy``;
-  a ``block_size`` / ``min_8bit_size`` also given that differs is refused, naming both values
-  (any difference, the harmless ones too: they are one setting written twice);
-- any other policy callable must give every tensor the optimizer keeps in 8 bits a multiple of
-  ``gcd(numel, block_size)`` (the block ``AdamW8bit.block_policy`` gives it), e.g. an LCM of
-  several optimizers' policies; otherwise it is refused, naming the tensor and both blocks;
+  a ``block_size`` / ``min_8bit_size`` also given that differs is used when compatible, and
+  refused naming both values and the first tensor it is not compatible for otherwise;
+- any other policy callable must be compatible the same way (e.g. an LCM of several
+  optimizers' policies); otherwise it is refused, naming the tensor and both blocks;
 - with a policy given, a sharded parameter whose layout cuts those blocks anyway was sharded
   with another policy: refused, naming the boundary;
 - a parameter may carry the policy it was sharded with as ``param.block_policy`` (fsdp-engine
   records the one given to ``fully_shard`` on every sharded parameter of a planned group: it
   hands the optimizer nothing but the parameters). An ``AdamW8bitBlockPolicy`` recorded there
-  whose settings differ from the optimizer's is refused, naming both values, whether or not the
-  optimizer was given a policy;
+  that is not compatible with the optimizer's settings for that parameter is refused, naming
+  both values, whether or not the optimizer was given a policy;
 - with no policy given or recorded, a ``RaggedShard`` layout that cuts the blocks an agreeing
   policy keeps whole is reported with a warning naming the parameter, the boundary and the
   policy to use (an engine without a block policy, or FSDP2's ``Shard(0)``, cuts blocks by
@@ -107,50 +114,66 @@ def adamw8bit_settings(
     block_size: int | None, min_8bit_size: int | None, policy: BlockPolicy | None
 ) -> tuple[int, int]:
     """``AdamW8bit``'s ``(block_size, min_8bit_size)``: as given, else the ``policy``'s (an
-    ``AdamW8bitBlockPolicy``), else the defaults. A given setting that differs from the policy's
-    raises ``ValueError`` naming both values (the agreement note)."""
-    default = AdamW8bitBlockPolicy()
-    if not isinstance(policy, AdamW8bitBlockPolicy):
-        return (
-            default.block_size if block_size is None else block_size,
-            default.min_8bit_size if min_8bit_size is None else min_8bit_size,
-        )
-    given = {"block_size": block_size, "min_8bit_size": min_8bit_size}
-    differ = {k: v for k, v in given.items() if v is not None and v != getattr(policy, k)}
-    if differ:
-        ours = ", ".join(f"{k}={v}" for k, v in differ.items())
-        theirs = ", ".join(f"{k}={getattr(policy, k)}" for k in differ)
-        raise ValueError(
-            f"AdamW8bit({ours}) disagrees with its block_policy={policy!r} ({theirs}): the "
-            f"block policy given to fully_shard and the optimizer must use the same settings, "
-            f"or shard boundaries cut quantization blocks and a checkpoint of the 8-bit state "
-            f"loads only into the layout it was saved from. Pass the policy alone: "
-            f"AdamW8bit(..., block_policy=policy) takes its settings from it"
-        )
-    return policy.block_size, policy.min_8bit_size
+    ``AdamW8bitBlockPolicy``), else the defaults. A given setting that differs from the
+    policy's is checked per tensor (``check_adamw8bit_blocks``: compatible, or refused naming
+    both values)."""
+    default = policy if isinstance(policy, AdamW8bitBlockPolicy) else AdamW8bitBlockPolicy()
+    return (
+        default.block_size if block_size is None else block_size,
+        default.min_8bit_size if min_8bit_size is None else min_8bit_size,
+    )
+
+
+def _differences(
+    policy: AdamW8bitBlockPolicy, block_size: int, min_8bit_size: int
+) -> tuple[str, str]:
+    """``AdamW8bit(ours) ... (theirs)``: the settings that differ from the policy's."""
+    mine = {"block_size": block_size, "min_8bit_size": min_8bit_size}
+    differ = {k: v for k, v in mine.items() if v != getattr(policy, k)}
+    ours = ", ".join(f"{k}={v}" for k, v in differ.items())
+    return ours, ", ".join(f"{k}={getattr(policy, k)}" for k in differ)
+
+
+def _incompatible(
+    name: str, param: torch.Tensor, policy: BlockPolicy, block_size: int, min_8bit_size: int
+) -> tuple[int, int, int] | None:
+    """``(numel, policy's block, block needed)`` when ``policy`` is not compatible with the
+    settings for ``param`` (the agreement note: the policy's block must be a multiple of
+    ``gcd(numel, block_size)`` for a tensor kept in 8 bits), else ``None``."""
+    numel = math.prod(param.shape)
+    if numel == 0 or numel < min_8bit_size:
+        return None  # fp32 state: no block to keep whole
+    need = math.gcd(numel, block_size)
+    given = operator.index(policy(name, param))
+    if given >= 1 and given % need == 0:
+        return None
+    return numel, given, need
 
 
 def check_recorded_policy(
     name: str, param: torch.Tensor, block_size: int, min_8bit_size: int
 ) -> None:
     """Refuse (``ValueError`` naming both values) an ``AdamW8bitBlockPolicy`` recorded on
-    ``param`` (``param.block_policy``, the agreement note) whose settings differ from the
-    optimizer's ``block_size`` / ``min_8bit_size``."""
+    ``param`` (``param.block_policy``, the agreement note) that is not compatible with the
+    optimizer's ``block_size`` / ``min_8bit_size`` for it."""
     recorded = getattr(param, RECORDED_POLICY_ATTR, None)
     if not isinstance(recorded, AdamW8bitBlockPolicy):
         return
-    mine = {"block_size": block_size, "min_8bit_size": min_8bit_size}
-    differ = {k: v for k, v in mine.items() if v != getattr(recorded, k)}
-    if not differ:
+    bad = _incompatible(name, param, recorded, block_size, min_8bit_size)
+    if bad is None:
         return
-    ours = ", ".join(f"{k}={v}" for k, v in differ.items())
-    theirs = ", ".join(f"{k}={getattr(recorded, k)}" for k in differ)
+    numel, given, need = bad
+    ours, theirs = _differences(recorded, block_size, min_8bit_size)
     raise ValueError(
         f"AdamW8bit({ours}) disagrees with the block policy parameter {name!r} was sharded "
         f"with, {recorded!r} ({theirs}), recorded on it by the sharding engine (fully_shard's "
-        f"block_policy): shard boundaries cut quantization blocks, and a checkpoint of the "
-        f"8-bit state loads only into the layout it was saved from. Use the same settings: "
-        f"AdamW8bit(..., block_policy=policy) takes them from the policy"
+        f"block_policy): it gave the parameter ({numel} elements) blocks of {given} elements, "
+        f"but the optimizer keeps it in 8 bits in quantization blocks that need shard "
+        f"boundaries on multiples of {need}, so shard boundaries cut quantization blocks and "
+        f"a checkpoint of the 8-bit state loads only into the layout it was saved from. Use "
+        f"compatible settings (a block_size dividing the policy's, a min_8bit_size at least "
+        f"the policy's) or the same ones: AdamW8bit(..., block_policy=policy) takes them from "
+        f"the policy"
     )
 
 
@@ -179,17 +202,28 @@ def check_adamw8bit_blocks(
         return None  # fp32 state: no block to keep whole
     need = math.gcd(numel, block_size)  # what AdamW8bit.block_policy asks for
     settings = f"AdamW8bit(block_size={block_size}, min_8bit_size={min_8bit_size})"
-    if policy is not None and not isinstance(policy, AdamW8bitBlockPolicy):
-        given = operator.index(policy(name, param))
-        if given < 1 or given % need:
-            raise ValueError(
-                f"parameter {name!r} ({numel} elements): block_policy={policy!r} gives it "
-                f"blocks of {given} elements, but {settings} keeps it in 8 bits in quantization "
-                f"blocks that need shard boundaries on multiples of {need}: the policy must "
-                f"give it a multiple of {need} (e.g. the math.lcm of the policies, one of them "
-                f"AdamW8bit.block_policy(block_size={block_size}, "
-                f"min_8bit_size={min_8bit_size}))"
-            )
+    bad = None if policy is None else _incompatible(name, param, policy, block_size, min_8bit_size)
+    if bad is not None and isinstance(policy, AdamW8bitBlockPolicy):
+        ours, theirs = _differences(policy, block_size, min_8bit_size)
+        raise ValueError(
+            f"AdamW8bit({ours}) disagrees with its block_policy={policy!r} ({theirs}) for "
+            f"parameter {name!r} ({numel} elements): the policy gives it blocks of {bad[1]} "
+            f"elements, but the optimizer keeps it in 8 bits in quantization blocks that need "
+            f"shard boundaries on multiples of {need}, so shard boundaries cut quantization "
+            f"blocks and a checkpoint of the 8-bit state loads only into the layout it was "
+            f"saved from. Settings compatible with the policy (a block_size dividing its "
+            f"block_size, a min_8bit_size at least its min_8bit_size) are accepted; or pass "
+            f"the policy alone: AdamW8bit(..., block_policy=policy) takes its settings from it"
+        )
+    if bad is not None:
+        raise ValueError(
+            f"parameter {name!r} ({numel} elements): block_policy={policy!r} gives it "
+            f"blocks of {bad[1]} elements, but {settings} keeps it in 8 bits in quantization "
+            f"blocks that need shard boundaries on multiples of {need}: the policy must "
+            f"give it a multiple of {need} (e.g. the math.lcm of the policies, one of them "
+            f"AdamW8bit.block_policy(block_size={block_size}, "
+            f"min_8bit_size={min_8bit_size}))"
+        )
     if layout is None:
         return None
     cut = _first_cut(layout, need)
