@@ -57,6 +57,7 @@ __all__ = [
     "mark_fully_sharded",
     "offset_free",
     "post_accumulate_grad_hooks",
+    "register_torch_state",
     "preserve_version_counter",
     "profiler_enabled",
     "queue_backward_callback",
@@ -127,6 +128,39 @@ def mark_fully_sharded(module: nn.Module) -> None:
     key, item = _REGISTRY
     registry = module.__dict__.setdefault(key, OrderedDict())
     registry.setdefault("fully_shard", item())
+
+
+def _torch_state_slot() -> tuple[str, Any] | None:
+    """Where torch's ``fully_shard.state(module)`` looks: ``module.__dict__[STATE_KEY]``, keyed
+    by the function its ``contract`` decorator wrapped (checked here by a lookup through torch's
+    own ``state``)."""
+    try:
+        contract = importlib.import_module("torch.distributed._composable.contract")
+        impl = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
+    except ImportError:  # pragma: no cover
+        return None
+    key, torch_fully_shard = getattr(contract, "STATE_KEY", None), impl.fully_shard
+    func = getattr(torch_fully_shard, "__wrapped__", None)
+    lookup = getattr(torch_fully_shard, "state", None)
+    if not isinstance(key, str) or func is None or lookup is None:
+        return None  # pragma: no cover
+    probe, marker = nn.Module(), object()
+    probe.__dict__[key] = {func: marker}
+    return (key, func) if lookup(probe) is marker else None
+
+
+_TORCH_STATE_SLOT = _torch_state_slot()
+_STATUS["torch_state_slot"] = "registered" if _TORCH_STATE_SLOT is not None else "unavailable"
+
+
+def register_torch_state(module: nn.Module, state: object) -> None:
+    """Make torch's ``fully_shard.state(module)`` return ``state`` (ours): torch code that
+    imported torch's ``fully_shard`` (``torch.distributed.pipelining``'s stage) finds our state
+    as it finds FSDP2's ([Note: pipeline stages] in ``pipelining``)."""
+    if _TORCH_STATE_SLOT is None:  # pragma: no cover
+        return
+    key, func = _TORCH_STATE_SLOT
+    module.__dict__.setdefault(key, {})[func] = state
 
 
 def composable_apis(module: nn.Module) -> tuple[str, ...]:

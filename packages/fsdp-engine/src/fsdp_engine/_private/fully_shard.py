@@ -16,7 +16,7 @@ from fsdp_engine._private.api import (
     OffloadPolicy,
 )
 from fsdp_engine._private.applied import check_modules
-from fsdp_engine._private.compat import mark_fully_sharded
+from fsdp_engine._private.compat import mark_fully_sharded, register_torch_state
 from fsdp_engine._private.fsdp_module import FSDPModule
 from fsdp_engine._private.init import (
     by_dtype,
@@ -184,6 +184,7 @@ def fully_shard(
     for target in modules:
         target.__dict__[STATE_ATTR] = state
         mark_fully_sharded(target)
+        register_torch_state(target, state)  # [Note: pipeline stages] (pipelining)
         cls = type(target)
         new_cls = _CLASS_CACHE.get(cls)
         if new_cls is None:

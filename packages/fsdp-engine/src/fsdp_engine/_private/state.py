@@ -55,6 +55,7 @@ from fsdp_engine._private.iteration import (
     iteration_event,
 )
 from fsdp_engine._private.param_group import ParamGroup, ShardedState
+from fsdp_engine._private.pipelining import StageGroup, final_callback, stage_groups
 from fsdp_engine._private.presence import resolve_presence
 from fsdp_engine._private.root_init import init_root
 from fsdp_engine._private.runtime_checks import check_finite_gradients, check_microbatch_agreement
@@ -148,6 +149,18 @@ class FSDPState:
                 f"{[str(g.dtype) for g in self.groups]}); iterate FSDPState.groups"
             )
         return self.groups[0] if self.groups else None
+
+    # -- what torch.distributed.pipelining calls ([Note: pipeline stages] in pipelining) ------
+    @property
+    def _state_ctx(self) -> IterationContext:
+        return self.ctx
+
+    @property
+    def _fsdp_param_groups(self) -> list[StageGroup]:
+        return stage_groups(self)
+
+    def _root_post_backward_final_callback(self) -> None:
+        final_callback(self)
 
     def _to_sharded_hook(self, *args: Any, **kwargs: Any) -> None:
         if self.training_state is TrainingState.IDLE:

@@ -1,0 +1,192 @@
+"""torch.distributed.pipelining's schedules over fully_shard stages train like FSDP2's.
+
+Each rank of a (pp, dp[, tp]) mesh builds the same model, keeps its pipeline stages' layers,
+shards every layer and the stage module on the "dp" axis (after tensor parallelism on "tp"),
+and runs torch 2.13's schedules (``PipelineStage`` and ``ScheduleGPipe``, ``Schedule1F1B``,
+``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``) for two
+SGD steps: the microbatches' backwards accumulate unsharded, the stage's ``REDUCE_GRAD`` runs
+the post-backward by hand ([Note: pipeline stages] in ``pipelining``). Both engines run in the
+same processes, one after the other: torch's FSDP2 is the control.
+
+Numerics: the same arithmetic as FSDP2 (the same kernels on the same values, gradients summed
+over microbatches in the same order, one reduce-scatter each): losses and gradients bitwise.
+The zero-bubble schedule is the exception: its weight gradients are summed over microbatches
+in float32 in another order than FSDP2's (see ``ZB_TOLERANCE``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from engine_fsdp2 import engine
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+)
+from torch.distributed.tensor import init_device_mesh
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+import fsdp_engine
+from ragged_dtensor.testing import run_processes
+
+DIM, HIDDEN, LAYERS, MICROBATCHES, STEPS = 8, 16, 8, 4, 2
+SINGLE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+LOOPED = {
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "looped_bfs": ScheduleLoopedBFS,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
+# float32 weight gradients of 4 microbatches summed in another order (a few ulps of the sum)
+ZB_TOLERANCE = {"rtol": 1e-6, "atol": 1e-7}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).square().mean()
+
+
+@contextlib.contextmanager
+def _switched(on: bool) -> Iterator[None]:
+    """With ``on``, torch's pipelining modules hold fsdp_engine's names (``use_as_torch_fsdp``):
+    the stage then calls our ``fully_shard.state``."""
+    if not on:
+        yield
+        return
+    names = ["torch.distributed.pipelining.stage", "torch.distributed.pipelining.schedules"]
+    fsdp_engine.use_as_torch_fsdp(modules=names)
+    try:
+        yield
+    finally:
+        fsdp_engine.restore_torch_fsdp()
+
+
+def _train(impl: str, schedule: str, mesh: Any, tp: bool) -> list[Any]:
+    """Two steps of ``schedule``; returns each step's losses and full gradients (this rank's
+    stages)."""
+    api = engine(impl)
+    pp_size, pp_rank = mesh["pp"].size(), mesh["pp"].get_local_rank()
+    looped = schedule in LOOPED
+    n_stages = pp_size * (2 if looped else 1)
+    per = LAYERS // n_stages
+    torch.manual_seed(0)
+    layers = [Block() for _ in range(LAYERS)]
+    stages, modules = [], []
+    for index in range(pp_rank, n_stages, pp_size):
+        module = nn.Sequential(*layers[index * per : (index + 1) * per])
+        for block in module:
+            if tp:
+                plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+                parallelize_module(block, mesh["tp"], plan)
+            # the zero-bubble schedule's weight pass reads the registered parameters: they
+            # must stay unsharded after forward (FSDP2 needs it too)
+            api.fully_shard(block, mesh=mesh["dp"], reshard_after_forward=schedule != "zero_bubble")
+        api.fully_shard(module, mesh=mesh["dp"])
+        modules.append(module)
+        stages.append(PipelineStage(module, index, n_stages, torch.device("cpu"), group=mesh.get_group("pp")))
+    kinds = {**SINGLE, **LOOPED}
+    runner = kinds[schedule](
+        stages if looped else stages[0], n_microbatches=MICROBATCHES, loss_fn=_loss
+    )
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in modules]
+    gen = torch.Generator().manual_seed(10 + mesh["dp"].get_local_rank())
+    results = []
+    for _ in range(STEPS):
+        x = torch.randn(2 * MICROBATCHES, DIM, generator=gen)
+        target = torch.randn(2 * MICROBATCHES, DIM, generator=gen)
+        losses: list[torch.Tensor] = []
+        if pp_rank == 0:
+            runner.step(x, target=target, losses=losses)
+        else:
+            runner.step(target=target, losses=losses)
+        grads = {
+            f"{i}.{name}": p.grad.full_tensor()
+            for i, m in enumerate(modules)
+            for name, p in m.named_parameters()
+            if p.grad is not None
+        }
+        expected = sum(1 for m in modules for _ in m.parameters())
+        assert len(grads) == expected, (impl, schedule, sorted(grads))
+        for opt in optims:
+            opt.step()
+            opt.zero_grad()
+        results.append(([loss.item() for loss in losses], grads))
+    return results
+
+
+def _both(rank: int, world: int, schedules: list[str], tp: bool, switch: bool) -> Any:
+    torch.set_num_threads(1)
+    dims = (2, world // 4, 2) if tp else (2, world // 2)
+    names = ("pp", "dp", "tp") if tp else ("pp", "dp")
+    mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
+    out = {}
+    for schedule in schedules:
+        out["fsdp2", schedule] = _train("fsdp2", schedule, mesh, tp)
+        with _switched(switch):
+            out["ours", schedule] = _train("ours", schedule, mesh, tp)
+    return out
+
+
+def _check(results: list[Any], schedules: list[str]) -> None:
+    for rank, out in enumerate(results):
+        for schedule in schedules:
+            theirs, ours = out["fsdp2", schedule], out["ours", schedule]
+            for step, ((want_loss, want), (got_loss, got)) in enumerate(
+                zip(theirs, ours, strict=True)
+            ):
+                where = (rank, schedule, step)
+                assert sorted(got) == sorted(want), where
+                if schedule == "zero_bubble":
+                    assert got_loss == pytest.approx(want_loss, rel=1e-6), where
+                    for name in want:
+                        torch.testing.assert_close(got[name], want[name], **ZB_TOLERANCE)
+                    continue
+                assert got_loss == want_loss, where  # bitwise (floats from .item())
+                for name in want:
+                    assert torch.equal(got[name], want[name]), (*where, name)
+
+
+@pytest.mark.multiprocess
+def test_pipeline_schedules_over_fully_shard_stages_train_like_fsdp2() -> None:
+    """2 stages x 2 data-parallel ranks: GPipe, 1F1B, interleaved 1F1B, looped BFS and
+    interleaved zero bubble give FSDP2's losses and gradients, step after step."""
+    schedules = [*SINGLE, *LOOPED]
+    _check(run_processes(_both, 4, schedules, False, False, timeout=600), schedules)
+
+
+@pytest.mark.multiprocess
+def test_pipeline_stages_find_our_state_with_the_switch_on_and_with_tensor_parallelism() -> None:
+    """With ``use_as_torch_fsdp`` rebinding the stage's ``fully_shard`` (it then calls our
+    ``fully_shard.state``) and tensor-parallel layers (2 stages x 1 dp x 2 tp): FSDP2's losses
+    and gradients."""
+    schedules = ["1f1b", "interleaved_1f1b"]
+    _check(run_processes(_both, 4, schedules, True, True, timeout=600), schedules)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pipeline_data_and_tensor_parallel_on_eight_ranks_train_like_fsdp2() -> None:
+    """3-D: 2 stages x 2 data-parallel x 2 tensor-parallel ranks, every schedule."""
+    schedules = [*SINGLE, *LOOPED]
+    _check(run_processes(_both, 8, schedules, True, False, timeout=1200), schedules)
