@@ -16,8 +16,6 @@ in float32 in another order than FSDP2's (see ``ZB_TOLERANCE``).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -40,7 +38,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import fsdp_engine
-from ragged_dtensor.testing import run_processes
+from ragged_dtensor.testing import run_processes, run_threaded
 
 DIM, HIDDEN, LAYERS, MICROBATCHES, STEPS = 8, 16, 8, 4, 2
 SINGLE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -67,21 +65,6 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out - target).square().mean()
 
 
-@contextlib.contextmanager
-def _switched(on: bool) -> Iterator[None]:
-    """With ``on``, torch's pipelining modules hold fsdp_engine's names (``use_as_torch_fsdp``):
-    the stage then calls our ``fully_shard.state``."""
-    if not on:
-        yield
-        return
-    names = ["torch.distributed.pipelining.stage", "torch.distributed.pipelining.schedules"]
-    fsdp_engine.use_as_torch_fsdp(modules=names)
-    try:
-        yield
-    finally:
-        fsdp_engine.restore_torch_fsdp()
-
-
 def _train(impl: str, schedule: str, mesh: Any, tp: bool) -> list[Any]:
     """Two steps of ``schedule``; returns each step's losses and full gradients (this rank's
     stages)."""
@@ -104,7 +87,8 @@ def _train(impl: str, schedule: str, mesh: Any, tp: bool) -> list[Any]:
             api.fully_shard(block, mesh=mesh["dp"], reshard_after_forward=schedule != "zero_bubble")
         api.fully_shard(module, mesh=mesh["dp"])
         modules.append(module)
-        stages.append(PipelineStage(module, index, n_stages, torch.device("cpu"), group=mesh.get_group("pp")))
+        device = torch.device(mesh.device_type)
+        stages.append(PipelineStage(module, index, n_stages, device, group=mesh.get_group("pp")))
     kinds = {**SINGLE, **LOOPED}
     runner = kinds[schedule](
         stages if looped else stages[0], n_microbatches=MICROBATCHES, loss_fn=_loss
@@ -135,27 +119,32 @@ def _train(impl: str, schedule: str, mesh: Any, tp: bool) -> list[Any]:
     return results
 
 
-def _both(rank: int, world: int, schedules: list[str], tp: bool, switch: bool) -> Any:
+def _both(rank: int, world: int, runs: list[tuple[str, bool]], dp: int) -> Any:
+    """Each ``(schedule, tensor_parallel)`` of ``runs`` on FSDP2 then on ours: on a (2, world/2)
+    ("pp", "dp") mesh, or a (2, dp, tp) one with tensor parallelism."""
     torch.set_num_threads(1)
-    dims = (2, world // 4, 2) if tp else (2, world // 2)
-    names = ("pp", "dp", "tp") if tp else ("pp", "dp")
-    mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
     out = {}
-    for schedule in schedules:
-        out["fsdp2", schedule] = _train("fsdp2", schedule, mesh, tp)
-        with _switched(switch):
-            out["ours", schedule] = _train("ours", schedule, mesh, tp)
+    for schedule, tp in runs:
+        if tp:
+            dims, names = (2, dp, world // (2 * dp)), ("pp", "dp", "tp")
+        else:
+            dims, names = (2, world // 2), ("pp", "dp")
+        mesh = init_device_mesh("cpu", dims, mesh_dim_names=names)
+        for impl in ("fsdp2", "ours"):
+            out[impl, schedule, tp] = _train(impl, schedule, mesh, tp)
     return out
 
 
-def _check(results: list[Any], schedules: list[str]) -> None:
+def _check(results: list[Any]) -> None:
     for rank, out in enumerate(results):
-        for schedule in schedules:
-            theirs, ours = out["fsdp2", schedule], out["ours", schedule]
+        for impl, schedule, tp in out:
+            if impl != "ours":
+                continue
+            theirs, ours = out["fsdp2", schedule, tp], out["ours", schedule, tp]
             for step, ((want_loss, want), (got_loss, got)) in enumerate(
                 zip(theirs, ours, strict=True)
             ):
-                where = (rank, schedule, step)
+                where = (rank, schedule, tp, step)
                 assert sorted(got) == sorted(want), where
                 if schedule == "zero_bubble":
                     assert got_loss == pytest.approx(want_loss, rel=1e-6), where
@@ -169,24 +158,53 @@ def _check(results: list[Any], schedules: list[str]) -> None:
 
 @pytest.mark.multiprocess
 def test_pipeline_schedules_over_fully_shard_stages_train_like_fsdp2() -> None:
-    """2 stages x 2 data-parallel ranks: GPipe, 1F1B, interleaved 1F1B, looped BFS and
-    interleaved zero bubble give FSDP2's losses and gradients, step after step."""
-    schedules = [*SINGLE, *LOOPED]
-    _check(run_processes(_both, 4, schedules, False, False, timeout=600), schedules)
+    """4 ranks. 2 stages x 2 data-parallel ranks: GPipe, interleaved 1F1B and interleaved zero
+    bubble; 2 stages x 1 data-parallel x 2 tensor-parallel ranks: 1F1B. FSDP2's losses and
+    gradients, step after step."""
+    runs = [("gpipe", False), ("interleaved_1f1b", False), ("zero_bubble", False), ("1f1b", True)]
+    _check(run_processes(_both, 4, runs, 1, timeout=600))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
-def test_pipeline_stages_find_our_state_with_the_switch_on_and_with_tensor_parallelism() -> None:
-    """With ``use_as_torch_fsdp`` rebinding the stage's ``fully_shard`` (it then calls our
-    ``fully_shard.state``) and tensor-parallel layers (2 stages x 1 dp x 2 tp): FSDP2's losses
-    and gradients."""
-    schedules = ["1f1b", "interleaved_1f1b"]
-    _check(run_processes(_both, 4, schedules, True, True, timeout=600), schedules)
+def test_every_pipeline_schedule_with_and_without_tensor_parallelism_trains_like_fsdp2() -> None:
+    """4 ranks: every schedule over 2 stages x 2 data-parallel ranks, and over 2 stages x 2
+    tensor-parallel ranks."""
+    runs = [(s, tp) for s in [*SINGLE, *LOOPED] for tp in (False, True)]
+    _check(run_processes(_both, 4, runs, 1, timeout=1800))
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_pipeline_data_and_tensor_parallel_on_eight_ranks_train_like_fsdp2() -> None:
     """3-D: 2 stages x 2 data-parallel x 2 tensor-parallel ranks, every schedule."""
-    schedules = [*SINGLE, *LOOPED]
-    _check(run_processes(_both, 8, schedules, True, False, timeout=1200), schedules)
+    runs = [(s, True) for s in [*SINGLE, *LOOPED]]
+    _check(run_processes(_both, 8, runs, 2, timeout=1800))
+
+
+def test_torchs_and_our_fully_shard_state_are_the_state_the_stage_drives() -> None:
+    """The stage calls torch's ``fully_shard.state`` (or ours, with the switch on before
+    pipelining is imported): both return our state, whose ``_state_ctx.all_states``,
+    ``_fsdp_param_groups`` and ``_root_post_backward_final_callback`` are the names it uses."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    def body(rank: int, world: int) -> None:
+        torch.manual_seed(0)
+        model = nn.Sequential(Block(), Block())
+        for block in model:
+            fsdp_engine.fully_shard(block)
+        fsdp_engine.fully_shard(model)
+        state = fsdp_engine.fully_shard.state(model)
+        assert torch_fsdp.fully_shard.state(model) is state
+        assert torch_fsdp.fully_shard.state(model[0]) is fsdp_engine.fully_shard.state(model[0])
+        model(torch.randn(2, DIM)).sum().backward()
+        states = state._state_ctx.all_states
+        assert [s.module for s in states] == [model, model[0], model[1]]
+        assert [len(s._fsdp_param_groups) for s in states] == [0, 1, 1]
+        for s in states:  # after a backward: nothing left to reduce, no collective
+            for group in s._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+        assert all(p.grad is not None for p in model.parameters())
+
+    run_threaded(body, 2)
