@@ -58,6 +58,7 @@ __all__ = [
     "offset_free",
     "post_accumulate_grad_hooks",
     "register_torch_state",
+    "shard_placement_result_type",
     "preserve_version_counter",
     "profiler_enabled",
     "queue_backward_callback",
@@ -151,6 +152,25 @@ def _torch_state_slot() -> tuple[str, Any] | None:
 
 _TORCH_STATE_SLOT = _torch_state_slot()
 _STATUS["torch_state_slot"] = "registered" if _TORCH_STATE_SLOT is not None else "unavailable"
+
+
+def _shard_placement_result() -> type | None:
+    try:
+        common = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_common")
+    except ImportError:  # pragma: no cover
+        return None
+    cls = getattr(common, "ShardPlacementResult", None)
+    return cls if isinstance(cls, type) else None
+
+
+_SHARD_PLACEMENT_RESULT = _shard_placement_result()
+_STATUS["shard_placement_result"] = "torch" if _SHARD_PLACEMENT_RESULT is not None else "missing"
+
+
+def shard_placement_result_type() -> type | None:
+    """FSDP2's ``ShardPlacementResult`` (what ``shard_placement_fn`` returns to put a parameter
+    on a mesh of its own), or None where torch has none."""
+    return _SHARD_PLACEMENT_RESULT
 
 
 def register_torch_state(module: nn.Module, state: object) -> None:
