@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 __all__ = [
@@ -59,6 +59,8 @@ __all__ = [
     "post_accumulate_grad_hooks",
     "register_torch_state",
     "shard_placement_result_type",
+    "strided_shard",
+    "is_shard_like",
     "preserve_version_counter",
     "profiler_enabled",
     "queue_backward_callback",
@@ -171,6 +173,39 @@ def shard_placement_result_type() -> type | None:
     """FSDP2's ``ShardPlacementResult`` (what ``shard_placement_fn`` returns to put a parameter
     on a mesh of its own), or None where torch has none."""
     return _SHARD_PLACEMENT_RESULT
+
+
+def _strided_shard_type() -> Any:
+    try:
+        types = importlib.import_module("torch.distributed.tensor.placement_types")
+    except ImportError:  # pragma: no cover
+        return None
+    return getattr(types, "_StridedShard", None)
+
+
+_STRIDED_SHARD = _strided_shard_type()
+_STATUS["strided_shard"] = "torch" if _STRIDED_SHARD is not None else "missing"
+
+
+def strided_shard(dim: int, split_factor: int) -> Placement:
+    """DTensor's ``_StridedShard(dim, split_factor)``: FSDP2's data-parallel placement of a
+    dim that tensor parallelism also shards (the data-parallel chunks interleave with the
+    tensor-parallel ones)."""
+    if _STRIDED_SHARD is None:  # pragma: no cover
+        raise NotImplementedError("this torch has no _StridedShard placement")
+    placement: Placement = _STRIDED_SHARD(dim, split_factor=split_factor)
+    return placement
+
+
+def is_shard_like(placement: Placement, dim: int) -> bool:
+    """``Shard(dim)`` or ``_StridedShard(dim, ...)`` (DTensor's ``num_shards_map`` counts both)."""
+    if isinstance(placement, Shard):
+        return placement.dim == dim
+    return (
+        _STRIDED_SHARD is not None
+        and isinstance(placement, _STRIDED_SHARD)
+        and (placement.dim == dim)
+    )
 
 
 def register_torch_state(module: nn.Module, state: object) -> None:

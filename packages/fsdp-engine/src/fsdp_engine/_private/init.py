@@ -213,19 +213,15 @@ def with_placement_fn(
             raise AssertionError(
                 f"Shard dim {dim} is invalid for {param.dim()}D tensor: {tuple(param.shape)}"
             )
-        if dim > 0 and param.shape[dim] % size:
+        # a tensor-parallel parameter is split by its local shard, as FSDP2 splits it
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if dim > 0 and local.shape[dim] % size:
             raise NotImplementedError(
-                f"FSDP does not support uneven sharding on dim {dim}: {tuple(param.shape)} "
+                f"FSDP does not support uneven sharding on dim {dim}: {tuple(local.shape)} "
                 f"(world size: {size}) -- parameter {ref.fqn!r}"
             )
         if dim > 0 or not isinstance(param, DTensor):
-            if isinstance(param, DTensor):
-                raise NotImplementedError(
-                    f"shard_placement_fn asked for Shard({placement.dim}) of the tensor-parallel "
-                    f"parameter {ref.fqn!r}: fsdp_engine shards DTensor parameters with "
-                    "RaggedShard on the data-parallel axis only; return None or Shard(0)"
-                )
-            dims[ref.fqn] = dim
+            dims[ref.fqn] = dim  # [Note: placed groups], tensor-parallel ones included
             continue
         chosen[id(param)] = max(1, param.numel() // param.shape[0]) if param.shape[0] else 1
     if not chosen:
