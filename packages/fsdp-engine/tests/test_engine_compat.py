@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from fsdp_engine._private import compat
+from fsdp_engine._private import compat, compat_fsdp2
 from ragged_dtensor.testing import run_threaded
 
 
@@ -46,13 +46,13 @@ def test_the_supported_release_and_every_entry_are_torch_s() -> None:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     marker = object()
-    compat.register_torch_state(module, marker)
+    compat_fsdp2.register_torch_state(module, marker)
     assert torch_fully_shard.state(module) is marker  # type: ignore[attr-defined]
-    assert compat.shard_placement_result_type() is ShardPlacementResult
-    strided = compat.strided_shard(1, 2)
+    assert compat_fsdp2.shard_placement_result_type() is ShardPlacementResult
+    strided = compat_fsdp2.strided_shard(1, 2)
     assert isinstance(strided, _StridedShard) and strided == _StridedShard(1, split_factor=2)
-    assert compat.is_shard_like(strided, 1) and compat.is_shard_like(Shard(1), 1)
-    assert not compat.is_shard_like(Shard(0), 1)
+    assert compat_fsdp2.is_shard_like(strided, 1) and compat_fsdp2.is_shard_like(Shard(1), 1)
+    assert not compat_fsdp2.is_shard_like(Shard(0), 1)
 
 
 def test_the_autograd_engine_entries() -> None:

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 __all__ = [
@@ -57,10 +57,6 @@ __all__ = [
     "mark_fully_sharded",
     "offset_free",
     "post_accumulate_grad_hooks",
-    "register_torch_state",
-    "shard_placement_result_type",
-    "strided_shard",
-    "is_shard_like",
     "preserve_version_counter",
     "profiler_enabled",
     "queue_backward_callback",
@@ -131,91 +127,6 @@ def mark_fully_sharded(module: nn.Module) -> None:
     key, item = _REGISTRY
     registry = module.__dict__.setdefault(key, OrderedDict())
     registry.setdefault("fully_shard", item())
-
-
-def _torch_state_slot() -> tuple[str, Any] | None:
-    """Where torch's ``fully_shard.state(module)`` looks: ``module.__dict__[STATE_KEY]``, keyed
-    by the function its ``contract`` decorator wrapped (checked here by a lookup through torch's
-    own ``state``)."""
-    try:
-        contract = importlib.import_module("torch.distributed._composable.contract")
-        impl = importlib.import_module("torch.distributed.fsdp._fully_shard._fully_shard")
-    except ImportError:  # pragma: no cover
-        return None
-    key, torch_fully_shard = getattr(contract, "STATE_KEY", None), impl.fully_shard
-    func = getattr(torch_fully_shard, "__wrapped__", None)
-    lookup = getattr(torch_fully_shard, "state", None)
-    if not isinstance(key, str) or func is None or lookup is None:
-        return None  # pragma: no cover
-    probe, marker = nn.Module(), object()
-    probe.__dict__[key] = {func: marker}
-    return (key, func) if lookup(probe) is marker else None
-
-
-_TORCH_STATE_SLOT = _torch_state_slot()
-_STATUS["torch_state_slot"] = "registered" if _TORCH_STATE_SLOT is not None else "unavailable"
-
-
-def _shard_placement_result() -> type | None:
-    try:
-        common = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_common")
-    except ImportError:  # pragma: no cover
-        return None
-    cls = getattr(common, "ShardPlacementResult", None)
-    return cls if isinstance(cls, type) else None
-
-
-_SHARD_PLACEMENT_RESULT = _shard_placement_result()
-_STATUS["shard_placement_result"] = "torch" if _SHARD_PLACEMENT_RESULT is not None else "missing"
-
-
-def shard_placement_result_type() -> type | None:
-    """FSDP2's ``ShardPlacementResult`` (what ``shard_placement_fn`` returns to put a parameter
-    on a mesh of its own), or None where torch has none."""
-    return _SHARD_PLACEMENT_RESULT
-
-
-def _strided_shard_type() -> Any:
-    try:
-        types = importlib.import_module("torch.distributed.tensor.placement_types")
-    except ImportError:  # pragma: no cover
-        return None
-    return getattr(types, "_StridedShard", None)
-
-
-_STRIDED_SHARD = _strided_shard_type()
-_STATUS["strided_shard"] = "torch" if _STRIDED_SHARD is not None else "missing"
-
-
-def strided_shard(dim: int, split_factor: int) -> Placement:
-    """DTensor's ``_StridedShard(dim, split_factor)``: FSDP2's data-parallel placement of a
-    dim that tensor parallelism also shards (the data-parallel chunks interleave with the
-    tensor-parallel ones)."""
-    if _STRIDED_SHARD is None:  # pragma: no cover
-        raise NotImplementedError("this torch has no _StridedShard placement")
-    placement: Placement = _STRIDED_SHARD(dim, split_factor=split_factor)
-    return placement
-
-
-def is_shard_like(placement: Placement, dim: int) -> bool:
-    """``Shard(dim)`` or ``_StridedShard(dim, ...)`` (DTensor's ``num_shards_map`` counts both)."""
-    if isinstance(placement, Shard):
-        return placement.dim == dim
-    return (
-        _STRIDED_SHARD is not None
-        and isinstance(placement, _STRIDED_SHARD)
-        and (placement.dim == dim)
-    )
-
-
-def register_torch_state(module: nn.Module, state: object) -> None:
-    """Make torch's ``fully_shard.state(module)`` return ``state`` (ours): torch code that
-    imported torch's ``fully_shard`` (``torch.distributed.pipelining``'s stage) finds our state
-    as it finds FSDP2's ([Note: pipeline stages] in ``pipelining``)."""
-    if _TORCH_STATE_SLOT is None:  # pragma: no cover
-        return
-    key, func = _TORCH_STATE_SLOT
-    module.__dict__.setdefault(key, {})[func] = state
 
 
 def composable_apis(module: nn.Module) -> tuple[str, ...]:
@@ -423,4 +334,6 @@ def has_backend_for(group: Any, device: torch.device) -> bool:
 
 
 def compat_status() -> dict[str, str]:
-    return dict(_STATUS)
+    from fsdp_engine._private.compat_fsdp2 import STATUS as FSDP2_STATUS
+
+    return {**_STATUS, **FSDP2_STATUS}

@@ -16,7 +16,8 @@ from fsdp_engine._private.api import (
     OffloadPolicy,
 )
 from fsdp_engine._private.applied import check_modules
-from fsdp_engine._private.compat import mark_fully_sharded, register_torch_state
+from fsdp_engine._private.compat import mark_fully_sharded
+from fsdp_engine._private.compat_fsdp2 import register_torch_state
 from fsdp_engine._private.fsdp_module import FSDPModule
 from fsdp_engine._private.init import (
     by_dtype,

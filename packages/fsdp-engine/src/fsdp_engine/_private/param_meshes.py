@@ -25,7 +25,7 @@ from typing import Any
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from fsdp_engine._private import compat
+from fsdp_engine._private import compat_fsdp2
 from fsdp_engine._private.param import ParamRef
 
 __all__ = ["by_mesh", "split_placement"]
@@ -34,7 +34,7 @@ __all__ = ["by_mesh", "split_placement"]
 def split_placement(result: Any, fqn: str) -> tuple[Any, DeviceMesh | None]:
     """A ``shard_placement_fn`` result as (placement, mesh): the mesh is None for the call's own
     mesh. A ``ShardPlacementResult``'s mesh info becomes the mesh our groups use."""
-    cls = compat.shard_placement_result_type()
+    cls = compat_fsdp2.shard_placement_result_type()
     if cls is None or not isinstance(result, cls):
         return result, None
     placement = getattr(result, "placement", None)

@@ -23,8 +23,8 @@ microbatches accumulated, then reshard), and the final callback is the root's en
 groups (one per dtype), so the first of its groups runs it and the others find it done; like
 FSDP2's it is safe to call for a state that took no part in backward. ``stage.py`` imports
 torch's ``fully_shard``, whose ``state`` finds ours through torch's composable-state slot
-(``compat.register_torch_state``); with the switch on (``use_as_torch_fsdp``) it is ours, which
-returns the same state.
+(``compat_fsdp2.register_torch_state``); with the switch on (``use_as_torch_fsdp``) it is ours,
+which returns the same state. ``FSDPState`` gets the names from ``PipelineStageNames``.
 """
 
 from __future__ import annotations
@@ -32,10 +32,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from fsdp_engine._private.iteration import IterationContext
     from fsdp_engine._private.param_group import ParamGroup
     from fsdp_engine._private.state import FSDPState
 
-__all__ = ["StageGroup", "final_callback", "stage_groups"]
+__all__ = ["PipelineStageNames", "StageGroup"]
 
 
 class StageGroup:
@@ -57,12 +58,25 @@ class StageGroup:
         return f"StageGroup({self._state.fqn!r}, {self.group.dtype})"
 
 
-def stage_groups(state: FSDPState) -> list[StageGroup]:
-    """``state._fsdp_param_groups``: one view per group (none for a state without parameters,
-    as FSDP2)."""
-    return [StageGroup(state, group) for group in state.groups]
+class PipelineStageNames:
+    """The names a pipeline stage calls on ``fully_shard.state(m)``, as views of our state
+    (``FSDPState`` derives from this; module Note)."""
 
+    @property
+    def _state_ctx(self) -> IterationContext:
+        return self._as_state().ctx
 
-def final_callback(state: FSDPState) -> None:
-    """``state._root_post_backward_final_callback()``: the root's end of backward."""
-    (state.root or state)._final_callback()
+    @property
+    def _fsdp_param_groups(self) -> list[StageGroup]:
+        state = self._as_state()
+        return [StageGroup(state, group) for group in state.groups]
+
+    def _root_post_backward_final_callback(self) -> None:
+        state = self._as_state()
+        (state.root or state)._final_callback()
+
+    def _as_state(self) -> FSDPState:
+        from fsdp_engine._private.state import FSDPState
+
+        assert isinstance(self, FSDPState)
+        return self

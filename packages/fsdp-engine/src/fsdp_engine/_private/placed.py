@@ -39,7 +39,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from fsdp_engine._private import compat
+from fsdp_engine._private import compat, compat_fsdp2
 from shard_planner import Plan
 
 if TYPE_CHECKING:
@@ -202,9 +202,9 @@ def placed_tp_dtensor(local: torch.Tensor, dp_mesh: DeviceMesh, dim: int, tp: TP
     split = math.prod(
         tp.mesh.size(axis)
         for axis, placement in enumerate(tp.placements)
-        if compat.is_shard_like(placement, dim)
+        if compat_fsdp2.is_shard_like(placement, dim)
     )
-    shard: Placement = compat.strided_shard(dim, split) if split > 1 else Shard(dim)
+    shard: Placement = compat_fsdp2.strided_shard(dim, split) if split > 1 else Shard(dim)
     dp = [*(Replicate() for _ in range(dp_mesh.ndim - 1)), shard]
     return DTensor.from_local(
         local,

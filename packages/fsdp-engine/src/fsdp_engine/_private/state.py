@@ -55,7 +55,7 @@ from fsdp_engine._private.iteration import (
     iteration_event,
 )
 from fsdp_engine._private.param_group import ParamGroup, ShardedState
-from fsdp_engine._private.pipelining import StageGroup, final_callback, stage_groups
+from fsdp_engine._private.pipelining import PipelineStageNames
 from fsdp_engine._private.presence import resolve_presence
 from fsdp_engine._private.root_init import init_root
 from fsdp_engine._private.runtime_checks import check_finite_gradients, check_microbatch_agreement
@@ -85,7 +85,7 @@ class StateConfig:
     backward_prefetch: tuple[FSDPState, ...] | None = None
 
 
-class FSDPState:
+class FSDPState(PipelineStageNames):
     """What ``fully_shard`` attaches to a module (``module._fsdp_engine_state``)."""
 
     def __init__(
@@ -149,18 +149,6 @@ class FSDPState:
                 f"{[str(g.dtype) for g in self.groups]}); iterate FSDPState.groups"
             )
         return self.groups[0] if self.groups else None
-
-    # -- what torch.distributed.pipelining calls ([Note: pipeline stages] in pipelining) ------
-    @property
-    def _state_ctx(self) -> IterationContext:
-        return self.ctx
-
-    @property
-    def _fsdp_param_groups(self) -> list[StageGroup]:
-        return stage_groups(self)
-
-    def _root_post_backward_final_callback(self) -> None:
-        final_callback(self)
 
     def _to_sharded_hook(self, *args: Any, **kwargs: Any) -> None:
         if self.training_state is TrainingState.IDLE:
