@@ -10,8 +10,11 @@ same processes, one after the other: torch's FSDP2 is the control.
 
 Numerics: the same arithmetic as FSDP2 (the same kernels on the same values, gradients summed
 over microbatches in the same order, one reduce-scatter each): losses and gradients bitwise.
-The zero-bubble schedule is the exception: its weight gradients are summed over microbatches
-in float32 in another order than FSDP2's (see ``ZB_TOLERANCE``).
+The zero-bubble schedule is the exception: its weight pass (``W``) sets ``.grad`` on the
+unsharded parameters after the post-backward of its microbatch ran in the input pass (``I``).
+Our post-backward moves the ``.grad`` it finds into the reduction's storage, FSDP2's leaves it
+there, so with the order I0 I1 W0 I2 W1 W2 we sum ``dw0 + (dw1 + dw2)`` and FSDP2
+``(dw0 + dw1) + dw2``: another float32 association (``ZB_TOLERANCE``; ~1e-8 observed).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ LOOPED = {
     "looped_bfs": ScheduleLoopedBFS,
     "zero_bubble": ScheduleInterleavedZeroBubble,
 }
-# float32 weight gradients of 4 microbatches summed in another order (a few ulps of the sum)
+# float32 weight gradients of 4 microbatches associated differently (a few ulps of the sum)
 ZB_TOLERANCE = {"rtol": 1e-6, "atol": 1e-7}
 
 
