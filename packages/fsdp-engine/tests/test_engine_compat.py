@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from fsdp_engine._private import compat
+from fsdp_engine._private import compat, compat_fsdp2
 from ragged_dtensor.testing import run_threaded
 
 
@@ -21,6 +21,9 @@ def test_the_supported_release_and_every_entry_are_torch_s() -> None:
         "torch": torch.__version__,
         "post_backward_function": "torch",
         "composable_registry": "marked",
+        "torch_state_slot": "registered",
+        "shard_placement_result": "torch",
+        "strided_shard": "torch",
         "apply_to_tensors": "torch",
         "graph_task_id": "torch",
         "concatenate_meshes": "torch",
@@ -36,6 +39,20 @@ def test_the_supported_release_and_every_entry_are_torch_s() -> None:
     module = nn.Linear(2, 2)
     compat.mark_fully_sharded(module)
     assert "fully_shard" in module.__dict__[contract.REGISTRY_KEY]
+    # torch's fully_shard.state finds what we register (pipelining's stage calls it)
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    marker = object()
+    compat_fsdp2.register_torch_state(module, marker)
+    assert torch_fully_shard.state(module) is marker  # type: ignore[attr-defined]
+    assert compat_fsdp2.shard_placement_result_type() is ShardPlacementResult
+    strided = compat_fsdp2.strided_shard(1, 2)
+    assert isinstance(strided, _StridedShard) and strided == _StridedShard(1, split_factor=2)
+    assert compat_fsdp2.is_shard_like(strided, 1) and compat_fsdp2.is_shard_like(Shard(1), 1)
+    assert not compat_fsdp2.is_shard_like(Shard(0), 1)
 
 
 def test_the_autograd_engine_entries() -> None:

@@ -909,18 +909,15 @@ def _per_parameter_mesh(rank: int, world: int, impl: str) -> str:
         )
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
-    return "no error"
+    return str([p.placements for p in model.parameters()])
 
 
-def test_a_per_parameter_mesh_is_refused_by_name() -> None:
-    """``shard_placement_fn`` returning FSDP2's ``ShardPlacementResult`` (a parameter on
-    another mesh, e.g. experts on an expert-parallel mesh): FSDP2 makes a group per process
-    group; ours raises ``NotImplementedError`` naming the parameter (every group of a call is
-    on its mesh)."""
-    assert run_threaded(_per_parameter_mesh, 2, "fsdp2")[0] == "no error"
+def test_a_placement_result_on_the_calls_own_mesh_is_accepted_like_fsdp2() -> None:
+    """``shard_placement_fn`` returning FSDP2's ``ShardPlacementResult`` on the call's own mesh
+    is its placement there (other meshes: ``test_engine_param_meshes.py``)."""
+    theirs = run_threaded(_per_parameter_mesh, 2, "fsdp2")[0]
     ours = run_threaded(_per_parameter_mesh, 2, "ours")[0]
-    assert ours.startswith("NotImplementedError: shard_placement_fn returned"), ours
-    assert "'up.weight'" in ours and "per-parameter meshes" in ours, ours
+    assert ours == theirs == str([(Shard(0),)] * 4), (ours, theirs)
 
 
 def test_parameters_on_another_device_than_the_mesh_are_refused_by_name() -> None:

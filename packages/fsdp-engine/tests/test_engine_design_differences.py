@@ -12,7 +12,7 @@ import pytest
 import torch
 from engine_fsdp2 import Mlp, data, engine, full_grads, full_params, make
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
 
 from ragged_dtensor import RaggedShard
 from ragged_dtensor.testing import run_threaded
@@ -65,17 +65,6 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
-    def tp_with_shard1() -> None:
-        layer = nn.Linear(4, 4)
-        layer.weight = nn.Parameter(
-            DTensor.from_local(layer.weight.detach(), hsdp["tp"], [Replicate()], run_check=False)
-        )
-        api.fully_shard(
-            layer, mesh=hsdp["dp"], shard_placement_fn=lambda p: Shard(1) if p.dim() > 1 else None
-        )
-
-    capture("Shard(1) of a tensor-parallel parameter", tp_with_shard1)
-
     def requires_all_reduce() -> None:
         m = Mlp()
         api.fully_shard(m, mesh=hsdp)
@@ -106,7 +95,6 @@ def test_what_fsdp2_supports_and_we_refuse_raises_naming_it() -> None:
     the reason (see the README's table)."""
     out = run_threaded(_refusals, 4)[0]
     expected = {
-        "Shard(1) of a tensor-parallel parameter": "Shard(1) of the tensor-parallel",
         "set_requires_all_reduce(False) with HSDP": "set_requires_all_reduce(False)",
         "dp_mesh_dims without shard dims": "without shard dims",
         "set_separate_reduce_scatter_group": "set_separate_reduce_scatter_group",

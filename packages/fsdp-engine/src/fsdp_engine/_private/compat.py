@@ -334,4 +334,6 @@ def has_backend_for(group: Any, device: torch.device) -> bool:
 
 
 def compat_status() -> dict[str, str]:
-    return dict(_STATUS)
+    from fsdp_engine._private.compat_fsdp2 import STATUS as FSDP2_STATUS
+
+    return {**_STATUS, **FSDP2_STATUS}

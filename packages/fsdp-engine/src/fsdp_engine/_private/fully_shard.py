@@ -17,6 +17,7 @@ from fsdp_engine._private.api import (
 )
 from fsdp_engine._private.applied import check_modules
 from fsdp_engine._private.compat import mark_fully_sharded
+from fsdp_engine._private.compat_fsdp2 import register_torch_state
 from fsdp_engine._private.fsdp_module import FSDPModule
 from fsdp_engine._private.init import (
     by_dtype,
@@ -35,6 +36,7 @@ from fsdp_engine._private.init import (
 from fsdp_engine._private.one_engine import check_not_under_torch
 from fsdp_engine._private.param import ParamRef
 from fsdp_engine._private.param_group import ParamGroup
+from fsdp_engine._private.param_meshes import by_mesh
 from fsdp_engine._private.replaced import watch_replaced
 from fsdp_engine._private.serialization import allow_raggedshard_in_weights_only_load
 from fsdp_engine._private.spmd import SpmdMesh, spmd_mesh, validate_dp_mesh_dims
@@ -138,7 +140,15 @@ def fully_shard(
     for ref in refs:
         check_param(ref)
     user_block_policy = block_policy  # also recorded on the planned groups' parameters
-    block_policy, shard_dims = with_placement_fn(block_policy, shard_placement_fn, refs, world)
+    block_policy, shard_dims, meshes = with_placement_fn(
+        block_policy, shard_placement_fn, refs, world
+    )
+    if meshes and (subgroup or spmd is not None):
+        raise NotImplementedError(
+            f"fully_shard: shard_placement_fn put {sorted(meshes)} on meshes of their own "
+            "([Note: per-parameter meshes]); not supported together with "
+            + ("reshard_after_forward as an int" if subgroup else "dp_mesh_dims")
+        )
     shard_dims = with_subclass_placement(refs, shard_dims, user_block_policy)
     check_ranks_agree_on_call(
         mesh if spmd is None else spmd.mesh,
@@ -150,6 +160,8 @@ def fully_shard(
             "block_policy": "none" if block_policy is None else type(block_policy).__name__,
             # the groups follow it: a rank-dependent shard_placement_fn is named, not a hang
             "shard_placement_fn": repr(sorted(shard_dims.items())),
+            # the shape only: ranks of different sub-meshes name different ranks
+            "parameter meshes": repr(sorted((n, tuple(m.shape)) for n, m in meshes.items())),
         },
         refs,
     )
@@ -157,16 +169,14 @@ def fully_shard(
     for original, fqn in originals:
         remember(original, fqn)
     device = resolve_device(refs, mesh)
-    planned = [r for r in refs if r.fqn not in shard_dims]
-    placed = [r for r in refs if r.fqn in shard_dims]
 
-    def group(members: list[ParamRef], dims: list[int] | None) -> ParamGroup:
+    def group(on: DeviceMesh, members: list[ParamRef], dims: list[int] | None) -> ParamGroup:
         return ParamGroup(
             members,
-            mesh,
+            on,
             mp_policy=mp_policy,
             block_policy=block_policy if dims is None else None,
-            shard_axis=shard_axis,
+            shard_axis=on.ndim - 1,
             device=device,
             planner=planner,
             shard_dims=dims,
@@ -174,18 +184,24 @@ def fully_shard(
             spmd=spmd,
         )
 
-    groups = [group(members, None) for members in by_dtype(planned)]
-    # [Note: placed groups]: the Shard(d)-placed parameters of a dtype share one group
-    for planned_group in groups:  # [Note: the recorded block policy] (param.py)
-        for param in planned_group.params:
-            param.record_block_policy(user_block_policy)
-    groups += [group(m, [shard_dims[r.fqn] for r in m]) for m in by_dtype(placed)]
+    groups: list[ParamGroup] = []
+    for on, members in by_mesh(refs, meshes, mesh):  # [Note: per-parameter meshes]
+        planned = [r for r in members if r.fqn not in shard_dims]
+        placed = [r for r in members if r.fqn in shard_dims]
+        planned_groups = [group(on, m, None) for m in by_dtype(planned)]
+        for planned_group in planned_groups:  # [Note: the recorded block policy] (param.py)
+            for param in planned_group.params:
+                param.record_block_policy(user_block_policy)
+        groups += planned_groups
+        # [Note: placed groups]: the Shard(d)-placed parameters of a dtype share one group
+        groups += [group(on, m, [shard_dims[r.fqn] for r in m]) for m in by_dtype(placed)]
     state = FSDPState(modules, groups, reshard_after_forward=reshard, mp_policy=mp_policy)
     watch_replaced(state, originals)  # [Note: an optimizer built before fully_shard]
     results: list[FSDPModule] = []
     for target in modules:
         target.__dict__[STATE_ATTR] = state
         mark_fully_sharded(target)
+        register_torch_state(target, state)  # [Note: pipeline stages] (pipelining)
         cls = type(target)
         new_cls = _CLASS_CACHE.get(cls)
         if new_cls is None:

@@ -89,11 +89,16 @@ def lay_out_group(
     if subclassed and shard_dims is None:  # fully_shard places them: a caller's mistake
         raise AssertionError(f"subclass parameters {subclassed} must be in a placed group")
     if shard_dims is not None:
-        refused = [n for n, t, q in zip(names, tp_specs, selected, strict=True) if t or q]
+        refused = [
+            n
+            for n, t, q in zip(names, tp_specs, selected, strict=True)
+            if q or (t is not None and spmd is not None)
+        ]
         if refused:
             raise NotImplementedError(
                 f"fully_shard: shard_placement_fn placed {refused} on Shard(d); placements are "
-                "supported for plain (not tensor-parallel, not quantized-all-gather) parameters"
+                "supported for plain and tensor-parallel parameters (not with a quantized "
+                "all-gather, not on an SPMD mesh of dp_mesh_dims)"
             )
         placed = placed_layout(shapes, shard_dims, world, alignment(aligned))
         plan = placed.plan(f"Shard(d) parameters {names}")

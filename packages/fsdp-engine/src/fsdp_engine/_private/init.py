@@ -28,6 +28,7 @@ from fsdp_engine._private.api import (
     OffloadPolicy,
 )
 from fsdp_engine._private.param import ParamRef
+from fsdp_engine._private.param_meshes import split_placement
 from fsdp_engine._private.state import get_state
 from fsdp_engine._private.subclass import inner_tensors, is_subclass_tensor, plain_values
 from fsdp_engine._private.trace import warning_once
@@ -175,7 +176,7 @@ def with_placement_fn(
     shard_placement_fn: Callable[[nn.Parameter], Any] | None,
     refs: Sequence[ParamRef],
     world: int,
-) -> tuple[BlockPolicy | None, dict[str, int]]:
+) -> tuple[BlockPolicy | None, dict[str, int], dict[str, DeviceMesh]]:
     """FSDP2's ``shard_placement_fn`` in our terms: ``None`` keeps our planned layout;
     ``Shard(d)`` gives that parameter exactly FSDP2's placement and layout, in a group of its
     own (returned as ``{fqn: d}``; ``dim_shard`` [Note: Shard(d) groups]); for a tensor-parallel
@@ -185,51 +186,54 @@ def with_placement_fn(
     A user who names a placement gets it, as from FSDP2 (a drop-in keeps code that reads
     ``param.to_local()`` as dim-d chunks working); the price is FSDP2's: one collective per such
     parameter instead of one per call, and for d > 0 a copy out of the all-gather and into the
-    reduce-scatter. FSDP2's own errors come first (an invalid dim, an uneven dim > 0).
+    reduce-scatter. FSDP2's own errors come first (an invalid dim, an uneven dim > 0). A
+    ``ShardPlacementResult`` also puts the parameter on its mesh (returned as ``{fqn: mesh}``,
+    [Note: per-parameter meshes]).
     """
     if shard_placement_fn is None:
-        return block_policy, {}
+        return block_policy, {}, {}
     chosen: dict[int, int] = {}
     dims: dict[str, int] = {}
+    meshes: dict[str, DeviceMesh] = {}
     for ref in refs:
         param = ref.registered()
-        placement = shard_placement_fn(param)
+        placement, own_mesh = split_placement(shard_placement_fn(param), ref.fqn)
+        size = world
+        if own_mesh is not None:
+            meshes[ref.fqn] = own_mesh
+            size = own_mesh.size(own_mesh.ndim - 1)
         if placement is None:
             continue
         if not isinstance(placement, Shard):
             raise NotImplementedError(
                 f"shard_placement_fn returned {placement!r} for parameter {ref.fqn!r}: only "
-                "Shard(dim) or None (per-parameter meshes are not supported by fsdp_engine)"
+                "Shard(dim), None or a ShardPlacementResult"
             )
         dim = placement.dim + param.dim() if placement.dim < 0 else placement.dim
         if dim >= param.dim():
             raise AssertionError(
                 f"Shard dim {dim} is invalid for {param.dim()}D tensor: {tuple(param.shape)}"
             )
-        if dim > 0 and param.shape[dim] % world:
+        # a tensor-parallel parameter is split by its local shard, as FSDP2 splits it
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if dim > 0 and local.shape[dim] % size:
             raise NotImplementedError(
-                f"FSDP does not support uneven sharding on dim {dim}: {tuple(param.shape)} "
-                f"(world size: {world}) -- parameter {ref.fqn!r}"
+                f"FSDP does not support uneven sharding on dim {dim}: {tuple(local.shape)} "
+                f"(world size: {size}) -- parameter {ref.fqn!r}"
             )
         if dim > 0 or not isinstance(param, DTensor):
-            if isinstance(param, DTensor):
-                raise NotImplementedError(
-                    f"shard_placement_fn asked for Shard({placement.dim}) of the tensor-parallel "
-                    f"parameter {ref.fqn!r}: fsdp_engine shards DTensor parameters with "
-                    "RaggedShard on the data-parallel axis only; return None or Shard(0)"
-                )
-            dims[ref.fqn] = dim
+            dims[ref.fqn] = dim  # [Note: placed groups], tensor-parallel ones included
             continue
         chosen[id(param)] = max(1, param.numel() // param.shape[0]) if param.shape[0] else 1
     if not chosen:
-        return block_policy, dims
+        return block_policy, dims, meshes
 
     def policy(name: str, param: torch.Tensor) -> int:
         base = 1 if block_policy is None else operator.index(block_policy(name, param))
         row = chosen.get(id(param))
         return base if row is None else math.lcm(base, row)
 
-    return policy, dims
+    return policy, dims, meshes
 
 
 def with_subclass_placement(

@@ -17,6 +17,12 @@ makes one all-gather and one reduce-scatter for them:
   this order before the reduce-scatter: FSDP2's copy-out and copy-in (``chunk_cat``), for
   these parameters only. The copies are a constant number of kernels per parameter, whatever
   the world size.
+- A tensor-parallel parameter (a DTensor) is laid out by its local tensor, as FSDP2 does: the
+  data-parallel ranks split the tensor-parallel shard along dim ``d``. Its sharded DTensor is on
+  the data-parallel and tensor-parallel meshes together, with FSDP2's placements: ``Shard(d)``
+  on the shard axis, or ``_StridedShard(d, k)`` where tensor parallelism also cuts dim ``d``
+  into ``k`` parts (``placed_tp_dtensor``), and its gradient's local tensor is what the
+  reduce-scatter input takes in.
 - One parameter on ``Shard(0)`` alone is the exception: its chunks follow each other in the
   gathered buffer (``S = ceil(D / m) * R``, padding only at the end), which is the parameter in
   row-major order, so its unsharded parameter stays a view (zero-copy, like a planned group).
@@ -26,13 +32,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from fsdp_engine._private import compat, compat_fsdp2
 from shard_planner import Plan
 
-__all__ = ["PlacedLayout", "placed_layout"]
+if TYPE_CHECKING:
+    from fsdp_engine._private.param import TPSpec
+
+__all__ = ["PlacedLayout", "placed_layout", "placed_tp_dtensor"]
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -112,6 +125,8 @@ class PlacedLayout:
     ) -> None:
         """Parameter ``i``'s full gradient into the zeroed reduce-scatter input ``flat`` (added
         to what is there with ``accumulate``; cast to ``flat``'s dtype)."""
+        if isinstance(grad, DTensor):  # tensor parallel: its local tensor is what we laid out
+            grad = compat.local_tensor(grad)
         pre, c, post = self._split(i)
         dst = self._gathered(flat, i)
         if self.dims[i] == 0:
@@ -177,4 +192,25 @@ def placed_layout(
         cursor = _round_up(cursor + chunk, align)
     return PlacedLayout(
         world, tuple(shapes), tuple(dims), tuple(chunks), tuple(offsets), max(align, cursor)
+    )
+
+
+def placed_tp_dtensor(local: torch.Tensor, dp_mesh: DeviceMesh, dim: int, tp: TPSpec) -> DTensor:
+    """The sharded DTensor of a tensor-parallel parameter placed on ``Shard(dim)`` (module
+    Note): on the data-parallel and tensor-parallel meshes, FSDP2's placements (``Replicate``
+    on HSDP's replicate axis)."""
+    split = math.prod(
+        tp.mesh.size(axis)
+        for axis, placement in enumerate(tp.placements)
+        if compat_fsdp2.is_shard_like(placement, dim)
+    )
+    shard: Placement = compat_fsdp2.strided_shard(dim, split) if split > 1 else Shard(dim)
+    dp = [*(Replicate() for _ in range(dp_mesh.ndim - 1)), shard]
+    return DTensor.from_local(
+        local,
+        tp.spmd_mesh,
+        tp.sharded_placements(dp),
+        run_check=False,
+        shape=tp.shape,
+        stride=tp.stride,
     )

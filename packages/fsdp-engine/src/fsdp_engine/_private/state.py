@@ -55,6 +55,7 @@ from fsdp_engine._private.iteration import (
     iteration_event,
 )
 from fsdp_engine._private.param_group import ParamGroup, ShardedState
+from fsdp_engine._private.pipelining import PipelineStageNames
 from fsdp_engine._private.presence import resolve_presence
 from fsdp_engine._private.root_init import init_root
 from fsdp_engine._private.runtime_checks import check_finite_gradients, check_microbatch_agreement
@@ -84,7 +85,7 @@ class StateConfig:
     backward_prefetch: tuple[FSDPState, ...] | None = None
 
 
-class FSDPState:
+class FSDPState(PipelineStageNames):
     """What ``fully_shard`` attaches to a module (``module._fsdp_engine_state``)."""
 
     def __init__(

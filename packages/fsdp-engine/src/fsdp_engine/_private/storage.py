@@ -44,7 +44,7 @@ from dbuffer import DBuffer
 from fsdp_engine._private import compat
 from fsdp_engine._private.api import MixedPrecisionPolicy
 from fsdp_engine._private.param import TPSpec
-from fsdp_engine._private.placed import PlacedLayout
+from fsdp_engine._private.placed import PlacedLayout, placed_tp_dtensor
 from ragged_dtensor import from_local as ragged_from_local
 from shard_planner import Plan
 
@@ -186,6 +186,10 @@ class ShardStorage:
 
     def _dtensor(self, i: int, local: torch.Tensor) -> DTensor:
         tp = self.tp_specs[i]
+        if self.placed is not None and tp is not None:  # [Note: placed groups]
+            return placed_tp_dtensor(
+                local.view(self.local_shape(i)), self.mesh, self.placed.dims[i], tp
+            )
         if self.placed is not None:
             shape = self.shapes[i]
             return DTensor.from_local(
