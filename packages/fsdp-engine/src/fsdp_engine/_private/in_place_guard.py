@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 __all__ = ["GuardedParameter", "bump_version", "consume_data_reads", "unsharded_parameter"]
 
@@ -54,10 +53,13 @@ class GuardedParameter(nn.Parameter):
 
 def unsharded_parameter(value: torch.Tensor, requires_grad: bool, guarded: bool) -> nn.Parameter:
     """The unsharded parameter over ``value`` (a view of the all-gathered buffer): a version
-    counter of its own for a plain tensor (a DTensor from ``from_local`` has one already), a
-    ``GuardedParameter`` when ``guarded``."""
+    counter of its own for a plain tensor (a DTensor from ``from_local`` has one already; a
+    tensor subclass is wrapped as it is), a ``GuardedParameter`` when ``guarded``."""
     cls: Any = GuardedParameter if guarded else nn.Parameter
-    if isinstance(value, DTensor):
+    if type(value) is not torch.Tensor:
+        # A DTensor from ``from_local`` has a counter of its own already; a tensor subclass
+        # (an extension's all-gather output, e.g. a TwoTensor) is wrapped as it is: its values
+        # live in its inner tensors, which ``.data`` of a plain parameter cannot hold.
         param: nn.Parameter = cls(value, requires_grad=requires_grad)
         return param
     param = cls(torch.empty(0, dtype=value.dtype, device=value.device), requires_grad=requires_grad)
