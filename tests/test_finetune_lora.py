@@ -10,12 +10,12 @@ Comparisons ([Note: comparisons of the trainer tests] in ``trainer_workers.py``)
 - without gradient clipping, the same arithmetic (with accelerate's bf16 autocast and the
   plugin's ``MixedPrecisionPolicy(param_dtype=bf16)`` too): every loss of every rank, and
   every value of the adapter ``save_pretrained`` writes, is bitwise FSDP2's;
-- with the Trainer's clipping (``max_grad_norm=0.01``: the adapters' gradient norms
-  are below the default 1.0, which would clip nothing) the gradient norm is a sum of
-  squares over our shards, in another order than FSDP2's: ``steps * sqrt(P) * eps32`` relative
-  on each loss (P: the adapters' elements, the only ones with gradients); the saved adapter's
-  tensors then have FSDP2's names, shapes and dtypes, and values within that relative
-  tolerance of the largest FSDP2 value.
+- with the Trainer's clipping (``max_grad_norm=0.01``: with the default 1.0 the losses were the
+  unclipped run's, bit for bit: the adapters' gradient norm stayed below it) the gradient norm
+  is a sum of squares over our shards, in another order than FSDP2's: ``steps * sqrt(P) *
+  eps32`` relative on each loss (P: the adapters' elements, the only ones with gradients); the
+  saved adapter's tensors then have FSDP2's names, shapes and dtypes, and values within that
+  relative tolerance of the largest FSDP2 value.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ CASES: dict[str, dict[str, Any]] = {
         "stack": "trainer",
         "steps": STEPS,
         "accumulation": 2,
-        "max_grad_norm": 0.01,  # below the adapters' gradient norms: every step clips
+        "max_grad_norm": 0.01,  # the default 1.0 clipped nothing here (losses = unclipped)
     },
 }
 BITWISE = ("accelerate", "accelerate-accumulation", "accelerate-bf16", "trainer")
