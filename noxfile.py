@@ -416,8 +416,10 @@ def finetune(session: nox.Session) -> None:
     adds torchao (a 3.4 MB wheel, ~5 s to install, but ~13 s to import on the 2-core machine).
     LoRA with PEFT on a small transformers LLaMA through accelerate's FSDP2 plugin and
     transformers' Trainer, switched to fsdp_engine, loss for loss and the saved adapter
-    (tests/test_finetune_lora.py, helpers in tests/lora_workers.py; ~90 s on 2 loaded cores,
-    plus the transformers/accelerate/PEFT install: over the CI budget with the rest)."""
+    (tests/test_finetune_lora.py, helpers in tests/lora_workers.py). Measured on the 2-core
+    machine at load 20-30: test_finetune_lora.py 170 s (14 tests, one 2-process launch for the
+    10 runs plus the example under torchrun), test_finetune_qlora.py 44-53 s; with the
+    transformers/accelerate/PEFT/torchao install, too much for the CI's 15 minutes."""
     _install_torch(session)
     extras = ",".join(FINETUNE_EXTRAS)
     _install_local(
