@@ -35,7 +35,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from fsdp_engine._private import compat
 from fsdp_engine._private.subclass import SubclassWrap, plain_values
-from ragged_dtensor import RaggedShard
+from ragged_dtensor import RaggedShard, own_storage_view
 
 if TYPE_CHECKING:
     from fsdp_engine._private.spmd import SpmdMesh
@@ -170,7 +170,9 @@ class FSDPParam:
             setattr(self.sharded, "block_policy", policy)  # noqa: B010 - not an nn.Parameter field
 
     def _local(self, plain: torch.Tensor) -> torch.Tensor:
-        """The local tensor over ``plain`` (our storage): the subclass wrapped around it."""
+        """The local tensor over ``plain`` (our storage), over storage of its own ([Note:
+        DTensors over views] in compat): the subclass wrapped around it."""
+        plain = own_storage_view(plain)
         return plain if self.wrap is None else self.wrap.wrap(plain)
 
     def _dtensor(self, plain: torch.Tensor) -> DTensor:
@@ -299,10 +301,7 @@ class FSDPParam:
 
 
 def _starts_at(tensor: torch.Tensor, local: torch.Tensor) -> bool:
-    return bool(
-        tensor.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
-        and tensor.storage_offset() == local.storage_offset()
-    )
+    return compat.starts_at(tensor, local)
 
 
 def applied_values(params: Sequence[FSDPParam]) -> list[DTensor]:
