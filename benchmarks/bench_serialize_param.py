@@ -12,6 +12,9 @@ group: its shard on this rank is ``--blocks`` x (Linear(d, d) + LayerNorm(d)) / 
   the storages the copy holds (its local tensor and its gradient's; deterministic);
 - the rank's ``elements`` of the parameter (ours places whole tensors on a rank where FSDP2
   splits each in ``Shard(0)``: one rank's bytes differ by layout, their sum over ranks does not);
+- whole-state-dict saves must keep their speed: ``torch.save(model.state_dict())`` (into
+  memory), ``dcp.save`` and DCP's stager copy (``_create_cpu_state_dict`` + ``_copy_state_dict``),
+  median of ``--repeats`` (rank 0's clock between barriers);
 - twelve ``copy.deepcopy`` of single parameters (LayerNorm weights and biases, Linear weights and
   biases, round robin) kept alive: the process's resident-memory growth (``/proc/self/statm``,
   malloc's mmap threshold pinned so that freed memory is not reused silently), and the
@@ -36,8 +39,11 @@ import io
 import json
 import os
 import pickle
+import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from typing import Any
 
 import torch
@@ -111,7 +117,9 @@ def _objects(param: DTensor) -> dict[str, torch.Tensor]:
         }
 
 
-def _body(rank: int, world: int, engine: str, blocks: int, dim: int) -> dict[str, Any]:
+def _body(
+    rank: int, world: int, engine: str, blocks: int, dim: int, root: str, repeats: int
+) -> dict[str, Any]:
     if engine == "ours":
         from fsdp_engine import fully_shard
     else:
@@ -162,13 +170,52 @@ def _body(rank: int, world: int, engine: str, blocks: int, dim: int) -> dict[str
                 lambda p=param: _storages(copy.deepcopy(p))
             )
         dist.barrier()
+    out["saves"] = _save_times(model, rank, engine, root, repeats)
     return out
 
 
-def _one(engine: str, world: int, blocks: int, dim: int) -> dict[str, Any]:
+def _save_times(model: nn.Module, rank: int, engine: str, root: str, repeats: int) -> dict[str, Any]:
+    """Median seconds (rank 0's clock, between barriers) of whole-state-dict saves: they must
+    keep their speed (a state dict's tensors, views of one storage or not)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+    def whole_torch_save() -> int:
+        return _saved(model.state_dict())
+
+    def dcp_save() -> int:
+        dcp.save(model.state_dict(), checkpoint_id=f"{root}/{engine}-{time.monotonic_ns()}")
+        return 0
+
+    def staged_copy() -> int:
+        sd = model.state_dict()
+        _copy_state_dict(sd, _create_cpu_state_dict(sd))
+        return 0
+
+    out: dict[str, Any] = {}
+    for name, fn in (("torch.save(state_dict())", whole_torch_save), ("dcp.save", dcp_save),
+                     ("_copy_state_dict (DCP's stager)", staged_copy)):
+        times, written = [], 0
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            written = fn()
+            dist.barrier()
+            times.append(time.perf_counter() - start)
+        out[name] = {"median s": statistics.median(times), "bytes": written}
+    return out
+
+
+def _one(engine: str, world: int, blocks: int, dim: int, repeats: int) -> dict[str, Any]:
     """Every figure summed over the ranks (each rank saves / copies its own share), and rank
-    0's alone; an error on any rank is the figure."""
-    ranks: list[dict[str, Any]] = run_threaded(_body, world, engine, blocks, dim, timeout=600)
+    0's alone; an error on any rank is the figure. Save times: rank 0's clock."""
+    with tempfile.TemporaryDirectory() as root:
+        ranks: list[dict[str, Any]] = run_threaded(
+            _body, world, engine, blocks, dim, root, repeats, timeout=900
+        )
+    saves = ranks[0].pop("saves")
+    for r in ranks[1:]:
+        r.pop("saves")
 
     def total(path: tuple[str, str]) -> int | str:
         values = [r[path[0]][path[1]] for r in ranks]
@@ -180,6 +227,7 @@ def _one(engine: str, world: int, blocks: int, dim: int) -> dict[str, Any]:
             group: {key: total((group, key)) for key in ranks[0][group]} for group in ranks[0]
         },
         "rank 0": ranks[0],
+        "saves": saves,
     }
 
 
@@ -219,6 +267,12 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
             f"| 12 `deepcopy`s: {name} | {ours['12 deepcopies'][key] / mib:.1f} MiB | "
             f"{fsdp2['12 deepcopies'][key] / mib:.1f} MiB |"
         )
+    lines += ["", "| whole state dict, median of saves (rank 0) | ours | FSDP2 |", "|---|---|---|"]
+    for name in results["ours"]["saves"]:
+        a, b = results["ours"]["saves"][name], results["fsdp2"]["saves"][name]
+        size = f" ({a['bytes']:,} / {b['bytes']:,} bytes)" if a["bytes"] else ""
+        lines.append(f"| `{name}`{size} | {a['median s'] * 1e3:.1f} ms | "
+                     f"{b['median s'] * 1e3:.1f} ms |")
     return "\n".join(lines)
 
 
@@ -228,16 +282,17 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--blocks", type=int, default=12)
     parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5, help="timed whole-state-dict saves")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     if args.engine:
-        print(json.dumps(_one(args.engine, args.world, args.blocks, args.dim)))
+        print(json.dumps(_one(args.engine, args.world, args.blocks, args.dim, args.repeats)))
         return
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1")
     results = {}
     for engine in ENGINES:
         cmd = [sys.executable, __file__, "--engine", engine, "--world", str(args.world),
-               "--blocks", str(args.blocks), "--dim", str(args.dim)]
+               "--blocks", str(args.blocks), "--dim", str(args.dim), "--repeats", str(args.repeats)]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if done.returncode != 0:
             raise SystemExit(f"{engine} failed:\n{done.stderr[-4000:]}")
