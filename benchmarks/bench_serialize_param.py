@@ -174,7 +174,9 @@ def _body(
     return out
 
 
-def _save_times(model: nn.Module, rank: int, engine: str, root: str, repeats: int) -> dict[str, Any]:
+def _save_times(
+    model: nn.Module, rank: int, engine: str, root: str, repeats: int
+) -> dict[str, Any]:
     """Median seconds (rank 0's clock, between barriers) of whole-state-dict saves: they must
     keep their speed (a state dict's tensors, views of one storage or not)."""
     import torch.distributed.checkpoint as dcp
@@ -193,8 +195,11 @@ def _save_times(model: nn.Module, rank: int, engine: str, root: str, repeats: in
         return 0
 
     out: dict[str, Any] = {}
-    for name, fn in (("torch.save(state_dict())", whole_torch_save), ("dcp.save", dcp_save),
-                     ("_copy_state_dict (DCP's stager)", staged_copy)):
+    for name, fn in (
+        ("torch.save(state_dict())", whole_torch_save),
+        ("dcp.save", dcp_save),
+        ("_copy_state_dict (DCP's stager)", staged_copy),
+    ):
         times, written = [], 0
         for _ in range(repeats):
             dist.barrier()
@@ -240,8 +245,11 @@ def _ratio(a: int | str, b: int | str) -> str:
 
 
 def _table(results: dict[str, dict[str, Any]]) -> str:
-    lines = ["| parameter | object | ours torch.save | FSDP2 torch.save | ratio | ours pickle "
-             "| FSDP2 pickle | ratio |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| parameter | object | ours torch.save | FSDP2 torch.save | ratio | ours pickle "
+        "| FSDP2 pickle | ratio |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     ours, fsdp2 = results["ours"]["sum over ranks"], results["fsdp2"]["sum over ranks"]
     for label in ("LayerNorm weight", "Linear weight"):
         for what in OBJECTS:
@@ -255,8 +263,10 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
     lines.append("| copy | ours | FSDP2 |")
     lines.append("|---|---|---|")
     for label in ("LayerNorm weight", "Linear weight"):
-        for key, when in (("deepcopy storage bytes", "before backward"),
-                          ("deepcopy with .grad storage bytes", "with its .grad")):
+        for key, when in (
+            ("deepcopy storage bytes", "before backward"),
+            ("deepcopy with .grad storage bytes", "with its .grad"),
+        ):
             lines.append(
                 f"| `deepcopy` {label} ({when}): storage bytes | {_n(ours[label][key])} "
                 f"| {_n(fsdp2[label][key])} |"
@@ -271,8 +281,9 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
     for name in results["ours"]["saves"]:
         a, b = results["ours"]["saves"][name], results["fsdp2"]["saves"][name]
         size = f" ({a['bytes']:,} / {b['bytes']:,} bytes)" if a["bytes"] else ""
-        lines.append(f"| `{name}`{size} | {a['median s'] * 1e3:.1f} ms | "
-                     f"{b['median s'] * 1e3:.1f} ms |")
+        lines.append(
+            f"| `{name}`{size} | {a['median s'] * 1e3:.1f} ms | {b['median s'] * 1e3:.1f} ms |"
+        )
     return "\n".join(lines)
 
 
@@ -291,20 +302,39 @@ def main() -> None:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", OMP_NUM_THREADS="1")
     results = {}
     for engine in ENGINES:
-        cmd = [sys.executable, __file__, "--engine", engine, "--world", str(args.world),
-               "--blocks", str(args.blocks), "--dim", str(args.dim), "--repeats", str(args.repeats)]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        cmd = [
+            sys.executable,
+            __file__,
+            "--engine",
+            engine,
+            "--world",
+            str(args.world),
+            "--blocks",
+            str(args.blocks),
+            "--dim",
+            str(args.dim),
+            "--repeats",
+            str(args.repeats),
+        ]
+        done = subprocess.run(
+            cmd, check=False, env=env, capture_output=True, text=True, timeout=900
+        )
         if done.returncode != 0:
             raise SystemExit(f"{engine} failed:\n{done.stderr[-4000:]}")
         results[engine] = json.loads(done.stdout.strip().splitlines()[-1])
     shard = args.blocks * (args.dim * args.dim + 3 * args.dim) * 4 // args.world
-    print(f"world {args.world}, one group, its shard on each rank about {shard:,} bytes; "
-          "figures summed over the ranks\n")
+    print(
+        f"world {args.world}, one group, its shard on each rank about {shard:,} bytes; "
+        "figures summed over the ranks\n"
+    )
     print(_table(results))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"world": args.world, "blocks": args.blocks, "dim": args.dim,
-                       "results": results}, f, indent=1)
+            json.dump(
+                {"world": args.world, "blocks": args.blocks, "dim": args.dim, "results": results},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

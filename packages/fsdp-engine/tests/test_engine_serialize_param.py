@@ -142,7 +142,9 @@ def test_saving_pickling_and_copying_one_parameter_write_its_own_elements_like_f
             if key.endswith("deepcopy with .grad"):
                 control = 2 * fsdp2[key.replace(" with .grad", "")]
             else:
-                control = fsdp2[key.replace(".grad.to_local()", "to_local()").replace(".grad", "param")]
+                control = fsdp2[
+                    key.replace(".grad.to_local()", "to_local()").replace(".grad", "param")
+                ]
         assert isinstance(control, int), (key, control)
         assert value <= 2 * control, (key, value, control)
 

@@ -35,7 +35,6 @@ from fsdp_engine._private.storage import ShardStorage, is_view_of
 __all__ = ["ShardedGrads"]
 
 
-
 class _Keeper:
     """A gradient storage's ``DBuffer``, held while any ``.grad`` DTensor made over it lives
     (module Note)."""

@@ -44,6 +44,14 @@ from torch.multiprocessing.reductions import StorageWeakRef
 __all__ = ["own_storage_view", "storage_base"]
 
 
+def _weak(storage: torch.UntypedStorage) -> StorageWeakRef:
+    return StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+
+
+def _expired(ref: StorageWeakRef) -> bool:
+    return bool(ref.expired())  # type: ignore[no-untyped-call]
+
+
 @attrs.frozen(eq=False)
 class _Cut:
     """A slice storage we made: weak references to it and to its parent, the byte offset."""
@@ -62,7 +70,7 @@ _PRUNE_AT = [256]
 
 def _prune() -> None:
     with _LOCK:
-        for key in [k for k, cut in _CUTS.items() if cut.slice_ref.expired()]:
+        for key in [k for k, cut in _CUTS.items() if _expired(cut.slice_ref)]:
             del _CUTS[key]
         _PRUNE_AT[0] = max(256, 2 * len(_CUTS))
 
@@ -81,7 +89,7 @@ def storage_base(tensor: torch.Tensor) -> tuple[torch.UntypedStorage, int]:
     the returned storage."""
     storage = tensor.untyped_storage()
     cut = _CUTS.get(storage._cdata)
-    if cut is None or cut.slice_ref.expired():
+    if cut is None or _expired(cut.slice_ref):
         return storage, 0
     # the slice holds its parent (its deleter's context), so the parent is alive
     parent = torch.UntypedStorage._new_with_weak_ptr(cut.parent_ref.cdata)
@@ -108,7 +116,7 @@ def own_storage_view(view: torch.Tensor) -> torch.Tensor:
     piece = parent[base + start : base + stop]
     out = view.new_empty(0).set_(piece, 0, view.shape, view.stride())
     with _LOCK:
-        _CUTS[piece._cdata] = _Cut(StorageWeakRef(piece), StorageWeakRef(parent), base + start)
+        _CUTS[piece._cdata] = _Cut(_weak(piece), _weak(parent), base + start)
     if len(_CUTS) > _PRUNE_AT[0]:
         _prune()
     return out
