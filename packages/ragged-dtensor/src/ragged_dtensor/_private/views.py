@@ -36,8 +36,8 @@ What this gives up, and how it is met:
 from __future__ import annotations
 
 import threading
+from typing import Any
 
-import attrs
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -52,16 +52,13 @@ def _expired(ref: StorageWeakRef) -> bool:
     return bool(ref.expired())  # type: ignore[no-untyped-call]
 
 
-@attrs.frozen(eq=False)
-class _Cut:
-    """A slice storage we made: weak references to it and to its parent, the byte offset."""
-
-    slice_ref: StorageWeakRef
-    parent_ref: StorageWeakRef
-    offset: int
+# a slice storage we made: weak references to it and to its parent, the byte offset (a tuple:
+# one is made per gradient per step)
+_Cut = tuple[StorageWeakRef, StorageWeakRef, int]
 
 
 _LOCK = threading.Lock()
+_SLICE: Any = getattr(torch._C.StorageBase, "__getitem__")  # noqa: B009 - untyped C slot
 # keyed by the slice's StorageImpl address; a live entry's weak reference keeps the address from
 # being reused (intrusive_ptr frees the object only when the weak count is zero too)
 _CUTS: dict[int, _Cut] = {}
@@ -70,13 +67,15 @@ _PRUNE_AT = [256]
 
 def _prune() -> None:
     with _LOCK:
-        for key in [k for k, cut in _CUTS.items() if _expired(cut.slice_ref)]:
+        for key in [k for k, cut in _CUTS.items() if _expired(cut[0])]:
             del _CUTS[key]
         _PRUNE_AT[0] = max(256, 2 * len(_CUTS))
 
 
 def _byte_extent(tensor: torch.Tensor) -> int:
     """Bytes from the tensor's first element to past its last (it has elements)."""
+    if tensor.is_contiguous():
+        return tensor.numel() * tensor.element_size()
     last = sum((int(n) - 1) * int(s) for n, s in zip(tensor.shape, tensor.stride(), strict=True))
     return (last + 1) * tensor.element_size()
 
@@ -89,11 +88,11 @@ def storage_base(tensor: torch.Tensor) -> tuple[torch.UntypedStorage, int]:
     the returned storage."""
     storage = tensor.untyped_storage()
     cut = _CUTS.get(storage._cdata)
-    if cut is None or _expired(cut.slice_ref):
+    if cut is None or _expired(cut[0]):
         return storage, 0
     # the slice holds its parent (its deleter's context), so the parent is alive
-    parent = torch.UntypedStorage._new_with_weak_ptr(cut.parent_ref.cdata)
-    return parent, cut.offset
+    parent = torch.UntypedStorage._new_with_weak_ptr(cut[1].cdata)
+    return parent, cut[2]
 
 
 def own_storage_view(view: torch.Tensor) -> torch.Tensor:
@@ -113,10 +112,11 @@ def own_storage_view(view: torch.Tensor) -> torch.Tensor:
     if start == 0 and stop == storage.nbytes():
         return view
     parent, base = storage_base(view)
-    piece = parent[base + start : base + stop]
-    out = view.new_empty(0).set_(piece, 0, view.shape, view.stride())
+    # torch's C slice (UntypedStorage.__getitem__ adds only a meta check, done above)
+    piece = _SLICE(parent, slice(base + start, base + stop))
+    out = view.new().set_(piece, 0, view.shape, view.stride())
     with _LOCK:
-        _CUTS[piece._cdata] = _Cut(_weak(piece), _weak(parent), base + start)
+        _CUTS[piece._cdata] = (_weak(piece), _weak(parent), base + start)
     if len(_CUTS) > _PRUNE_AT[0]:
         _prune()
     return out
