@@ -217,3 +217,39 @@ def test_dtensors_that_are_not_ours_behave_as_torch_makes_them_after_ours_exist(
         # torch's own limit for a DTensor over an offset view is kept as torch has it
         assert result["plain data_ptr"] == str(8 * 4), result
         assert "invalid python storage" in result["plain torch.save"], result
+
+
+# -- the gradient storage's lifetime without an attribute on .grad --------------------------------
+def _gradient_storage_lifetime(rank: int, world: int) -> dict[str, Any]:
+    import weakref
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _model()
+    _fully_shard("ours")(model, mesh=mesh)
+    grads = model.__dict__["_fsdp_engine_state"].group.reducer.grads
+    out: dict[str, Any] = {}
+    for step in range(2):
+        model(torch.randn(4, 32)).sum().backward()
+        buffer = weakref.ref(grads.buffer)
+        params = list(model.parameters())
+        out[f"step {step}: attributes on .grad"] = sorted(
+            k for p in params for k in vars(p.grad) if not k.startswith("__")
+        )
+        kept = params[3].grad  # one .grad the user keeps holds the storage
+        model.zero_grad(set_to_none=True)
+        out[f"step {step}: held by one .grad"] = buffer() is not None
+        del kept
+        out[f"step {step}: freed with the last .grad"] = buffer() is None
+    return out
+
+
+def test_the_gradient_storage_lives_exactly_as_long_as_a_grad_and_nothing_is_attached_to_it() -> (
+    None
+):
+    """[Note: gradient storage lifetimes] in grads.py, with the link kept off the ``.grad``
+    (a pickled or copied ``.grad`` carried the storage's DBuffer before)."""
+    for result in run_threaded(_gradient_storage_lifetime, 2, timeout=120):
+        for step in range(2):
+            assert result[f"step {step}: attributes on .grad"] == [], result
+            assert result[f"step {step}: held by one .grad"] is True, result
+            assert result[f"step {step}: freed with the last .grad"] is True, result
