@@ -42,6 +42,7 @@ from ragged_dtensor._private.geometry import FlatRange, flat_range_to_boxes
 from ragged_dtensor._private.ops import RaggedOpError
 from ragged_dtensor._private.placement import RaggedShard
 from ragged_dtensor._private.redistribute import RedistributeStep, StepKind, plan_redistribute
+from ragged_dtensor._private.views import own_storage_view, storage_base
 
 try:
     __version__ = version("ragged-dtensor")
@@ -80,5 +81,8 @@ __all__ = [
     "CollectiveMismatchError",
     "collective_checks",
     "collective_checks_enabled",
+    # local shards over storage of their own (serialize and copy as their own elements)
+    "own_storage_view",
+    "storage_base",
     "__version__",
 ]

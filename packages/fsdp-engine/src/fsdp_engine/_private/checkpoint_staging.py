@@ -22,6 +22,8 @@ import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
+from ragged_dtensor import own_storage_view, storage_base
+
 __all__ = ["StagedStateDict", "stage_state_dict"]
 
 _ALIGN = 64  # bytes: a span starts aligned for any dtype the storage is viewed in
@@ -59,15 +61,17 @@ def _leaves(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
-    """``[start, stop)`` bytes of the tensor's storage it covers (it has elements)."""
+    """``[start, stop)`` bytes of the tensor's base storage it covers (it has elements): the
+    storage its own was cut from, for a parameter's or a gradient's local tensor (ragged_dtensor's
+    ``storage_base``), so a group's tensors are still copied as one span."""
     size = tensor.element_size()
     extent = 1 + sum((int(n) - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
-    start = int(tensor.storage_offset()) * size
+    start = storage_base(tensor)[1] + int(tensor.storage_offset()) * size
     return start, start + extent * size
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    return str(tensor.device), tensor.untyped_storage().data_ptr()
+    return str(tensor.device), storage_base(tensor)[0].data_ptr()
 
 
 class _Stager:
@@ -93,7 +97,7 @@ class _Stager:
             begin = start - start % _ALIGN
             pinned = source.device.type != "cpu"
             raw = torch.empty(0, dtype=torch.uint8, device=source.device)
-            raw.set_(source.untyped_storage(), begin, (stop - begin,), (1,))
+            raw.set_(storage_base(source)[0], begin, (stop - begin,), (1,))
             host = torch.empty(stop - begin, dtype=torch.uint8, pin_memory=pinned)
             host.copy_(raw, non_blocking=pinned)
             self._copies[key] = (begin, host)
@@ -119,7 +123,9 @@ class _Stager:
 
     def value(self, value: Any) -> Any:
         if isinstance(value, DTensor):
-            local = self.tensor(value._local_tensor)
+            # over storage of its own, at offset 0: saved and copied as its own elements, its
+            # wrapper's data_ptr() 0 ([Note: a DTensor's data_ptr] in ragged_dtensor's compat)
+            local = own_storage_view(self.tensor(value._local_tensor))
             return DTensor(local, value._spec, requires_grad=False)  # type: ignore[no-untyped-call]
         if isinstance(value, torch.Tensor):
             return self.tensor(value)

@@ -273,12 +273,9 @@ class ShardStorage:
 
 
 def is_view_of(tensor: torch.Tensor, local: torch.Tensor) -> bool:
-    """Whether ``tensor`` (or its local tensor) starts where ``local`` does in one storage."""
+    """Whether ``tensor`` (or its local tensor) starts where ``local`` does, in the same memory."""
     inner = compat.local_tensor(tensor) if isinstance(tensor, DTensor) else tensor
-    return bool(
-        inner.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
-        and inner.storage_offset() == local.storage_offset()
-    )
+    return compat.starts_at(inner, local)
 
 
 def gap_index(spans: Sequence[tuple[int, int]], total: int, device: torch.device) -> torch.Tensor:

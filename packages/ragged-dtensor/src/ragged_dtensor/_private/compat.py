@@ -28,24 +28,19 @@ wrapped, each delegating to torch's own function unless a RaggedShard is involve
    ``__get_tensor_shard__``): a ragged share is written as the few boxes its flat range covers
    (checkpoint.py). See [Note: why the checkpoint protocol stays on the class].
 
-5. ``distribute_tensor``'s code object ([Note: a DTensor's data_ptr]
-A flat-buffer FSDP's sharded parameters are DTensors whose local tensors are views of one storage
-at offsets. torch 2.13 builds a DTensor's wrapper with its local tensor's ``storage_offset`` over
-a null storage, so ``data_ptr()`` of such a DTensor is ``offset * itemsize``, never an address,
-and torch's Python code reads ``!= 0`` as "copy this tensor's storage" where it reads ``0`` as
-"a wrapper subclass: copy through it": ``Tensor.__deepcopy__`` (``copy.deepcopy`` of a state
-dict), ``Tensor.__reduce_ex__`` (``torch.save``) and DCP's state-dict stager (``dcp.async_save``,
-``DefaultStager``, ``_copy_state_dict``) then fail ("invalid python storage"), for a
-RaggedShard as for a Shard(0) over such a view. DTensors over storage from offset 0 (FSDP2's)
-report 0 already, so the integration makes every DTensor report 0: a DTensor's data is its local
-tensor's, whose ``data_ptr()`` is unchanged.
-
-[Note: distribute_tensor's code]): torch's own function
+5. ``distribute_tensor``'s code object ([Note: distribute_tensor's code]): torch's own function
    cuts a RaggedShard share from the (source rank's) full tensor. No extension point: a placement
    that is not Shard/Replicate/Partial raises "unsupported placements".
 
-6. ``DTensor.data_ptr`` ([Note: a DTensor's data_ptr]): 0, as every DTensor over storage of its
-   own reports. No extension point: torch's copying code tests it.
+[Note: a DTensor's data_ptr]
+torch builds a DTensor's wrapper with its local tensor's ``storage_offset`` over a null storage,
+so a DTensor over a view that starts at an offset reports ``data_ptr() == offset * itemsize``,
+and torch's copying code (``Tensor.__deepcopy__``, ``Tensor.__reduce_ex__``, DCP's stager) reads
+a non-zero value as "copy this tensor's storage" and fails ("invalid python storage"). Earlier
+versions made every DTensor report 0 (``DTensor.data_ptr`` patched process-wide, FSDP2's and
+everybody's). Nothing is patched now: a flat-buffer FSDP hands out local tensors over storage of
+their own (``own_storage_view``, [Note: views over storage of their own] in views.py), at offset
+0, so its DTensors report 0 as FSDP2's do, and every other DTensor behaves as torch makes it.
 
 ``DTensor.from_local`` is *not* patched: ``ragged_dtensor.from_local`` checks a ragged share;
 torch's builds the DTensor unchecked when given ``shape=`` and ``stride=``.
@@ -498,23 +493,6 @@ def _distribute_trampoline(  # type: ignore[no-untyped-def]
     )
 
 
-def _dtensor_data_ptr(self: DTensor) -> int:
-    """0: a DTensor owns no storage; its data is its local tensor's ([Note: a DTensor's
-    data_ptr])."""
-    return 0
-
-
-def _data_ptr_change() -> _Change:
-    where = "torch.distributed.tensor.DTensor.data_ptr"
-    found = vars(DTensor).get("data_ptr")
-    if found is not None:
-        raise DTensorIntegrationError(
-            f"ragged_dtensor: {where} is defined on DTensor ({_describe(found)}); torch 2.13's "
-            f"DTensor inherits torch.Tensor's. {_REFUSING}"
-        )
-    return _Change(DTensor, "data_ptr", where, False, None, _dtensor_data_ptr)
-
-
 def _distribute_changes() -> list[Any]:
     where = "torch.distributed.tensor.distribute_tensor"
     if vars(dtensor_api).get("distribute_tensor") is not _TORCH_DISTRIBUTE:
@@ -654,7 +632,6 @@ def _plan() -> tuple[_Originals, list[Any]]:
             )
         )
     changes.extend(_distribute_changes())
-    changes.append(_data_ptr_change())
     originals = _Originals(
         redistribute=redistribute,
         propagate=types.MethodType(propagate, propagator),
@@ -765,7 +742,6 @@ def hooks_installed() -> dict[str, bool]:
         "random": ("_dispatch_get_local_results_slow_path",),
         "checkpoint": tuple(_CHECKPOINT_METHODS),
         "distribute_tensor": (_IMPL_NAME,),
-        "data_ptr": ("data_ptr",),
     }
     with _LOCK:
         names = {c.name for c in _CHANGES if c.still_ours()}
