@@ -93,9 +93,7 @@ def _load(
     if optimizer_first and not options.broadcast_from_rank0:
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         with LiveBytes() as live:
-            set_state_dict(
-                model, opt, model_state_dict=msd, optim_state_dict=osd, options=options
-            )
+            set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=options)
         peaks["model+optimizer"] = int(live.peak)
         return opt, peaks
     opt = torch.optim.AdamW(model.parameters(), lr=LR) if optimizer_first else None

@@ -81,9 +81,7 @@ def _overhead(result: dict[str, Any]) -> int:
     return max(result["peaks"].values()) - held
 
 
-@pytest.mark.parametrize(
-    "index", [i for i, c in enumerate(_FSDP_CASES) if c["init"] == "to_empty"]
-)
+@pytest.mark.parametrize("index", [i for i, c in enumerate(_FSDP_CASES) if c["init"] == "to_empty"])
 def test_loading_after_to_empty_needs_no_more_memory_than_fsdp2(
     fsdp_runs: list[tuple[list[Any], list[Any]]], index: int
 ) -> None:

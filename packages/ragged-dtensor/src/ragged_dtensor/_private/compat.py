@@ -111,9 +111,9 @@ from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor.placement_types import Placement
 
 from ragged_dtensor._private import checkpoint, ops
-from ragged_dtensor._private import state_dict as ragged_state_dict
 from ragged_dtensor._private import debug as ragged_debug
 from ragged_dtensor._private import random as ragged_random
+from ragged_dtensor._private import state_dict as ragged_state_dict
 from ragged_dtensor._private.placement import (
     RaggedBoxView,
     RaggedNonEmptyView,

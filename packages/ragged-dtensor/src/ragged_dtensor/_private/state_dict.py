@@ -129,9 +129,7 @@ def _load_one(key: str, local_state: DTensor, full: torch.Tensor) -> DTensor:
     if local_state.is_meta:
         # torch's Shard path gives a new local tensor of the full tensor's dtype and device
         spec = local_state._spec
-        local = torch.empty(
-            local_state.to_local().numel(), dtype=full.dtype, device=full.device
-        )
+        local = torch.empty(local_state.to_local().numel(), dtype=full.dtype, device=full.device)
         share_into(full.detach(), spec, local)
         meta = TensorMeta(local_state.shape, local_state.stride(), full.dtype)
         new_spec = DTensorSpec(spec.mesh, spec.placements, tensor_meta=meta)
