@@ -4,9 +4,10 @@ one process's trained model and AdamW state as full tensors, loaded with torch's
 fsdp_engine and by torch's FSDP2 (the control) with the same calls.
 
 What a body returns: the loaded state read back as full tensors (model and optimizer), the full
-model state after one more training step, and the live-tensor peak of each load call
-(``dbuffer.testing.LiveBytes``: every storage an op creates on this rank's thread, including the
-broadcast's receive buffers and the shares; the source state dict, made before, is not counted).
+model state after one more training step, and per load call the live-tensor peak and what was
+still alive at its end (``dbuffer.testing.LiveBytes``: every storage an op creates on this
+rank's thread, including the broadcast's receive buffers and the shares; the source state dict,
+made before, is not counted). Peak minus what is left is the call's transient overhead.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def _load(
     options: StateDictOptions,
     *,
     optimizer_first: bool,
-) -> tuple[torch.optim.Optimizer, dict[str, int]]:
-    """Load model and optimizer state; the live-bytes peak of each call.
+) -> tuple[torch.optim.Optimizer, dict[str, tuple[int, int]]]:
+    """Load model and optimizer state; per call, the live-bytes peak and what the call left
+    alive at its end (new storages still held: the loaded shares, torch's dicts).
 
     ``optimizer_first`` (parameters exist): the AdamW is made first, and without
     ``broadcast_from_rank0`` both are loaded by one ``set_state_dict``. Otherwise
@@ -94,17 +96,17 @@ def _load(
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         with LiveBytes() as live:
             set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=options)
-        peaks["model+optimizer"] = int(live.peak)
+        peaks["model+optimizer"] = (int(live.peak), int(live.current))
         return opt, peaks
     opt = torch.optim.AdamW(model.parameters(), lr=LR) if optimizer_first else None
     with LiveBytes() as live:
         set_model_state_dict(model, msd, options=options)
-    peaks["model"] = int(live.peak)
+    peaks["model"] = (int(live.peak), int(live.current))
     if opt is None:
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
     with LiveBytes() as live:
         set_optimizer_state_dict(model, opt, osd, options=options)
-    peaks["optimizer"] = int(live.peak)
+    peaks["optimizer"] = (int(live.peak), int(live.current))
     return opt, peaks
 
 
