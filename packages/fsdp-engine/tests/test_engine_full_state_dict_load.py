@@ -80,6 +80,12 @@ def test_fsdp_full_state_dict_load_is_bitwise_fsdp2s(
     _check_bitwise(ours, fsdp2, str(_FSDP_CASES[index]))
 
 
+# When the previous key's small tensors (a bias, a received metadata buffer) are freed varies
+# between runs by a few of them (FSDP2's own peak on one case: 1088 or 1152 bytes on one rank);
+# the loads' real differences are whole tensors (1 KiB and up here).
+_GC_NOISE = 256
+
+
 def _no_more_transient_memory(ours: list[Any], fsdp2: list[Any], what: str) -> None:
     """Per rank and load call: our peak is no more than FSDP2's, beyond the difference in what
     the call leaves alive (the shares it loads: the two layouts put different amounts on a
@@ -88,7 +94,7 @@ def _no_more_transient_memory(ours: list[Any], fsdp2: list[Any], what: str) -> N
         assert mine["peaks"].keys() == theirs["peaks"].keys(), what
         for call, (peak, left) in mine["peaks"].items():
             their_peak, their_left = theirs["peaks"][call]
-            allowed = their_peak + max(0, left - their_left)
+            allowed = their_peak + max(0, left - their_left) + _GC_NOISE
             assert peak <= allowed, (what, rank, call, mine["peaks"], theirs["peaks"])
 
 
