@@ -54,6 +54,9 @@ def named_targets():
     out["_api.distribute_tensor.__code__"] = _api.distribute_tensor.__code__
     out["torch.distributed.tensor.distribute_tensor"] = torch.distributed.tensor.distribute_tensor
     out["_api globals"] = tuple(sorted(k for k in vars(_api) if "ragged" in k))
+    import torch.distributed._state_dict_utils as state_dict_utils
+
+    out["_state_dict_utils._distribute_tensors"] = state_dict_utils._distribute_tensors
     for name in ("from_local", "__create_write_items__", "__create_chunk_list__",
                  "__get_tensor_shard__", "redistribute", "full_tensor", "__new__", "data_ptr"):
         out[f"DTensor.{name}"] = vars(DTensor).get(name, MISSING)
@@ -227,6 +230,7 @@ def test_the_integration_changes_only_its_targets_and_removal_restores_them(
             "DTensor.__get_tensor_shard__",
             "_api globals",  # the trampoline's target
             "_api.distribute_tensor.__code__",  # [Note: distribute_tensor's code]
+            "_state_dict_utils._distribute_tensors",  # the full-state-dict load from rank 0
             "dispatch mode stack",  # the collective checks the environment asked for
             "dispatcher instance attributes",
             "dispatcher._dispatch_get_local_results_slow_path",
@@ -238,13 +242,29 @@ def test_the_integration_changes_only_its_targets_and_removal_restores_them(
         ]
     )
     assert fresh["installed: parts"] == dict.fromkeys(
-        ("redistribute", "propagator", "random", "checkpoint", "distribute_tensor"), True
+        (
+            "redistribute",
+            "propagator",
+            "random",
+            "checkpoint",
+            "distribute_tensor",
+            "state_dict",
+        ),
+        True,
     )
     assert fresh["installed: collective checks on"] is True
     assert fresh["removed: named targets changed"] == []
     assert fresh["removed: torch attributes changed"] == []
     assert fresh["removed: parts"] == dict.fromkeys(
-        ("redistribute", "propagator", "random", "checkpoint", "distribute_tensor"), False
+        (
+            "redistribute",
+            "propagator",
+            "random",
+            "checkpoint",
+            "distribute_tensor",
+            "state_dict",
+        ),
+        False,
     )
     assert fresh["removed: collective checks on"] is False
     assert fresh["lazy: installed"] is True

@@ -42,6 +42,7 @@ def test_a_raggedshard_installs_every_part_of_the_integration() -> None:
         "checkpoint": True,
         "random": True,
         "distribute_tensor": True,
+        "state_dict": True,
     }
 
 

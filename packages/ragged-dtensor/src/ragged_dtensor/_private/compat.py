@@ -42,6 +42,11 @@ everybody's). Nothing is patched now: a flat-buffer FSDP hands out local tensors
 their own (``own_storage_view``, [Note: views over storage of their own] in views.py), at offset
 0, so its DTensors report 0 as FSDP2's do, and every other DTensor behaves as torch makes it.
 
+7. ``torch.distributed._state_dict_utils._distribute_tensors`` (module attribute; its only caller
+   looks it up by name): the full-state-dict load with ``broadcast_from_rank0=True`` cuts each
+   rank's share there as a box of the full tensor, which a flat share is not (state_dict.py,
+   [Note: why torch's state-dict loader needs a hook]). No placement hook is consulted.
+
 ``DTensor.from_local`` is *not* patched: ``ragged_dtensor.from_local`` checks a ragged share;
 torch's builds the DTensor unchecked when given ``shape=`` and ``stride=``.
 
@@ -89,6 +94,7 @@ from typing import Any
 
 import attrs
 import torch
+from torch.distributed import _state_dict_utils as state_dict_utils
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import _api as dtensor_api
@@ -102,6 +108,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ragged_dtensor._private import checkpoint, ops
 from ragged_dtensor._private import debug as ragged_debug
 from ragged_dtensor._private import random as ragged_random
+from ragged_dtensor._private import state_dict as ragged_state_dict
 from ragged_dtensor._private.placement import (
     RaggedBoxView,
     RaggedNonEmptyView,
@@ -161,6 +168,7 @@ class _Originals:
     propagate: Callable[[OpSchema], OutputSharding]
     tensor_meta: Callable[[OpSchema], Any]
     slow_path: Callable[..., Any]
+    distribute_tensors: Callable[..., None]
 
 
 _ORIGINALS: _Originals | None = None
@@ -343,6 +351,14 @@ def _slow_path_hook(op_call: torch._ops.OpOverload, args: tuple[object, ...], op
     if random and ragged_random.is_ragged_random(op_call, args):
         return ragged_random.ragged_random_op(op_call, args, op_info, _cut_share)
     return originals.slow_path(op_call, args, op_info)
+
+
+def _distribute_tensors_hook(
+    local_state_dict: dict[str, Any], keys: list[str], device: torch.device, pg: Any = None
+) -> None:
+    ragged_state_dict.distribute_tensors_hook(
+        _torch_functions().distribute_tensors, local_state_dict, keys, device, pg
+    )
 
 
 def _checkpoint_hook(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -632,11 +648,30 @@ def _plan() -> tuple[_Originals, list[Any]]:
             )
         )
     changes.extend(_distribute_changes())
+    where = "torch.distributed._state_dict_utils._distribute_tensors"
+    distribute_tensors = _expect_torch_function(
+        vars(state_dict_utils).get("_distribute_tensors"),
+        where,
+        "torch.distributed._state_dict_utils",
+        "_distribute_tensors",
+        ("local_state_dict", "keys", "device", "pg"),
+    )
+    changes.append(
+        _Change(
+            state_dict_utils,
+            "_distribute_tensors",
+            where,
+            True,
+            distribute_tensors,
+            _distribute_tensors_hook,
+        )
+    )
     originals = _Originals(
         redistribute=redistribute,
         propagate=types.MethodType(propagate, propagator),
         tensor_meta=types.MethodType(tensor_meta, propagator),
         slow_path=types.MethodType(slow_path, dispatcher),
+        distribute_tensors=distribute_tensors,
     )
     return originals, changes
 
@@ -742,6 +777,7 @@ def hooks_installed() -> dict[str, bool]:
         "random": ("_dispatch_get_local_results_slow_path",),
         "checkpoint": tuple(_CHECKPOINT_METHODS),
         "distribute_tensor": (_IMPL_NAME,),
+        "state_dict": ("_distribute_tensors",),
     }
     with _LOCK:
         names = {c.name for c in _CHANGES if c.still_ours()}
