@@ -141,12 +141,14 @@ def _draw_sequential(
             local[lo - start : hi - start].copy_(piece[lo - a : hi - a])
 
 
-def _cuda_generator(kwargs: dict[str, object], device: torch.device) -> torch.Generator:
+def _cuda_generator(kwargs: dict[str, object]) -> torch.Generator:
+    """The generator the op draws from: the one passed, else the default generator of the
+    *current* CUDA device (ATen's ``getDefaultCUDAGenerator()`` with no index), which is what
+    one device's draw uses too."""
     gen = kwargs.get("generator")
     if isinstance(gen, torch.Generator):
         return gen
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    default: torch.Generator = torch.cuda.default_generators[index]
+    default: torch.Generator = torch.cuda.default_generators[torch.cuda.current_device()]
     return default
 
 
@@ -203,7 +205,7 @@ def draw_share(
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         blocks = props.multi_processor_count * (props.max_threads_per_multi_processor // _BLOCK)
-        gen = _cuda_generator(kwargs, device)
+        gen = _cuda_generator(kwargs)
         with torch.no_grad():
             return draw_at_offset(op_call, rest, kwargs, local, numel, start, gen, blocks)
     return False
