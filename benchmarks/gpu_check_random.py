@@ -14,6 +14,7 @@ difference (listed), 0 when all match; refuses to run without CUDA.
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import torch
@@ -42,7 +43,7 @@ def main() -> int:
         for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
             for numel in sizes:
                 cuts = sorted({0, 1, numel // 3, numel // 2 + 5, numel - 3, numel})
-                for start, stop in zip(cuts[:-1], cuts[1:], strict=True):
+                for start, stop in itertools.pairwise(cuts):
                     torch.manual_seed(1234)
                     whole = torch.empty(numel, dtype=dtype, device="cuda")
                     op(whole, *args)
