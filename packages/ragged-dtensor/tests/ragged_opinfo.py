@@ -35,6 +35,8 @@ import collections
 import contextlib
 import copy
 import hashlib
+import logging
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -44,7 +46,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, init_device_mesh
 from torch.distributed.tensor import distribute_tensor as torch_distribute
 from torch.utils import _pytree as pytree
 
-from ragged_dtensor import RaggedOpError, RaggedShard, distribute_tensor
+from ragged_dtensor import RaggedOpError, RaggedShard, distribute_tensor, local_range
 from ragged_dtensor.testing import DistributedFailure, run_threaded
 
 PLACEMENTS = ("shard0", "ragged", "ragged_empty")
@@ -134,6 +136,11 @@ def build_cases(op: Any, inplace: bool) -> list[Case]:
             case = Case(fn, (sample.input, *sample.args), dict(sample.kwargs), inplace)
             if inplace and not isinstance(sample.input, torch.Tensor | list):
                 continue
+            if not any(
+                isinstance(t, torch.Tensor) and t.ndim > 0 and t.shape[0] > 0
+                for t in pytree.tree_leaves((case.args, case.kwargs))
+            ):
+                continue  # nothing to distribute: every operand would be replicated
             try:
                 case.want = _run_reference(case, 0)
                 again = _run_reference(case, 1)
@@ -217,10 +224,23 @@ def _run_sample(rank: int, world: int, case: Case, kind: str) -> tuple[str, str]
     except Exception as exc:
         return ("error" if _is_clear(exc) else "crash"), f"{type(exc).__name__}: {exc}"[:300]
     try:
+        _check_flat((out, args[0]) if case.inplace else out)
         _compare(got, case.want, shapes_only=case.random)
     except AssertionError as exc:
         return "wrong", str(exc)[:300]
     return "pass", ""
+
+
+def _check_flat(value: Any) -> None:
+    """A ragged DTensor's local tensor is its flat share: 1-D, of its range's size."""
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, DTensor) and any(isinstance(p, RaggedShard) for p in leaf.placements):
+            flat = local_range(leaf)
+            local = leaf.to_local()
+            if local.ndim != 1 or local.numel() != flat.numel:
+                raise AssertionError(
+                    f"ragged local tensor of shape {tuple(local.shape)} for the range {flat}"
+                )
 
 
 def run_case(case: Case, kind: str, world: int, timeout: float = 30.0) -> tuple[str, str]:
@@ -252,7 +272,10 @@ def entry_outcome(samples: Sequence[str]) -> str | None:
 
 
 def run_entries(
-    entries: Sequence[Any], world: int, kinds: Sequence[str] = PLACEMENTS
+    entries: Sequence[Any],
+    world: int,
+    kinds: Sequence[str] = PLACEMENTS,
+    progress: Callable[[str, dict[str, tuple[str, str]]], None] | None = None,
 ) -> dict[str, dict[str, tuple[str, str]]]:
     """entry name -> placement kind -> (outcome, first detail)."""
     table: dict[str, dict[str, tuple[str, str]]] = {}
@@ -271,6 +294,8 @@ def run_entries(
                 row[kind] = (outcome, detail)
             if row:
                 table[entry_name(op, inplace)] = row
+                if progress is not None:
+                    progress(entry_name(op, inplace), row)
     return table
 
 
@@ -307,7 +332,12 @@ def main() -> None:
     entries = opinfo_entries()
     if ns.only:
         entries = [op for op in entries if op.name in ns.only]
-    table = run_entries(entries, ns.world)
+    def progress(name: str, row: dict[str, tuple[str, str]]) -> None:
+        cells = " ".join(f"{k}={o}" for k, (o, _) in row.items())
+        print(f"# {name} {cells}", file=sys.stderr, flush=True)
+
+    logging.disable(logging.WARNING)
+    table = run_entries(entries, ns.world, progress=progress)
     print(markdown(table, ns.world))
     if ns.details:
         for name, row in sorted(table.items()):

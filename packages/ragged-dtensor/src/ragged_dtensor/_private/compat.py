@@ -107,8 +107,13 @@ from torch.distributed.tensor.placement_types import Placement
 from ragged_dtensor._private import checkpoint, ops
 from ragged_dtensor._private import debug as ragged_debug
 from ragged_dtensor._private import random as ragged_random
-from ragged_dtensor._private.fallback import FallbackSpec, check_fallback
-from ragged_dtensor._private.partial import FILL_OPS, fill_on_partial
+from ragged_dtensor._private.fallback import (
+    FallbackSpec,
+    check_fallback,
+    needs_write_back,
+    write_back,
+)
+from ragged_dtensor._private.partial import FILL_OPS, fill_on_partial, inplace_on_partial
 from ragged_dtensor._private.placement import (
     RaggedBoxView,
     RaggedBroadcastView,
@@ -116,6 +121,7 @@ from ragged_dtensor._private.placement import (
     RaggedPaddedView,
     RaggedShard,
 )
+from ragged_dtensor._private.rows import flatten_outputs
 from ragged_dtensor._private.redistribute import execute, plan_redistribute, ragged_axis, x_shape
 
 __all__ = [
@@ -301,7 +307,9 @@ def _non_empty_view(local: torch.Tensor, target: DTensorSpec) -> torch.Tensor:
     return torch.full((1,), fill, dtype=local.dtype, device=local.device)
 
 
-def _broadcast_view(local: torch.Tensor, target: DTensorSpec) -> torch.Tensor:
+def _broadcast_view(
+    local: torch.Tensor, current: DTensorSpec, target: DTensorSpec
+) -> torch.Tensor:
     """Replicate -> RaggedBroadcastView: this rank's share of the operand broadcast to the
     view's shape, copied from the few rows it covers (about the share's size)."""
     axis = ragged_axis(target.placements)
@@ -309,7 +317,14 @@ def _broadcast_view(local: torch.Tensor, target: DTensorSpec) -> torch.Tensor:
     placement = target.placements[axis]
     assert isinstance(placement, RaggedBroadcastView)
     shape = placement.shape
-    flat = placement.flat_range(shape, target.mesh.get_local_rank(axis))
+    rank = target.mesh.get_local_rank(axis)
+    source = ragged_axis(current.placements)
+    if source is not None:  # a ragged operand of whole rows: expand each row locally
+        held = current.placements[source]
+        assert isinstance(held, RaggedShard)
+        box, _ = held.local_box(tuple(current.shape), rank)
+        return local.view(box).expand((box[0], *shape[1:])).reshape(-1)
+    flat = placement.flat_range(shape, rank)
     row = math.prod(shape[1:])
     if not shape or row == 0:
         return local.expand(shape).reshape(-1)[flat.start : flat.stop]
@@ -330,7 +345,7 @@ def _redistribute_hook(
     if any(isinstance(p, RaggedNonEmptyView) for p in target_spec.placements):
         return _non_empty_view(local_tensor, target_spec)
     if any(isinstance(p, RaggedBroadcastView) for p in target_spec.placements):
-        return _broadcast_view(local_tensor, target_spec)
+        return _broadcast_view(local_tensor, current_spec, target_spec)
     if any(isinstance(p, RaggedBoxView) for p in target_spec.placements):
         return _box_view(local_tensor, current_spec, target_spec)
     if isinstance(target_spec, FallbackSpec):
@@ -362,7 +377,13 @@ def _propagate_hook(op_schema: OpSchema) -> OutputSharding:
         filled = fill_on_partial(op_schema, originals.tensor_meta)
         if filled is not None:
             return filled
-    return originals.propagate(op_schema)
+    try:
+        return originals.propagate(op_schema)
+    except RuntimeError:
+        reduced = inplace_on_partial(op_schema, originals.propagate)
+        if reduced is None:
+            raise
+        return reduced
 
 
 def _cut_share(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
@@ -380,7 +401,13 @@ def _slow_path_hook(op_call: torch._ops.OpOverload, args: tuple[object, ...], op
     random = op_call in DTensor._op_dispatcher._random_ops or op_call in ops.RANDOM_OPS
     if random and ragged_random.is_ragged_random(op_call, args):
         return ragged_random.ragged_random_op(op_call, args, op_info, _cut_share)
-    return originals.slow_path(op_call, args, op_info)
+    result = originals.slow_path(op_call, args, op_info)
+    sharding = op_info.output_sharding
+    if getattr(sharding, "_ragged_flatten", False):  # a row rule's boxes: flat shares
+        return flatten_outputs(result, sharding)
+    if needs_write_back(sharding):  # an in-place op's fallback
+        write_back(args, op_info, _cut_share)
+    return result
 
 
 def _checkpoint_hook(name: str, original: Callable[..., Any]) -> Callable[..., Any]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,9 +47,11 @@ __all__ = [
     "RaggedOpError",
     "check_fallback",
     "is_strict",
+    "needs_write_back",
     "propagate_fallback",
     "set_strict",
     "strict_mode",
+    "write_back",
 ]
 
 logger = logging.getLogger("ragged_dtensor.fallback")
@@ -103,6 +105,7 @@ class FallbackSpec(DTensorSpec):
 
     op: str = field(default="", compare=False)
     why: str = field(default="", compare=False)
+    writeback: bool = field(default=False, compare=False)
 
     def __hash__(self) -> int:  # dataclass(eq=True) would drop DTensorSpec's
         return DTensorSpec.__hash__(self)
@@ -155,22 +158,36 @@ def _is_ragged(spec: object) -> bool:
     )
 
 
-def _written_ragged(schema: OpSchema) -> bool:
-    """Whether the op writes into a ragged operand (in-place self, or an ``out=`` tensor)."""
-    op = schema.op
-    for index, argument in enumerate(op._schema.arguments):
-        written = argument.alias_info is not None and argument.alias_info.is_write
-        if not written:
+def _written_ragged(schema: OpSchema) -> list[int | str]:
+    """The positions (or keyword names) of ragged operands the op writes (in-place self,
+    ``out=`` tensors)."""
+    found: list[int | str] = []
+    for index, argument in enumerate(schema.op._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
             continue
         if argument.kwarg_only or index >= len(schema.args_schema):
             value = schema.kwargs_schema.get(argument.name)
+            where: int | str = argument.name
         else:
             value = schema.args_schema[index]
+            where = index
         if _is_ragged(value) or (
             isinstance(value, list | tuple) and any(_is_ragged(v) for v in value)
         ):
-            return True
-    return False
+            found.append(where)
+    return found
+
+
+def _refuse(schema: OpSchema, why: str, what: str) -> RaggedOpError:
+    first = next(
+        s
+        for s in torch.utils._pytree.tree_leaves((schema.args_schema, schema.kwargs_schema))
+        if _is_ragged(s)
+    )
+    return RaggedOpError(
+        f"{schema.op} on a DTensor with placements {first.placements} (shape "
+        f"{tuple(first.shape)}): {why}; {what}"
+    )
 
 
 def propagate_fallback(
@@ -179,61 +196,138 @@ def propagate_fallback(
     why: str,
 ) -> OutputSharding:
     """torch's sharding of ``schema`` with every ragged operand replaced by Replicate, whose
-    redistribution targets are ``FallbackSpec``s ([Note: the fallback redistribution])."""
+    redistribution targets are ``FallbackSpec``s ([Note: the fallback redistribution]).
+
+    An in-place op whose written operand (``self``) is ragged runs on the replicated copy, and
+    its share is written back into the ragged operand (``write_back``, from the slow path):
+    the result keeps the operand's placement, as in place it must."""
     op = schema.op
-    if _written_ragged(schema):
-        first = next(
-            s
-            for s in torch.utils._pytree.tree_leaves(
-                (schema.args_schema, schema.kwargs_schema)
-            )
-            if _is_ragged(s)
+    written = _written_ragged(schema)
+    writeback = bool(written)
+    if written and (written != [0] or not schema.is_inplace_op()):
+        raise _refuse(
+            schema,
+            why,
+            "it writes into a ragged out= operand, which cannot be redistributed for it: "
+            "compute it out of place, or redistribute the tensor first",
         )
-        raise RaggedOpError(
-            f"{op} on a DTensor with placements {first.placements} (shape "
-            f"{tuple(first.shape)}): {why}; it writes into a ragged operand, which cannot be "
-            f"redistributed for it: compute it out of place, or redistribute the tensor first"
-        )
+    if writeback:
+        selves = schema.args_schema[0]
+        for spec in selves if isinstance(selves, list | tuple) else [selves]:
+            if isinstance(spec, DTensorSpec) and not all(
+                isinstance(p, RaggedShard) or p.is_replicate() for p in spec.placements
+            ):
+                raise _refuse(
+                    schema,
+                    why,
+                    f"it writes into a ragged operand placed {spec.placements} on several "
+                    f"mesh axes: compute it out of place, or redistribute the tensor first",
+                )
     for key, value in schema.kwargs_schema.items():
         # dispatch never redistributes keyword operands
         if _is_ragged(value) or (
             isinstance(value, list | tuple) and any(_is_ragged(v) for v in value)
         ):
-            raise RaggedOpError(
-                f"{op}: keyword operand {key} is ragged ({value.placements if isinstance(value, DTensorSpec) else value}): {why}; "
-                f"redistribute it first"
-            )
+            raise _refuse(schema, why, f"its keyword operand {key} is ragged: redistribute it first")
     replaced = OpSchema(
         op,
         tuple(_map_specs(a, _replicated) for a in schema.args_schema),
         {k: _map_specs(v, _replicated) for k, v in schema.kwargs_schema.items()},
         schema_info=schema.schema_info,
     )
-    result: OutputSharding = torch_propagate(replaced)
+    try:
+        result: OutputSharding = torch_propagate(replaced)
+    except NotImplementedError:
+        raise
+    except Exception as exc:
+        raise _refuse(
+            schema,
+            why,
+            f"with its ragged operands replicated, torch's own sharding rule fails too: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+        ) from exc
     target = result.redistribute_schema if result.needs_redistribute else None
     if target is None:
         target = replaced
     name = str(op)
 
-    def mark(original: object, wanted: object) -> object:
+    def mark(original: object, wanted: object, back: bool) -> object:
         if _is_ragged(original) and isinstance(wanted, DTensorSpec):
             return FallbackSpec(
-                wanted.mesh, wanted.placements, tensor_meta=wanted.tensor_meta, op=name, why=why
+                wanted.mesh,
+                wanted.placements,
+                tensor_meta=wanted.tensor_meta,
+                op=name,
+                why=why,
+                writeback=back,
             )
         if isinstance(original, list | tuple) and isinstance(wanted, list | tuple):
-            return type(wanted)(
-                mark(o, w) for o, w in zip(original, wanted, strict=False)
-            ) if len(original) == len(wanted) else wanted
+            if len(original) != len(wanted):
+                return wanted
+            return type(wanted)(mark(o, w, back) for o, w in zip(original, wanted, strict=True))
         return wanted
 
-    args = [mark(o, w) for o, w in zip(schema.args_schema, target.args_schema, strict=False)]
+    args = [
+        mark(o, w, writeback and i == 0)
+        for i, (o, w) in enumerate(zip(schema.args_schema, target.args_schema, strict=False))
+    ]
     args += list(target.args_schema[len(args) :])
-    marked = OpSchema(
-        target.op, tuple(args), target.kwargs_schema, schema_info=target.schema_info
-    )
+    marked = OpSchema(target.op, tuple(args), target.kwargs_schema, schema_info=target.schema_info)
+    output = result.output_spec
+    if writeback:
+        output = _as_written(schema.args_schema[0], output)
     return OutputSharding(
-        result.output_spec,
+        output,
         redistribute_schema=marked,
         needs_redistribute=True,
         use_val_from_redistribute_schema=result.use_val_from_redistribute_schema,
     )
+
+
+def _as_written(self_spec: object, output: Any) -> Any:
+    """The output of an in-place op written back: the written operand's own placements."""
+    if output is None:
+        return None
+    if isinstance(self_spec, DTensorSpec) and isinstance(output, DTensorSpec):
+        return DTensorSpec(self_spec.mesh, self_spec.placements, tensor_meta=output.tensor_meta)
+    if isinstance(self_spec, list | tuple) and isinstance(output, list | tuple):
+        return type(output)(_as_written(s, o) for s, o in zip(self_spec, output, strict=True))
+    return output
+
+
+def needs_write_back(sharding: OutputSharding | None) -> bool:
+    """Whether a dispatched op is an in-place fallback (checked after the slow path ran:
+    cheap, the written operand is the first)."""
+    if sharding is None or not sharding.needs_redistribute:
+        return False
+    schema = sharding.redistribute_schema
+    if schema is None or not schema.args_schema:
+        return False
+    first = schema.args_schema[0]
+    if isinstance(first, list | tuple):
+        first = next((f for f in first if isinstance(f, FallbackSpec)), None)
+    return isinstance(first, FallbackSpec) and first.writeback
+
+
+def write_back(
+    args: tuple[object, ...],
+    op_info: Any,
+    cut_share: Callable[[torch.Tensor, DTensorSpec], torch.Tensor],
+) -> None:
+    """Copy this rank's share of each written replicated copy into the ragged operand's local
+    tensor (the in-place fallback's second half)."""
+    selves = args[0]
+    self_list = list(selves) if isinstance(selves, list | tuple) else [selves]
+    locals_ = op_info.local_args
+    written = (
+        list(locals_[: len(self_list)]) if isinstance(selves, list | tuple) else [locals_[0]]
+    )
+    for dt, copy in zip(self_list, written, strict=True):
+        spec = getattr(dt, "_spec", None)
+        if spec is None:
+            continue
+        local = dt._local_tensor  # type: ignore[union-attr]
+        if _is_ragged(spec):
+            local.copy_(cut_share(copy, spec))
+        elif copy is not local:  # a reduced Partial ([Note: a fill never stays Partial])
+            local.copy_(copy)

@@ -140,7 +140,8 @@ def _align_operands(
     ragged = [s for s in group if has_ragged(s)]
     if not ragged:
         return None, list(group), False
-    ref = ragged[0]
+    # the reference is the operand of the result's shape (a row-broadcast one may come first)
+    ref = max(ragged, key=lambda s: s.shape.numel())  # type: ignore[union-attr]
     assert isinstance(ref, DTensorSpec)
     moved = False
     out: list[object] = []
@@ -149,6 +150,11 @@ def _align_operands(
             out.append(spec)
             continue
         if has_ragged(spec):
+            rows = _row_broadcast_view(spec, ref)
+            if rows is not None:
+                out.append(rows)
+                moved = True
+                continue
             if spec.placements != ref.placements or spec.shape != ref.shape:
                 raise _error(
                     op,
@@ -182,17 +188,18 @@ def _align_operands(
     return ref, out, moved
 
 
-def _broadcast_view(spec: DTensorSpec, ref: DTensorSpec) -> DTensorSpec | None:
+def _broadcast_view(spec: DTensorSpec, ref: DTensorSpec, check: bool = True) -> DTensorSpec | None:
     """A Replicate operand that broadcasts to the ragged operand's shape, as the share of the
     broadcast tensor (``RaggedBroadcastView``), when the ragged operand's other mesh axes are
     replicated; None otherwise."""
-    if spec.ndim > ref.ndim:
-        return None
-    try:
-        if torch.broadcast_shapes(spec.shape, ref.shape) != ref.shape:
+    if check:
+        if spec.ndim > ref.ndim:
             return None
-    except RuntimeError:
-        return None
+        try:
+            if torch.broadcast_shapes(spec.shape, ref.shape) != ref.shape:
+                return None
+        except RuntimeError:
+            return None
     placements: list[Placement] = []
     for p in ref.placements:
         if isinstance(p, RaggedShard):
@@ -204,6 +211,46 @@ def _broadcast_view(spec: DTensorSpec, ref: DTensorSpec) -> DTensorSpec | None:
         else:
             return None
     return DTensorSpec(ref.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+
+
+def _box_rows(spec: DTensorSpec) -> tuple[int, tuple[int, ...]] | None:
+    """(ragged axis, rows per rank) of a ragged spec whose shares are whole rows and whose
+    other mesh axes are replicated; None otherwise."""
+    axis = None
+    for a, p in enumerate(spec.placements):
+        if isinstance(p, RaggedShard) and type(p) is RaggedShard and axis is None:
+            axis = a
+        elif not p.is_replicate():
+            return None
+    if axis is None or spec.ndim == 0:
+        return None
+    placement = spec.placements[axis]
+    assert isinstance(placement, RaggedShard)
+    shape = tuple(spec.shape)
+    row = math.prod(shape[1:])
+    if row == 0 or not placement.is_box(shape):
+        return None
+    return axis, tuple(
+        placement.local_numel(shape, k) // row for k in range(len(placement.local_units))
+    )
+
+
+def _row_broadcast_view(spec: DTensorSpec, ref: DTensorSpec) -> DTensorSpec | None:
+    """A ragged operand of whole rows that broadcasts along its other dims to the reference
+    (``x * rstd`` with ``rstd`` of shape (N, 1)): each rank's rows expanded locally, when both
+    hold the same rows; None otherwise."""
+    if spec.shape == ref.shape or spec.ndim != ref.ndim or spec.shape[0] != ref.shape[0]:
+        return None
+    try:
+        if torch.broadcast_shapes(spec.shape, ref.shape) != ref.shape:
+            return None
+    except RuntimeError:
+        return None
+    mine, theirs = _box_rows(spec), _box_rows(ref)
+    if mine is None or theirs is None or mine != theirs:
+        return None
+    view = _broadcast_view(spec, ref, check=False)
+    return view
 
 
 def _plain_entry(op: torch._ops.OpOverload, group: Sequence[object]) -> DTensorSpec | None:
@@ -435,7 +482,10 @@ def _rowwise(
             f"reduction over dims {sorted(dims)} needs the other mesh axes replicated; "
             "redistribute first",
         )
-    if not (0 not in dims and placement.is_box(xs) and not keepdim):
+    # keepdim: the flat share of the (rows, 1, ...) result is the (rows,) result, so the op
+    # runs without keepdim (a positional keepdim only: dispatch takes keywords as they are)
+    keep_positional = keepdim and len(schema.args_schema) > keep_pos
+    if not (0 not in dims and placement.is_box(xs) and (keep_positional or not keepdim)):
         return _padded_partial(schema, spec, axes[0], placement, meta)
     row = math.prod(xs[1:])
     rows = tuple(placement.local_numel(xs, k) // row for k in range(len(placement.local_units)))
@@ -444,16 +494,15 @@ def _rowwise(
     view_placements = list(spec.placements)
     view_placements[axes[0]] = RaggedBoxView(placement.dims, placement.local_units)
     view_spec = DTensorSpec(spec.mesh, tuple(view_placements), tensor_meta=spec.tensor_meta)
-    new_schema = OpSchema(
-        op,
-        (view_spec, *schema.args_schema[1:]),
-        schema.kwargs_schema,
-        schema_info=schema.schema_info,
-    )
+    args = [view_spec, *schema.args_schema[1:]]
+    if keep_positional:
+        args[keep_pos] = False
+    new_schema = OpSchema(op, tuple(args), schema.kwargs_schema, schema_info=schema.schema_info)
     return OutputSharding(
         _with_meta(spec, out_placements, meta),
         redistribute_schema=new_schema,
         needs_redistribute=True,
+        use_val_from_redistribute_schema=keep_positional,
     )
 
 
@@ -759,7 +808,10 @@ def propagate_ragged(
     hence per rank).
     """
     op = schema.op
-    meta = tensor_meta(schema)
+    try:
+        meta = tensor_meta(schema)
+    except Exception:  # a value-dependent shape (item, masked_select, nonzero...)
+        return propagate_fallback(schema, torch_propagate, "its output depends on the values")
     rules: tuple[Callable[[], OutputSharding | None], ...] = (
         lambda: _random_rule(schema, meta),
         lambda: _rowwise(schema, meta, x_shape_of),  # it owns partial-dim reductions

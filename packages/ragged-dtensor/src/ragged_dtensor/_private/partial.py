@@ -30,7 +30,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
-__all__ = ["FILL_OPS", "fill_on_partial"]
+__all__ = ["FILL_OPS", "fill_on_partial", "inplace_on_partial"]
 
 aten = torch.ops.aten
 
@@ -92,3 +92,57 @@ def fill_on_partial(
     meta = tensor_meta(schema)
     assert isinstance(meta, TensorMeta)
     return OutputSharding(DTensorSpec(spec.mesh, placements, tensor_meta=meta))
+
+
+def inplace_on_partial(
+    schema: OpSchema, torch_propagate: Callable[[OpSchema], OutputSharding]
+) -> OutputSharding | None:
+    """An in-place op on a ``Partial`` operand that torch refuses (``x.add_(eps)`` after a
+    ragged mean with ``keepdim``: "in-place operations that require placement changes are not
+    supported"): reduce first. The operand is all-reduced into a copy, the op runs on it, and
+    the copy is written back (``fallback.write_back``): the operand becomes ``Replicate``.
+    None when this does not apply (torch's error stands)."""
+    from ragged_dtensor._private.fallback import FallbackSpec
+
+    if not schema.is_inplace_op() or not schema.args_schema:
+        return None
+    spec = schema.args_schema[0]
+    if not isinstance(spec, DTensorSpec) or not any(p.is_partial() for p in spec.placements):
+        return None
+    reduced = DTensorSpec(
+        spec.mesh,
+        tuple(Replicate() if p.is_partial() else p for p in spec.placements),
+        tensor_meta=spec.tensor_meta,
+    )
+    asked = OpSchema(
+        schema.op,
+        (reduced, *schema.args_schema[1:]),
+        schema.kwargs_schema,
+        schema_info=schema.schema_info,
+    )
+    result = torch_propagate(asked)
+    target = result.redistribute_schema if result.needs_redistribute else asked
+    if target is None or not isinstance(target.args_schema[0], DTensorSpec):
+        return None
+    wanted = target.args_schema[0]
+    if wanted != reduced:
+        return None
+    marked = FallbackSpec(
+        wanted.mesh,
+        wanted.placements,
+        tensor_meta=wanted.tensor_meta,
+        op=str(schema.op),
+        why="an in-place op on a Partial operand must reduce it first",
+        writeback=True,
+    )
+    return OutputSharding(
+        result.output_spec,
+        redistribute_schema=OpSchema(
+            target.op,
+            (marked, *target.args_schema[1:]),
+            target.kwargs_schema,
+            schema_info=target.schema_info,
+        ),
+        needs_redistribute=True,
+        use_val_from_redistribute_schema=result.use_val_from_redistribute_schema,
+    )

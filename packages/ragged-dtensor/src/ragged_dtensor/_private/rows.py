@@ -35,7 +35,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from ragged_dtensor._private.placement import RaggedBoxView, RaggedShard
 
-__all__ = ["ROW_OPS", "reshape_rule", "row_rule"]
+__all__ = ["ROW_OPS", "flatten_outputs", "reshape_rule", "row_rule"]
 
 aten = torch.ops.aten
 
@@ -151,9 +151,15 @@ def row_rule(
         if layout is not None and here != layout:
             return None
         layout, shape = here, tuple(arg.shape)
-    if layout is None:
+    if layout is None or math.prod(shape[1:]) == 0:
         return None
     axis, placement, rows = layout
+    for arg in torch.utils._pytree.tree_leaves(schema.args_schema):
+        # other DTensor operands replicated: a Shard operand's rows would be torch's chunks
+        if isinstance(arg, DTensorSpec) and not any(
+            isinstance(p, RaggedShard) for p in arg.placements
+        ) and not all(p.is_replicate() for p in arg.placements):
+            return None
     shard0 = Shard(0)
 
     def as_shard(value: object) -> object:
@@ -185,18 +191,41 @@ def row_rule(
             if wanted != as_shard(original):
                 return None  # torch would move the rows
             args.append(_as(original, axis, view))
+        elif isinstance(original, DTensorSpec) and wanted != original:
+            return None  # torch would move another operand (e.g. a Shard(1) left-hand side)
         else:
             args.append(wanted)
     out = _outputs(result.output_spec, axis, rows, RaggedShard((0,), row_counts))
     if out is _REFUSED:
         return None
-    return OutputSharding(
+    sharding = OutputSharding(
         out,
         redistribute_schema=OpSchema(
             schema.op, tuple(args), schema.kwargs_schema, schema_info=schema.schema_info
         ),
         needs_redistribute=True,
     )
+    # the op's local results are boxes; a ragged local tensor is flat (flatten_outputs)
+    sharding._ragged_flatten = True  # type: ignore[attr-defined]
+    return sharding
+
+
+def flatten_outputs(result: Any, sharding: OutputSharding) -> Any:
+    """The local results of a row rule with each ragged output flattened (a view)."""
+    spec = sharding.output_spec
+    if isinstance(spec, DTensorSpec):
+        ragged = any(isinstance(p, RaggedShard) for p in spec.placements)
+        return result.reshape(-1) if ragged and isinstance(result, torch.Tensor) else result
+    if isinstance(spec, list | tuple) and isinstance(result, list | tuple):
+        return type(result)(
+            r.reshape(-1)
+            if isinstance(s, DTensorSpec)
+            and isinstance(r, torch.Tensor)
+            and any(isinstance(p, RaggedShard) for p in s.placements)
+            else r
+            for r, s in zip(result, spec, strict=True)
+        )
+    return result
 
 
 _REFUSED = object()
