@@ -51,6 +51,7 @@ def test_a_raggedshard_installs_every_part_of_the_integration() -> None:
         "random": True,
         "distribute_tensor": True,
         "data_ptr": True,
+        "custom_handlers": True,
     }
 
 

@@ -104,7 +104,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor.placement_types import Placement
 
-from ragged_dtensor._private import checkpoint, ops
+from ragged_dtensor._private import checkpoint, handlers, ops
 from ragged_dtensor._private import debug as ragged_debug
 from ragged_dtensor._private import random as ragged_random
 from ragged_dtensor._private.fallback import (
@@ -715,6 +715,7 @@ def _plan() -> tuple[_Originals, list[Any]]:
         )
     changes.extend(_distribute_changes())
     changes.append(_data_ptr_change())
+    changes.extend(handlers.handler_changes(_REFUSING, DTensorIntegrationError))
     originals = _Originals(
         redistribute=redistribute,
         propagate=types.MethodType(propagate, propagator),
@@ -826,6 +827,7 @@ def hooks_installed() -> dict[str, bool]:
         "checkpoint": tuple(_CHECKPOINT_METHODS),
         "distribute_tensor": (_IMPL_NAME,),
         "data_ptr": ("data_ptr",),
+        "custom_handlers": tuple(f"custom_op_handler:{op}" for op in handlers.HANDLED),
     }
     with _LOCK:
         names = {c.name for c in _CHANGES if c.still_ours()}
