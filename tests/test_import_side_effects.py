@@ -236,8 +236,13 @@ def test_the_integration_changes_only_its_targets_and_removal_restores_them(
             # [Note: ops DTensor handles by hand]
             *(
                 f"dispatcher._custom_op_handlers[aten.{op}]"
-                for op in ("argmax.default", "argmin.default", "as_strided.default",
-                           "convolution.default", "convolution_backward.default")
+                for op in (
+                    "argmax.default",
+                    "argmin.default",
+                    "as_strided.default",
+                    "convolution.default",
+                    "convolution_backward.default",
+                )
             ),
             "global optimizer post hooks",  # their step counter
             "propagator instance attributes",
@@ -247,16 +252,30 @@ def test_the_integration_changes_only_its_targets_and_removal_restores_them(
         ]
     )
     assert fresh["installed: parts"] == dict.fromkeys(
-        ("redistribute", "propagator", "random", "checkpoint", "distribute_tensor", "data_ptr",
-         "custom_handlers"),
+        (
+            "redistribute",
+            "propagator",
+            "random",
+            "checkpoint",
+            "distribute_tensor",
+            "data_ptr",
+            "custom_handlers",
+        ),
         True,
     )
     assert fresh["installed: collective checks on"] is True
     assert fresh["removed: named targets changed"] == []
     assert fresh["removed: torch attributes changed"] == []
     assert fresh["removed: parts"] == dict.fromkeys(
-        ("redistribute", "propagator", "random", "checkpoint", "distribute_tensor", "data_ptr",
-         "custom_handlers"),
+        (
+            "redistribute",
+            "propagator",
+            "random",
+            "checkpoint",
+            "distribute_tensor",
+            "data_ptr",
+            "custom_handlers",
+        ),
         False,
     )
     assert fresh["removed: collective checks on"] is False

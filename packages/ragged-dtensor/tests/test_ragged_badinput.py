@@ -25,12 +25,6 @@ def _strict(fn: Callable[[], object]) -> object:
         return fn()
 
 
-def _index(mesh: Any) -> DTensor:
-    return torch.distributed.tensor.distribute_tensor(
-        torch.tensor([0, 2]), mesh, [torch.distributed.tensor.Replicate()]
-    )
-
-
 Case = tuple[Callable[[Any], object], type[Exception], tuple[str, ...]]
 CASES: dict[str, Case] = {
     "negative units": (
@@ -70,10 +64,10 @@ CASES: dict[str, Case] = {
         RaggedOpError,
         ("aten.prod", "RaggedShard", "strict mode"),
     ),
-    "in-place op with no ragged rule": (
-        lambda mesh: _ragged(mesh).index_fill_(0, _index(mesh), 1.0),
+    "out= operand with no ragged rule": (
+        lambda mesh: torch.cumsum(_ragged(mesh), 0, out=_ragged(mesh)),
         RaggedOpError,
-        ("aten.index_fill_", "RaggedShard", "writes into a ragged operand"),
+        ("aten.cumsum", "RaggedShard", "ragged out= operand"),
     ),
     "redistribute: units for another world size": (
         lambda mesh: _ragged(mesh).redistribute(mesh, [RaggedShard((0,), (1, 1, 2))]),

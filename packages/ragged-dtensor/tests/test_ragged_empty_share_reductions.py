@@ -47,19 +47,32 @@ REDUCTIONS: dict[str, Callable[[Any], Any]] = {
     "logsumexp dim 1": lambda x: torch.logsumexp(x, dim=1),
     "norm 0": lambda x: torch.linalg.vector_norm(x, 0),
     "norm 1": lambda x: torch.linalg.vector_norm(x, 1),
-    "norm 2": lambda x: torch.linalg.vector_norm(x),
+    "norm 2": torch.linalg.vector_norm,
     "norm 3": lambda x: torch.linalg.vector_norm(x, 3),
     "norm inf": lambda x: torch.linalg.vector_norm(x, INF),
     "norm -inf": lambda x: torch.linalg.vector_norm(x, -INF),
     "norm inf dims (0, 1)": lambda x: torch.linalg.vector_norm(x, INF, dim=(0, 1)),
     "norm 2 dim 1": lambda x: torch.linalg.vector_norm(x, 2, dim=1),
-    "frobenius": lambda x: torch.linalg.matrix_norm(x),
+    "frobenius": torch.linalg.matrix_norm,
     "foreach norm inf": lambda x: torch._foreach_norm([x], INF)[0],
     "foreach norm 2": lambda x: torch._foreach_norm([x], 2)[0],
 }
-EXACT = {"amax", "amin dim 1", "max", "min", "max dim 0", "any", "all", "argmax",
-         "count_nonzero", "norm 0", "norm inf", "norm -inf", "norm inf dims (0, 1)",
-         "foreach norm inf"}
+EXACT = {
+    "amax",
+    "amin dim 1",
+    "max",
+    "min",
+    "max dim 0",
+    "any",
+    "all",
+    "argmax",
+    "count_nonzero",
+    "norm 0",
+    "norm inf",
+    "norm -inf",
+    "norm inf dims (0, 1)",
+    "foreach norm inf",
+}
 
 # (world, local_units, dims): rank 0 empty, whole rows; a rank empty, a flat share of rows
 LAYOUTS = [
@@ -112,8 +125,10 @@ def _clip(rank: int, world: int) -> Any:
 
 
 def test_clip_grad_norm_inf_with_empty_shares_gives_one_process_norm() -> None:
-    refs = [torch.nn.Parameter(v.clone()) for v in (_full(), _full()[:1] * 5,
-                                                     torch.tensor([[0.5, -7.0, 1.0]]))]
+    refs = [
+        torch.nn.Parameter(v.clone())
+        for v in (_full(), _full()[:1] * 5, torch.tensor([[0.5, -7.0, 1.0]]))
+    ]
     for r in refs:
         r.grad = r.detach() * 2
     want = torch.nn.utils.clip_grad_norm_(refs, 1.0, norm_type=INF)

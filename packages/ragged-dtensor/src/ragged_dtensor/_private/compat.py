@@ -121,8 +121,8 @@ from ragged_dtensor._private.placement import (
     RaggedPaddedView,
     RaggedShard,
 )
-from ragged_dtensor._private.rows import flatten_outputs
 from ragged_dtensor._private.redistribute import execute, plan_redistribute, ragged_axis, x_shape
+from ragged_dtensor._private.rows import flatten_outputs
 
 __all__ = [
     "SUPPORTED_TORCH",
@@ -307,9 +307,7 @@ def _non_empty_view(local: torch.Tensor, target: DTensorSpec) -> torch.Tensor:
     return torch.full((1,), fill, dtype=local.dtype, device=local.device)
 
 
-def _broadcast_view(
-    local: torch.Tensor, current: DTensorSpec, target: DTensorSpec
-) -> torch.Tensor:
+def _broadcast_view(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec) -> torch.Tensor:
     """Replicate -> RaggedBroadcastView: this rank's share of the operand broadcast to the
     view's shape, copied from the few rows it covers (about the share's size)."""
     axis = ragged_axis(target.placements)

@@ -228,7 +228,9 @@ def propagate_fallback(
         if _is_ragged(value) or (
             isinstance(value, list | tuple) and any(_is_ragged(v) for v in value)
         ):
-            raise _refuse(schema, why, f"its keyword operand {key} is ragged: redistribute it first")
+            raise _refuse(
+                schema, why, f"its keyword operand {key} is ragged: redistribute it first"
+            )
     replaced = OpSchema(
         op,
         tuple(_map_specs(a, _replicated) for a in schema.args_schema),
@@ -319,14 +321,12 @@ def write_back(
     selves = args[0]
     self_list = list(selves) if isinstance(selves, list | tuple) else [selves]
     locals_ = op_info.local_args
-    written = (
-        list(locals_[: len(self_list)]) if isinstance(selves, list | tuple) else [locals_[0]]
-    )
+    written = list(locals_[: len(self_list)]) if isinstance(selves, list | tuple) else [locals_[0]]
     for dt, copy in zip(self_list, written, strict=True):
         spec = getattr(dt, "_spec", None)
         if spec is None:
             continue
-        local = dt._local_tensor  # type: ignore[union-attr]
+        local = dt._local_tensor  # type: ignore[attr-defined]
         if _is_ragged(spec):
             local.copy_(cut_share(copy, spec))
         elif copy is not local:  # a reduced Partial ([Note: a fill never stays Partial])

@@ -33,7 +33,6 @@ from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
 from ragged_dtensor._private.fallback import RaggedOpError, propagate_fallback
-from ragged_dtensor._private.rows import reshape_rule, row_rule
 from ragged_dtensor._private.placement import (
     RaggedBoxView,
     RaggedBroadcastView,
@@ -41,6 +40,7 @@ from ragged_dtensor._private.placement import (
     RaggedPaddedView,
     RaggedShard,
 )
+from ragged_dtensor._private.rows import reshape_rule, row_rule
 
 __all__ = ["RaggedOpError", "has_ragged", "propagate_ragged"]
 
@@ -141,7 +141,7 @@ def _align_operands(
     if not ragged:
         return None, list(group), False
     # the reference is the operand of the result's shape (a row-broadcast one may come first)
-    ref = max(ragged, key=lambda s: s.shape.numel())  # type: ignore[union-attr]
+    ref = max(ragged, key=lambda s: s.shape.numel())  # type: ignore[attr-defined]
     assert isinstance(ref, DTensorSpec)
     moved = False
     out: list[object] = []
@@ -196,21 +196,24 @@ def _broadcast_view(spec: DTensorSpec, ref: DTensorSpec, check: bool = True) -> 
         if spec.ndim > ref.ndim:
             return None
         try:
-            if torch.broadcast_shapes(spec.shape, ref.shape) != ref.shape:
+            if _broadcast(spec.shape, ref.shape) != ref.shape:
                 return None
         except RuntimeError:
             return None
     placements: list[Placement] = []
     for p in ref.placements:
         if isinstance(p, RaggedShard):
-            placements.append(
-                RaggedBroadcastView(p.dims, p.local_units, shape=tuple(ref.shape))
-            )
+            placements.append(RaggedBroadcastView(p.dims, p.local_units, shape=tuple(ref.shape)))
         elif p.is_replicate():
             placements.append(p)
         else:
             return None
     return DTensorSpec(ref.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+
+
+def _broadcast(a: torch.Size, b: torch.Size) -> torch.Size:
+    shape: torch.Size = torch.broadcast_shapes(a, b)  # type: ignore[no-untyped-call]
+    return shape
 
 
 def _box_rows(spec: DTensorSpec) -> tuple[int, tuple[int, ...]] | None:
@@ -242,7 +245,7 @@ def _row_broadcast_view(spec: DTensorSpec, ref: DTensorSpec) -> DTensorSpec | No
     if spec.shape == ref.shape or spec.ndim != ref.ndim or spec.shape[0] != ref.shape[0]:
         return None
     try:
-        if torch.broadcast_shapes(spec.shape, ref.shape) != ref.shape:
+        if _broadcast(spec.shape, ref.shape) != ref.shape:
             return None
     except RuntimeError:
         return None
@@ -275,7 +278,11 @@ def _check_written_kept(schema: OpSchema, args: Sequence[object]) -> None:
     if not (schema.is_inplace_op() or schema.is_out_variant_op()) or not args:
         return
     before, after = schema.args_schema[0], args[0]
-    pairs = zip(before, after, strict=True) if isinstance(before, list | tuple) else [(before, after)]  # type: ignore[arg-type]
+    pairs: Any = (
+        zip(before, after, strict=True)  # type: ignore[call-overload]
+        if isinstance(before, list | tuple)
+        else [(before, after)]
+    )
     for b, a in pairs:
         if isinstance(b, DTensorSpec) and not has_ragged(b) and a is not b:
             raise _error(
@@ -375,7 +382,7 @@ def _memory_format(schema: OpSchema, result: OutputSharding) -> OutputSharding:
     row-major layout of a ragged tensor (its global strides contiguous)."""
     if schema.kwargs_schema.get("memory_format") not in _LAYOUT_FORMATS:
         return result
-    spec = result.output_spec
+    spec: Any = result.output_spec
     if isinstance(spec, DTensorSpec) and spec.tensor_meta is not None:
         meta = spec.tensor_meta
         stride = torch.empty(meta.shape, device="meta").stride()
@@ -498,12 +505,15 @@ def _rowwise(
     if keep_positional:
         args[keep_pos] = False
     new_schema = OpSchema(op, tuple(args), schema.kwargs_schema, schema_info=schema.schema_info)
-    return OutputSharding(
+    sharding = OutputSharding(
         _with_meta(spec, out_placements, meta),
         redistribute_schema=new_schema,
         needs_redistribute=True,
         use_val_from_redistribute_schema=keep_positional,
     )
+    if len(xs) - len(dims) > 1:  # the local result is (rows, ...): a ragged share is flat
+        sharding._ragged_flatten = True  # type: ignore[attr-defined]
+    return sharding
 
 
 # partial result of each row-wise reduction over a padded share: (fill value, partial placement)
@@ -664,11 +674,13 @@ def _reduction(
         assert isinstance(meta, list | tuple)
         if abs(float(ord_)) == math.inf:  # type: ignore[arg-type]
             return _non_empty_norms(schema, list(specs), list(meta), float(ord_))  # type: ignore[arg-type]
-        out = []
+        norms = []
         for spec, m in zip(specs, meta, strict=True):
             assert isinstance(spec, DTensorSpec)
-            out.append(_with_meta(spec, _reduced_placements(spec, lambda: _norm_partial(ord_)), m))
-        return OutputSharding(out)
+            norms.append(
+                _with_meta(spec, _reduced_placements(spec, lambda: _norm_partial(ord_)), m)
+            )
+        return OutputSharding(norms)
     return None
 
 

@@ -83,7 +83,8 @@ def fill_on_partial(
         return None
     if schema.op in (aten.new_ones.default, aten.new_full.default):
         size = schema.args_schema[1]
-        if [int(s) for s in size] != list(spec.shape):  # type: ignore[union-attr]
+        assert isinstance(size, list | tuple)
+        if [int(s) for s in size] != list(spec.shape):
             return None  # torch makes another shape Replicate already
     placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
     for arg in schema.args_schema[1:]:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Placement, Shard
 
 from ragged_dtensor._private.placement import RaggedBoxView, RaggedShard
 
@@ -140,9 +140,9 @@ def row_rule(
     layout: tuple[int, RaggedShard, int] | None = None  # axis, placement, rows
     shape: tuple[int, ...] = ()
     for arg in schema.args_schema:
-        if not (isinstance(arg, DTensorSpec) and any(
-            isinstance(p, RaggedShard) for p in arg.placements
-        )):
+        if not (
+            isinstance(arg, DTensorSpec) and any(isinstance(p, RaggedShard) for p in arg.placements)
+        ):
             continue
         found = _ragged_only_axis(arg)
         if found is None or not found[1].is_box(tuple(arg.shape)) or arg.ndim == 0:
@@ -156,9 +156,11 @@ def row_rule(
     axis, placement, rows = layout
     for arg in torch.utils._pytree.tree_leaves(schema.args_schema):
         # other DTensor operands replicated: a Shard operand's rows would be torch's chunks
-        if isinstance(arg, DTensorSpec) and not any(
-            isinstance(p, RaggedShard) for p in arg.placements
-        ) and not all(p.is_replicate() for p in arg.placements):
+        if (
+            isinstance(arg, DTensorSpec)
+            and not any(isinstance(p, RaggedShard) for p in arg.placements)
+            and not all(p.is_replicate() for p in arg.placements)
+        ):
             return None
     shard0 = Shard(0)
 
@@ -212,7 +214,7 @@ def row_rule(
 
 def flatten_outputs(result: Any, sharding: OutputSharding) -> Any:
     """The local results of a row rule with each ragged output flattened (a view)."""
-    spec = sharding.output_spec
+    spec: Any = sharding.output_spec
     if isinstance(spec, DTensorSpec):
         ragged = any(isinstance(p, RaggedShard) for p in spec.placements)
         return result.reshape(-1) if ragged and isinstance(result, torch.Tensor) else result
