@@ -13,7 +13,8 @@ A sample's outcome, against the op on plain tensors (the single-process referenc
   share;
 - ``error``: a clear error, raised on every rank: ``RaggedOpError``, ``NotImplementedError``,
   or torch's DTensor naming the op (``Sharding propagation failed for aten...`` with the
-  placements, ``... not supported with DTensor``);
+  placements, ``... not supported with DTensor``, ``aten... got mixed torch.Tensor and
+  DTensor``);
 - ``wrong``: a result that differs from the reference;
 - ``crash``: any other exception, a rank that did not finish, or ranks that disagree.
 An entry is ``pass`` (every sample passes), ``partial`` (some pass, the others are clear
@@ -125,9 +126,10 @@ COMMON_TRAINING = (
 )
 
 
-# Random ops, compared by shape and dtype only: some OpInfos seed the generator inside the
-# call (so one process repeats its draw), but the threaded ranks share one generator and draw
-# in turns. (Ragged random fills draw what one device draws: test_ragged_rowwise_random.py.)
+# Random ops (these names, and any sample whose reference call changes the generator's state),
+# compared by shape and dtype only: some OpInfos seed the generator inside the call (so one
+# process repeats its draw), but the threaded ranks share one generator and draw in turns.
+# (Ragged random fills draw what one device draws: test_ragged_rowwise_random.py.)
 RANDOM_NAMES = (
     "bernoulli",
     "cauchy",
@@ -187,8 +189,11 @@ class Case:
 
 def _run_reference(case: Case, seed: int) -> Any:
     torch.manual_seed(seed)
+    state = torch.get_rng_state()
     args, kwargs = copy.deepcopy((case.args, case.kwargs))
     out = case.fn(*args, **kwargs)
+    if not torch.equal(state, torch.get_rng_state()):
+        case.random = True  # it drew from (or seeded) the generator
     return (out, args[0]) if case.inplace else out
 
 
@@ -225,7 +230,7 @@ def build_cases(op: Any, inplace: bool) -> list[Case]:
                 again = _run_reference(case, 1)
             except Exception:
                 continue  # the reference rejects it: not counted
-            case.random = op.name.startswith(RANDOM_NAMES) or not _same(case.want, again)
+            case.random |= op.name.startswith(RANDOM_NAMES) or not _same(case.want, again)
             cases.append(case)
     return cases
 
@@ -288,7 +293,14 @@ def _is_clear(exc: BaseException) -> bool:
     if isinstance(exc, RaggedOpError | NotImplementedError):
         return True
     text = str(exc)
-    return "Sharding propagation failed for aten." in text or "not supported with DTensor" in text
+    return any(
+        clear in text
+        for clear in (
+            "Sharding propagation failed for aten.",
+            "not supported with DTensor",
+            "got mixed torch.Tensor and DTensor",
+        )
+    )
 
 
 def _run_sample(rank: int, world: int, case: Case, kind: str) -> tuple[str, str]:

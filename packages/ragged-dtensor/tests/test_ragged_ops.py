@@ -370,7 +370,8 @@ def _rowwise_body(rank: int, world: int) -> None:
     assert counter.total == 0
     for (got, want), local in zip(cases, locals_, strict=True):
         assert got.placements == (RaggedShard((0,), rows),), got.placements
-        assert local.shape[0] == rows[rank]
+        # a ragged local tensor is flat: the rank's rows of the result, row-major
+        assert local.shape == (rows[rank] * want[0].numel(),), local.shape
         # same arithmetic: each row's reduction runs whole on one rank, the same kernel
         assert torch.equal(got.full_tensor(), want)
 

@@ -277,7 +277,17 @@ def propagate_fallback(
     marked = OpSchema(target.op, tuple(args), target.kwargs_schema, schema_info=target.schema_info)
     output = result.output_spec
     if writeback:
-        output = _as_written(schema.args_schema[0], output)
+        self_spec = schema.args_schema[0]
+        out_meta = getattr(output, "tensor_meta", None)
+        if isinstance(self_spec, DTensorSpec) and (
+            out_meta is None or tuple(out_meta.shape) != tuple(self_spec.shape)
+        ):
+            raise _refuse(
+                schema,
+                why,
+                "it changes the ragged tensor's shape in place; use the out-of-place op",
+            )
+        output = _as_written(self_spec, output)
     return OutputSharding(
         output,
         redistribute_schema=marked,
