@@ -26,9 +26,19 @@ pytestmark = pytest.mark.numerics
 STEPS = 3
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(0)
+def _layers() -> nn.Module:
     return nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2), nn.Linear(2, 1))
+
+
+# built once: the rank threads share torch's global generator, so they load these values
+torch.manual_seed(0)
+_INITIAL = {k: v.clone() for k, v in _layers().state_dict().items()}
+
+
+def _model() -> nn.Module:
+    model = _layers()
+    model.load_state_dict(_INITIAL)
+    return model
 
 
 def _optimizer(kind: str, model: nn.Module) -> torch.optim.Optimizer:
