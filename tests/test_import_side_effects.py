@@ -67,6 +67,8 @@ def named_targets():
     out["dispatcher._dispatch_get_local_results_slow_path"] = vars(dispatcher).get(
         "_dispatch_get_local_results_slow_path", MISSING
     )
+    for op, handler in dispatcher._custom_op_handlers.items():
+        out[f"dispatcher._custom_op_handlers[{op}]"] = handler
     out["torch.UntypedStorage.resize_"] = vars(torch.UntypedStorage).get("resize_", MISSING)
     for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_gather",
                  "all_to_all_single", "broadcast", "all_gather_object", "batch_isend_irecv"):
@@ -234,6 +236,17 @@ def test_the_integration_changes_only_its_targets_and_removal_restores_them(
             "dispatch mode stack",  # the collective checks the environment asked for
             "dispatcher instance attributes",
             "dispatcher._dispatch_get_local_results_slow_path",
+            # [Note: ops DTensor handles by hand]
+            *(
+                f"dispatcher._custom_op_handlers[aten.{op}]"
+                for op in (
+                    "argmax.default",
+                    "argmin.default",
+                    "as_strided.default",
+                    "convolution.default",
+                    "convolution_backward.default",
+                )
+            ),
             "global optimizer post hooks",  # their step counter
             "propagator instance attributes",
             "propagator.propagate_op_sharding",
@@ -249,6 +262,7 @@ def test_the_integration_changes_only_its_targets_and_removal_restores_them(
             "checkpoint",
             "distribute_tensor",
             "state_dict",
+            "custom_handlers",
         ),
         True,
     )
@@ -263,6 +277,7 @@ def test_the_integration_changes_only_its_targets_and_removal_restores_them(
             "checkpoint",
             "distribute_tensor",
             "state_dict",
+            "custom_handlers",
         ),
         False,
     )

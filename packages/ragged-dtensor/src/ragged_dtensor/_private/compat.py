@@ -105,17 +105,26 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor.placement_types import Placement
 
-from ragged_dtensor._private import checkpoint, ops
+from ragged_dtensor._private import checkpoint, handlers, ops
 from ragged_dtensor._private import debug as ragged_debug
 from ragged_dtensor._private import random as ragged_random
 from ragged_dtensor._private import state_dict as ragged_state_dict
+from ragged_dtensor._private.fallback import (
+    FallbackSpec,
+    check_fallback,
+    needs_write_back,
+    write_back,
+)
+from ragged_dtensor._private.partial import FILL_OPS, fill_on_partial, inplace_on_partial
 from ragged_dtensor._private.placement import (
     RaggedBoxView,
+    RaggedBroadcastView,
     RaggedNonEmptyView,
     RaggedPaddedView,
     RaggedShard,
 )
 from ragged_dtensor._private.redistribute import execute, plan_redistribute, ragged_axis, x_shape
+from ragged_dtensor._private.rows import flatten_outputs
 
 __all__ = [
     "SUPPORTED_TORCH",
@@ -149,6 +158,7 @@ _CHECKPOINT_METHODS = {
     "__create_chunk_list__": ("self",),
     "__get_tensor_shard__": ("self", "index"),
 }
+_LAYOUT_FORMATS = (torch.channels_last, torch.channels_last_3d)
 _REDISTRIBUTE_MODULES = (dtensor_redistribute, dtensor_dispatch, dtensor_api)
 
 
@@ -300,6 +310,30 @@ def _non_empty_view(local: torch.Tensor, target: DTensorSpec) -> torch.Tensor:
     return torch.full((1,), fill, dtype=local.dtype, device=local.device)
 
 
+def _broadcast_view(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec) -> torch.Tensor:
+    """Replicate -> RaggedBroadcastView: this rank's share of the operand broadcast to the
+    view's shape, copied from the few rows it covers (about the share's size)."""
+    axis = ragged_axis(target.placements)
+    assert axis is not None
+    placement = target.placements[axis]
+    assert isinstance(placement, RaggedBroadcastView)
+    shape = placement.shape
+    rank = target.mesh.get_local_rank(axis)
+    source = ragged_axis(current.placements)
+    if source is not None:  # a ragged operand of whole rows: expand each row locally
+        held = current.placements[source]
+        assert isinstance(held, RaggedShard)
+        box, _ = held.local_box(tuple(current.shape), rank)
+        return local.view(box).expand((box[0], *shape[1:])).reshape(-1)
+    flat = placement.flat_range(shape, rank)
+    row = math.prod(shape[1:])
+    if not shape or row == 0:
+        return local.expand(shape).reshape(-1)[flat.start : flat.stop]
+    first, last = flat.start // row, -(-flat.stop // row)
+    rows = local.expand(shape)[first:last].reshape(-1)
+    return rows[flat.start - first * row : flat.stop - first * row]
+
+
 def _redistribute_hook(
     local_tensor: torch.Tensor,
     current_spec: DTensorSpec,
@@ -311,8 +345,12 @@ def _redistribute_hook(
         return _padded_view(local_tensor, current_spec, target_spec)
     if any(isinstance(p, RaggedNonEmptyView) for p in target_spec.placements):
         return _non_empty_view(local_tensor, target_spec)
+    if any(isinstance(p, RaggedBroadcastView) for p in target_spec.placements):
+        return _broadcast_view(local_tensor, current_spec, target_spec)
     if any(isinstance(p, RaggedBoxView) for p in target_spec.placements):
         return _box_view(local_tensor, current_spec, target_spec)
+    if isinstance(target_spec, FallbackSpec):
+        check_fallback(current_spec, target_spec)
     if _spec_has_ragged(current_spec) or _spec_has_ragged(target_spec):
         return ragged_redistribute_local(local_tensor, current_spec, target_spec)
     return _torch_functions().redistribute(local_tensor, current_spec, target_spec, *args, **kwargs)
@@ -333,8 +371,20 @@ def _x_shape_of(spec: DTensorSpec) -> tuple[int, ...]:
 def _propagate_hook(op_schema: OpSchema) -> OutputSharding:
     originals = _torch_functions()
     if ops.schema_has_ragged(op_schema):
-        return ops.propagate_ragged(op_schema, originals.tensor_meta, _local_numel, _x_shape_of)
-    return originals.propagate(op_schema)
+        return ops.propagate_ragged(
+            op_schema, originals.tensor_meta, _local_numel, _x_shape_of, originals.propagate
+        )
+    if op_schema.op in FILL_OPS:  # [Note: a fill never stays Partial]
+        filled = fill_on_partial(op_schema, originals.tensor_meta)
+        if filled is not None:
+            return filled
+    try:
+        return originals.propagate(op_schema)
+    except RuntimeError:
+        reduced = inplace_on_partial(op_schema, originals.propagate)
+        if reduced is None:
+            raise
+        return reduced
 
 
 def _cut_share(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
@@ -347,10 +397,18 @@ def _cut_share(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
 
 def _slow_path_hook(op_call: torch._ops.OpOverload, args: tuple[object, ...], op_info: Any) -> Any:
     originals = _torch_functions()
+    if op_info.local_kwargs.get("memory_format") in _LAYOUT_FORMATS:
+        ops.ragged_memory_format(args, op_info)
     random = op_call in DTensor._op_dispatcher._random_ops or op_call in ops.RANDOM_OPS
     if random and ragged_random.is_ragged_random(op_call, args):
         return ragged_random.ragged_random_op(op_call, args, op_info, _cut_share)
-    return originals.slow_path(op_call, args, op_info)
+    result = originals.slow_path(op_call, args, op_info)
+    sharding = op_info.output_sharding
+    if getattr(sharding, "_ragged_flatten", False):  # a row rule's boxes: flat shares
+        return flatten_outputs(result, sharding)
+    if needs_write_back(sharding):  # an in-place op's fallback
+        write_back(args, op_info, _cut_share)
+    return result
 
 
 def _distribute_tensors_hook(
@@ -666,6 +724,7 @@ def _plan() -> tuple[_Originals, list[Any]]:
             _distribute_tensors_hook,
         )
     )
+    changes.extend(handlers.handler_changes(_REFUSING, DTensorIntegrationError))
     originals = _Originals(
         redistribute=redistribute,
         propagate=types.MethodType(propagate, propagator),
@@ -778,6 +837,7 @@ def hooks_installed() -> dict[str, bool]:
         "checkpoint": tuple(_CHECKPOINT_METHODS),
         "distribute_tensor": (_IMPL_NAME,),
         "state_dict": ("_distribute_tensors",),
+        "custom_handlers": tuple(f"custom_op_handler:{op}" for op in handlers.HANDLED),
     }
     with _LOCK:
         names = {c.name for c in _CHANGES if c.still_ours()}
