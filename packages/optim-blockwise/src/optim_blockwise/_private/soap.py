@@ -34,13 +34,8 @@ from typing import Any, cast
 import torch
 
 from optim_blockwise._private.layout import local_flat
-from optim_blockwise._private.preconditioner import (
-    BlockItem,
-    BlockPreconditioner,
-    StateSpec,
-    as_dtype,
-    dtype_name,
-)
+from optim_blockwise._private.precond_plan import BlockItem, StateSpec, as_dtype, dtype_name
+from optim_blockwise._private.preconditioner import BlockPreconditioner
 from optim_blockwise._private.roots import (
     first_eigenbasis,
     project,
