@@ -9,7 +9,8 @@ Per tile ``G`` (``rows x cols`` of a matrix, see ``tiles.py``), at the parameter
 - every ``precondition_frequency`` steps from ``start_preconditioning_step`` on, the inverse
   roots ``(L_hat + eps I)^(-1/4)`` and ``(R_hat + eps I)^(-1/4)`` of the bias-corrected statistics
   are recomputed in ``preconditioner_dtype`` (``roots.py``: eigendecomposition, eigenvalues
-  clamped at ``eps``, float64 retry, the previous root kept on failure);
+  clamped at ``eps``, float64 retry, the previous root kept on failure). Only these refresh
+  steps call ``eigh``, the one host sync (on CUDA) the step keeps: see ``roots``' note on it;
 - ``P = L^(-1/4) M_hat R^(-1/4)``;
 - grafting (Anil et al.; Meta's distributed Shampoo): the step takes its direction from ``P`` and
   its size from a simpler method on the same tile, ``U = P ||A||_F / (||P||_F + 1e-16)`` with
