@@ -139,7 +139,7 @@ def _eigh_per_step(rank: int, world: int, kind: str) -> dict[str, Any]:
             return func(*args, **(kwargs or {}))
 
     per_step: list[tuple[int, int, list[str]]] = []
-    for step in range(1, 8):
+    for _ in range(7):
         for p, s, sp in zip(params, shapes, specs, strict=True):
             p.grad = shard(torch.randn(s, generator=gen), mesh, sp)
         calls.clear()
