@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -141,8 +142,12 @@ def _launches(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    parser.add_argument("--json", default=None, help="write the counts as JSON here")
+    parser.add_argument("--out", default=None, help="a folder: writes launches.json there")
+    args, _ = parser.parse_known_args()  # nox -s bench passes its posargs to every benchmark
+    if args.out and not args.json:
+        os.makedirs(args.out, exist_ok=True)
+        args.json = os.path.join(args.out, "launches.json")
     model = [_layer_shapes() for _ in range(args.layers)]
     n_params = sum(len(g) for g in model)
     results: dict[str, Any] = {"layers": args.layers, "params": n_params, "model": {}, "group": {}}
