@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import init_device_mesh
 
 from ragged_dtensor import RaggedShard, distribute_tensor
-from ragged_dtensor._private import compat as ragged_compat
+from ragged_dtensor._private import compat_dispatch
 from ragged_dtensor._private import random_stream as rs
 from ragged_dtensor.testing import run_threaded
 
@@ -211,7 +211,7 @@ def test_ragged_fills_draw_the_share_in_chunks(
     def no_full(*args: object) -> torch.Tensor:
         raise AssertionError("the full-tensor path ran")
 
-    monkeypatch.setattr(ragged_compat, "_cut_share", no_full)
+    monkeypatch.setattr(compat_dispatch, "_cut_share", no_full)
     for problems in run_threaded(_dtensor_body, 2, placement):
         assert not problems, problems
 
