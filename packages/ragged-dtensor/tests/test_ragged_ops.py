@@ -306,13 +306,13 @@ def _norms_body(rank: int, world: int) -> list[tuple[str, float, torch.Tensor, t
 
 
 def test_norms_of_every_order_with_empty_shares_match_single_process() -> None:
-    """[Note: norms without an identity] in ops.py: ``linalg_vector_norm``, ``_foreach_norm`` and
-    ``clip_grad_norm_`` of every order, ``inf`` and ``-inf`` included, on tensors some rank holds
-    no element of, equal one process's results on every rank (torch raises on the empty share
-    for +-inf; FSDP2 does too when a Shard(0) share is empty). inf, -inf and 0 are a max, a min
-    and a count (exact: bitwise, and so are the gradients they clip); the p-norms combine
-    per-rank sums (relative error <= (n + 2) * eps, ``_norm_rtol``, for the norm and each
-    clipped gradient)."""
+    """[Note: norms without an identity] in ops_reductions.py: ``linalg_vector_norm``,
+    ``_foreach_norm`` and ``clip_grad_norm_`` of every order, ``inf`` and ``-inf`` included, on
+    tensors some rank holds no element of, equal one process's results on every rank (torch
+    raises on the empty share for +-inf; FSDP2 does too when a Shard(0) share is empty). inf,
+    -inf and 0 are a max, a min and a count (exact: bitwise, and so are the gradients they
+    clip); the p-norms combine per-rank sums (relative error <= (n + 2) * eps, ``_norm_rtol``,
+    for the norm and each clipped gradient)."""
     rtol = _norm_rtol(torch.empty(8 * 3 + 5 + 4 * 2 * 3))
     for rank_results in run_threaded(_norms_body, 4):
         assert len(rank_results) == len(_ORDERS) * (1 + 3 + 1 + 3)
