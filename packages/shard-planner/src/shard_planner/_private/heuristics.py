@@ -1,9 +1,10 @@
 """The comparison methods of ``plan`` (the veScale heuristic as we read it, model order) and
 the trivial plan that caps the ``auto`` search.
 
-The two methods are kept to measure what the ``auto`` search (``search``) adds: ``paper`` bisects over
-multiples of each block-prefix LCM (assuming a feasibility that is monotone in the shard size,
-which it is not), ``model-order`` scans every admissible size with the tensors in model order only.
+The two methods are kept to measure what the ``auto`` search (``search``) adds: ``paper``
+bisects over multiples of each block-prefix LCM (assuming a feasibility that is monotone in the
+shard size, which it is not), ``model-order`` scans every admissible size with the tensors in
+model order only.
 """
 
 from __future__ import annotations
