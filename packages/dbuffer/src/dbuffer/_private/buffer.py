@@ -287,6 +287,8 @@ class DBuffer(FusedOps, ReleasableShard):
         hook_stream: torch.Stream | None = None,
         comm: ReduceScatterComm | None = None,
         allocate: Callable[..., torch.Tensor] | None = None,
+        partial: torch.Tensor | None = None,
+        hold: torch.Tensor | None = None,
     ) -> Handle:
         """Reduce the unsharded storage over the mesh into the shard: one reduce-scatter over the
         shard axis (none when it has one rank), then (HSDP) one all-reduce over each replicate
@@ -299,6 +301,12 @@ class DBuffer(FusedOps, ReleasableShard):
         ``hook(reduced)`` runs on the reduced shard (reduce dtype) after the replica all-reduce,
         on ``hook_stream`` if given; ``comm`` / ``allocate`` replace the backend's
         reduce-scatter and the receive buffer's allocation (FSDP2's custom reduce-scatter).
+        HSDP microbatches without the replica all-reduce (FSDP2's ``set_requires_all_reduce
+        (False)``): ``hold`` (a shard-sized tensor in the reduce dtype) receives the
+        reduce-scatter's result instead (added with ``accumulate``; no all-reduce, post-division
+        or hook), and the next full reduction adds it back before its all-reduce (``partial``).
+        ``Handle.wait_input`` waits only until the input has been read ([Note: two events per
+        reduction]).
         """
         rdtype = reduce_dtype or self.dtype
         return buffer_comm.reduce_scatter(
@@ -313,6 +321,8 @@ class DBuffer(FusedOps, ReleasableShard):
             hook_stream=hook_stream,
             comm=comm,
             allocate=allocate,
+            partial=partial,
+            hold=hold,
         )
 
     @property

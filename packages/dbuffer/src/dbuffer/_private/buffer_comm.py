@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
@@ -181,8 +182,11 @@ def reduce_scatter(
     hook_stream: torch.Stream | None = None,
     comm: ReduceScatterComm | None = None,
     allocate: Callable[..., torch.Tensor] | None = None,
+    partial: torch.Tensor | None = None,
+    hold: torch.Tensor | None = None,
 ) -> Handle:
-    """``DBuffer.reduce_scatter``: the unsharded storage reduced into ``into``'s shard."""
+    """``DBuffer.reduce_scatter``: the unsharded storage reduced into ``into``'s shard (or into
+    ``hold``, reduce-scattered only: no all-reduce, post-division or hook)."""
     target = buffer if into is None else into
     if into is not None:
         buffer._require_same(into, "reduce_scatter")
@@ -201,20 +205,30 @@ def reduce_scatter(
     buffer.wait()
     if target is not buffer:
         target.wait()
+    out = target.shard
+    replicas = [buffer.mesh.get_group(a) for a in buffer.replicate_axes]
+    if hold is not None:
+        if hold.numel() != out.numel():
+            raise ValueError(
+                f"DBuffer.reduce_scatter: hold has {hold.numel()} elements, the shard {out.numel()}"
+            )
+        out, replicas, hook = hold, [], None
+        spec = attrs.evolve(spec, post_divide=None)
     return buffer._track(
         reduce_scatter_flat(
-            target.shard,
+            out,
             entry.flat,
             buffer.mesh.get_group(buffer.shard_axis),
-            [buffer.mesh.get_group(a) for a in buffer.replicate_axes],
+            replicas,
             spec=spec,
             reduce_dtype=reduce_dtype,
             accumulate=accumulate,
             async_op=async_op,
-            finish=release if free_unsharded else None,
             hook=hook,
             hook_stream=hook_stream,
             comm=comm,
             allocate=allocate,
+            partial=partial,
+            release_input=release if free_unsharded else None,
         )
     )

@@ -18,7 +18,10 @@ iteration has no previous order: no prefetch, like FSDP2 on CPU.
 A group's reduce-scatter reads its unsharded gradient storage until it completes. At most
 ``max_input_buffers`` reductions are in flight (``set_reduce_scatter_max_input_buffers``, FSDP2's
 cap over every group of a root, 1 by default): before a group hands its gradients over, the
-oldest reductions beyond the cap are waited for, which frees their storage. More in flight lets
+oldest reductions beyond the cap are waited for up to their reduce-scatter's read of the input,
+which frees their storage; an HSDP all-reduce still running is not waited for (FSDP2: compute
+costs max(compute, reduce-scatter), not max(compute, reduce-scatter + all-reduce); [Note: two
+events per reduction] in dbuffer). More in flight lets
 the next layer's backward run while an exposed reduce-scatter finishes, at the cost of that
 much more gradient memory.
 """
@@ -97,7 +100,7 @@ class IterationContext:
                 while self.in_flight and len(self.in_flight) >= self.max_in_flight:
                     previous = self.in_flight.popleft()
                     if previous is not group:
-                        previous.wait_for_reduce()
+                        previous.wait_for_reduce_input()
         if group in self.in_flight:
             self.in_flight.remove(group)
         self.in_flight.append(group)

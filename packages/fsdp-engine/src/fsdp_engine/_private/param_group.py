@@ -369,6 +369,13 @@ class ParamGroup:
         self.reducer.wait()
         self._run_hooks()
 
+    def wait_for_reduce_input(self) -> None:
+        """The in-flight cap: this group's reduce-scatter has read its input (freed now); an
+        HSDP all-reduce may still run ([Note: two events per reduction] in dbuffer)."""
+        self.reducer.wait_input()
+        if self.reducer.handle is None:
+            self._run_hooks()
+
     def _run_hooks(self) -> None:
         if self.presence.due is None:  # exact presence: the hooks wait for it
             self.reducer.run_post_accumulate_hooks()

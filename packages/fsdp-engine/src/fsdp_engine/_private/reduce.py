@@ -367,6 +367,14 @@ class GradReducer:
         self.hooks_due = self.issued = True
 
     # -- completion and lifetimes -------------------------------------------------------------
+    def wait_input(self) -> None:
+        """Until the reduce-scatter has read its input, which is then freed (the in-flight cap:
+        [Note: two events per reduction] in dbuffer); the rest stays in flight."""
+        if self.handle is not None:
+            self.handle.wait_input()
+            if self.handle.done:
+                self.handle = None
+
     def wait(self) -> None:
         if self.handle is not None:
             self.handle.wait()
