@@ -20,7 +20,7 @@ stream reuses it (the hand-back after the hook in dbuffer's packed.py) must be r
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -225,7 +225,7 @@ class _CapProbe:
     after the all-reduce stream, how far that stream has got, and how far the compute stream is
     ordered after the reduce-scatter stream (per rank: the ranks are threads)."""
 
-    seen: dict[int, list[tuple[int, int, int]]] = {}
+    seen: ClassVar[dict[int, list[tuple[int, int, int]]]] = {}
 
     @classmethod
     def install(cls, monkeypatch: pytest.MonkeyPatch) -> None:

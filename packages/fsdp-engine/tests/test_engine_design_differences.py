@@ -76,13 +76,6 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 
     capture("Shard(1) of a tensor-parallel parameter", tp_with_shard1)
 
-    def requires_all_reduce() -> None:
-        m = Mlp()
-        api.fully_shard(m, mesh=hsdp)
-        m.set_requires_all_reduce(False)  # type: ignore[operator]
-
-    capture("set_requires_all_reduce(False) with HSDP", requires_all_reduce)
-
     def ddp_mode() -> None:  # FSDP2's DDP mode: dp_mesh_dims naming replicate dims only
         layer = nn.Linear(4, 4)
         for name, param in list(layer.named_parameters()):
@@ -92,12 +85,6 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 
     capture("dp_mesh_dims without shard dims", ddp_mode)
 
-    def separate_group() -> None:
-        m = Mlp()
-        api.fully_shard(m)
-        m.set_separate_reduce_scatter_group()  # type: ignore[operator]
-
-    capture("set_separate_reduce_scatter_group", separate_group)
     return out
 
 
@@ -107,9 +94,7 @@ def test_what_fsdp2_supports_and_we_refuse_raises_naming_it() -> None:
     out = run_threaded(_refusals, 4)[0]
     expected = {
         "Shard(1) of a tensor-parallel parameter": "Shard(1) of the tensor-parallel",
-        "set_requires_all_reduce(False) with HSDP": "set_requires_all_reduce(False)",
         "dp_mesh_dims without shard dims": "without shard dims",
-        "set_separate_reduce_scatter_group": "set_separate_reduce_scatter_group",
     }
     for name, fragment in expected.items():
         assert out[name].startswith("NotImplementedError") and fragment in out[name], out[name]

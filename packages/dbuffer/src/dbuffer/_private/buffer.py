@@ -289,6 +289,7 @@ class DBuffer(FusedOps, ReleasableShard):
         allocate: Callable[..., torch.Tensor] | None = None,
         partial: torch.Tensor | None = None,
         hold: torch.Tensor | None = None,
+        shard_group: dist.ProcessGroup | None = None,
     ) -> Handle:
         """Reduce the unsharded storage over the mesh into the shard: one reduce-scatter over the
         shard axis (none when it has one rank), then (HSDP) one all-reduce over each replicate
@@ -306,7 +307,8 @@ class DBuffer(FusedOps, ReleasableShard):
         reduce-scatter's result instead (added with ``accumulate``; no all-reduce, post-division
         or hook), and the next full reduction adds it back before its all-reduce (``partial``).
         ``Handle.wait_input`` waits only until the input has been read ([Note: two events per
-        reduction]).
+        reduction]). ``shard_group``: the reduce-scatter on another process group over the
+        same ranks as the shard axis (FSDP2's ``set_separate_reduce_scatter_group``).
         """
         rdtype = reduce_dtype or self.dtype
         return buffer_comm.reduce_scatter(
@@ -323,6 +325,7 @@ class DBuffer(FusedOps, ReleasableShard):
             allocate=allocate,
             partial=partial,
             hold=hold,
+            shard_group=shard_group,
         )
 
     @property

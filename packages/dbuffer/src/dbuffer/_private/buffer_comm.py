@@ -184,13 +184,15 @@ def reduce_scatter(
     allocate: Callable[..., torch.Tensor] | None = None,
     partial: torch.Tensor | None = None,
     hold: torch.Tensor | None = None,
+    shard_group: dist.ProcessGroup | None = None,
 ) -> Handle:
     """``DBuffer.reduce_scatter``: the unsharded storage reduced into ``into``'s shard (or into
     ``hold``, reduce-scattered only: no all-reduce, post-division or hook)."""
     target = buffer if into is None else into
     if into is not None:
         buffer._require_same(into, "reduce_scatter")
-    target._require_shard("reduce_scatter")
+    if hold is None:
+        target._require_shard("reduce_scatter")
     if not buffer.is_unsharded():
         raise RuntimeError(
             "DBuffer.reduce_scatter: the unsharded storage is not allocated "
@@ -208,9 +210,10 @@ def reduce_scatter(
     out = target.shard
     replicas = [buffer.mesh.get_group(a) for a in buffer.replicate_axes]
     if hold is not None:
-        if hold.numel() != out.numel():
+        if hold.numel() != buffer.shard_size:
             raise ValueError(
-                f"DBuffer.reduce_scatter: hold has {hold.numel()} elements, the shard {out.numel()}"
+                f"DBuffer.reduce_scatter: hold has {hold.numel()} elements, the shard "
+                f"{buffer.shard_size}"
             )
         out, replicas, hook = hold, [], None
         spec = attrs.evolve(spec, post_divide=None)
@@ -218,7 +221,7 @@ def reduce_scatter(
         reduce_scatter_flat(
             out,
             entry.flat,
-            buffer.mesh.get_group(buffer.shard_axis),
+            buffer.mesh.get_group(buffer.shard_axis) if shard_group is None else shard_group,
             replicas,
             spec=spec,
             reduce_dtype=reduce_dtype,

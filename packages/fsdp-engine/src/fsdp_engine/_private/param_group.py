@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import attrs
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -39,7 +40,8 @@ from fsdp_engine._private.param import (
 )
 from fsdp_engine._private.plans import alignment, view_dtypes
 from fsdp_engine._private.presence import Presence
-from fsdp_engine._private.reduce import GradReducer, ReduceSettings
+from fsdp_engine._private.reduce import GradReducer
+from fsdp_engine._private.reduce_comm import ReduceSettings, choose_reduce_comm
 from fsdp_engine._private.spmd import SpmdMesh
 from fsdp_engine._private.storage import group_dtypes
 
@@ -65,6 +67,11 @@ class GroupConfig:
     post_forward_k: int = 0  # reshard_after_forward=k: a 1/k part kept after forward (0: none)
     # set_gradients_in_parameter_storage ([Note: gradients in the parameters' storage])
     gradients_in_place: bool = False
+    # set_requires_all_reduce / set_separate_reduce_scatter_group ([Note: reduction strategies])
+    requires_all_reduce: bool = True
+    separate_rs_group: dist.ProcessGroup | None = (
+        None  # not "reduce_": that prefix is ReduceSettings
+    )
 
 
 class ParamGroup:
@@ -136,10 +143,16 @@ class ParamGroup:
             config.all_gather_comm is not self.config.all_gather_comm
             or config.post_forward_k != self.config.post_forward_k
         )
+        reduce_changed = (
+            config.requires_all_reduce != self.config.requires_all_reduce
+            or config.separate_rs_group is not self.config.separate_rs_group
+        )
         self.config = config
         self.presence.exact = config.exact_presence
         if gather_changed:
             self._choose_gather()
+        if reduce_changed:
+            self._choose_reduce()
 
     def _set_dtypes(self) -> None:
         """Compute and reduce dtypes from the policy and the parameters' dtype; the gradient
@@ -157,6 +170,15 @@ class ParamGroup:
             align=alignment(aligned),
         )
         self._choose_gather()
+        self._choose_reduce()
+
+    def _choose_reduce(self) -> None:
+        """[Note: reduction strategies] (reduce_comm.py)."""
+        self.reducer.comm = choose_reduce_comm(
+            replicated=bool(self.storage.buffer.replicate_axes),
+            requires_all_reduce=self.config.requires_all_reduce,
+            shard_group=self.config.separate_rs_group,
+        )
 
     def _choose_gather(self) -> None:
         self.gather: Gather = gather_for_params(

@@ -26,21 +26,46 @@ parameters' local shares. Frozen parameters are neither communicated nor given a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import enum
+from collections.abc import Sequence
 
 import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
-from dbuffer import DBuffer, Handle, ReduceScatterComm
+from dbuffer import DBuffer, Handle
 from fsdp_engine._private import compat
 from fsdp_engine._private.compact import Reduction, compact_buffer, reduction_for_mask
 from fsdp_engine._private.grads import ShardedGrads
 from fsdp_engine._private.handover import InPlaceHandover, handover_casts, handover_for
 from fsdp_engine._private.param import FSDPParam
+from fsdp_engine._private.reduce_comm import (
+    Partial,
+    ReduceComm,
+    ReduceScatter,
+    ReduceSettings,
+)
 from fsdp_engine._private.storage import ShardStorage
 
-__all__ = ["GradReducer", "ReduceSettings", "Reduced"]
+__all__ = ["GradReducer", "GradState", "ReduceSettings", "Reduced"]
+
+
+class GradState(enum.Enum):
+    """Where a group's gradients are between backward and reduction ([Note: reduction
+    strategies] in reduce_comm.py)."""
+
+    IDLE = "idle"  # nothing to reduce
+    PENDING = "pending"  # autograd's gradients of this window, not yet reduced or held
+    HELD = "held"  # held in the accumulator (no-sync microbatches, or the compact input)
+    PENDING_ON_HELD = "pending_on_held"  # a new backward's gradients, earlier ones held
+
+    @property
+    def pending(self) -> bool:
+        return self in (GradState.PENDING, GradState.PENDING_ON_HELD)
+
+    @property
+    def held(self) -> bool:
+        return self in (GradState.HELD, GradState.PENDING_ON_HELD)
 
 
 @attrs.frozen
@@ -53,23 +78,9 @@ class Reduced:
     issued: bool
 
 
-@attrs.frozen
-class ReduceSettings:
-    """What the user configured for a group's reductions (``FSDPModule`` setters)."""
-
-    divide_factor: float | None = None
-    force_sum: bool = False
-    hook: Callable[[torch.Tensor], None] | None = None
-    hook_stream: torch.Stream | None = None
-    comm: ReduceScatterComm | None = None
-    allocate: Callable[..., torch.Tensor] | None = None
-    check_finite: bool = False  # set_check_finite_gradients ([Note: a non-finite gradient, named])
-
-
 class GradReducer:
-    """A group's gradient path (module Notes). ``pending``: autograd wrote unsharded gradients
-    not yet reduced; ``accumulated``: gradients held in ``accum`` (no-sync microbatches, or the
-    compact input)."""
+    """A group's gradient path (module Notes): its ``GradState``, and how it communicates
+    (``comm``, chosen by the group when it is set up or reconfigured)."""
 
     def __init__(
         self,
@@ -97,8 +108,9 @@ class GradReducer:
         self.grads = ShardedGrads(storage, params)  # [Note: gradient storage lifetimes]
         self.reduction: Reduction | None = None
         self.accum: DBuffer | None = None
-        self.pending = False
-        self.accumulated = False
+        self.state = GradState.IDLE
+        self.comm: ReduceComm = ReduceScatter()
+        self.partial = Partial()  # HSDP microbatches reduce-scattered without the all-reduce
         self.handle: Handle | None = None
         self.hooks_due = False
         self.issued = False
@@ -111,8 +123,16 @@ class GradReducer:
         return isinstance(self.handover, InPlaceHandover) and self.handover.armed
 
     @property
+    def pending(self) -> bool:
+        return self.state.pending
+
+    @property
+    def accumulated(self) -> bool:
+        return self.state.held
+
+    @property
     def busy(self) -> bool:
-        return self.pending or self.accumulated
+        return self.state is not GradState.IDLE
 
     # -- the reduction of a mask --------------------------------------------------------------
     def reduction_for(self, mask: tuple[bool, ...]) -> Reduction:
@@ -121,7 +141,7 @@ class GradReducer:
         if current is not None and current.mask == mask:
             return current
         reduction = reduction_for_mask(self.storage, mask, self.align)
-        if current is not None and self.busy:
+        if current is not None and (self.busy or self.partial.tensor is not None):
             raise RuntimeError(
                 "fully_shard: requires_grad of parameters changed while gradients were being "
                 "accumulated without synchronization; change it between optimizer steps"
@@ -178,7 +198,7 @@ class GradReducer:
         # else: autograd makes the gradients; post-backward collects them (compact, and
         # [Note: placed groups] copied into FSDP2's order)
         started = not self.accumulated
-        self.pending = True
+        self.state = GradState.PENDING_ON_HELD if self.accumulated else GradState.PENDING
         return started
 
     # -- after backward -----------------------------------------------------------------------
@@ -263,14 +283,14 @@ class GradReducer:
             accum.unsharded_flat().add_(self.unsharded_grads.unsharded_flat())
             self._detach(unsharded)
             self.unsharded_grads.reshard()
-            self.pending, self.accumulated = False, True
+            self.state = GradState.HELD
         if not sync:
             return used  # same dtype: the next microbatch adds into the unsharded storage
         source = self.accum if self.accumulated else self.unsharded_grads
         assert source is not None
         self._detach(unsharded)
         self._issue(reduction, source, settings, async_op=async_op)
-        self.pending = self.accumulated = False
+        self.state = GradState.IDLE
         return used
 
     def _reduce_parameters(
@@ -290,11 +310,11 @@ class GradReducer:
         params = self.storage.buffer
         if sync:
             self._issue(reduction, params, settings, async_op=async_op)
+            self.state = GradState.IDLE
         else:
             accum = self._accumulator(params)
             accum.unsharded_flat().add_(params.unsharded_flat())
-            self.accumulated = True
-        self.pending = False
+            self.state = GradState.HELD
         return used
 
     def _reduce_compact(
@@ -326,20 +346,21 @@ class GradReducer:
                         flat = local.reshape(-1)[start : start + length]
                         rows[rank, dst : dst + length].add_(flat)
             self._detach(unsharded)
-            self.pending, self.accumulated = False, True
+            self.state = GradState.HELD
         if sync and self.accumulated:
             assert self.accum is not None
             self._issue(reduction, self.accum, settings, async_op=async_op)
-            self.accumulated = False
+            self.state = GradState.IDLE
         return used
 
     def _issue(
         self, reduction: Reduction, source: DBuffer, settings: ReduceSettings, *, async_op: bool
     ) -> None:
-        """One reduce-scatter (plus one all-reduce per replicate axis for HSDP) of ``source``
-        into the sharded gradient storage; each trainable parameter's ``.grad`` becomes its
-        view (accumulating into a ``.grad`` already there, which must be ours)."""
-        grads, views, accumulate = self.grads.target(reduction)
+        """The group's ``comm`` reduces ``source`` ([Note: reduction strategies]): into the
+        sharded gradient storage, each trainable parameter's ``.grad`` becoming its view
+        (accumulating into a ``.grad`` already there, which must be ours), or held for a later
+        all-reduce."""
+        comm = self.comm
         if settings.check_finite:  # before the reduction frees it; no host read
             self.local_norm = torch.linalg.vector_norm(source.unsharded_flat(), dtype=torch.float32)
         spec = source.reduce_spec(
@@ -348,23 +369,26 @@ class GradReducer:
             divide_factor=settings.divide_factor,
             force_sum=settings.force_sum,
         )
-        handle = source.reduce_scatter(
+        grads: DBuffer | None = None
+        views: list[DTensor | None] = []
+        accumulate = False
+        if comm.assigns_grads:
+            grads, views, accumulate = self.grads.target(reduction)
+        handle = comm.issue(
+            source,
+            into=grads,
+            accumulate=accumulate,
             spec=spec,
             reduce_dtype=self.reduce_dtype,
-            accumulate=accumulate,
-            into=grads,
-            free_unsharded=True,
+            partial=self.partial,
+            settings=settings,
             async_op=async_op,
-            hook=settings.hook,
-            hook_stream=settings.hook_stream,
-            comm=settings.comm,
-            allocate=settings.allocate,
         )
         self.handle = None if handle.done else handle
-        for param, view in zip(self.params, views, strict=True):
+        for param, view in zip(self.params, views, strict=False):
             if view is not None:
                 param.sharded.grad = view
-        self.hooks_due = self.issued = True
+        self.hooks_due = self.issued = comm.assigns_grads
 
     # -- completion and lifetimes -------------------------------------------------------------
     def wait_input(self) -> None:
@@ -402,5 +426,7 @@ class GradReducer:
         self.unsharded_grads.reshard()
         if self.accum is not None:
             self.accum.reshard()
-        self.pending = self.accumulated = self.hooks_due = False
+        self.state = GradState.IDLE
+        self.partial = Partial()
+        self.hooks_due = False
         self.local_norm = None

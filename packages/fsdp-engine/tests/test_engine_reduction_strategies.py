@@ -1,0 +1,126 @@
+"""The reduction strategies FSDP2 offers beyond one reduce-scatter per backward, against torch's
+FSDP2 as the control ([Note: reduction strategies] in reduce_comm.py).
+
+Numeric kind: *same arithmetic*. Both engines reduce the same per-element sums in the same order
+(a reduce-scatter of each microbatch, the held results added in microbatch order, one all-reduce,
+the same pre/post division), only laid out differently: compared bitwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from engine_fsdp2 import (
+    ALL_REDUCE,
+    REDUCE_SCATTER,
+    Stack,
+    counting,
+    data,
+    engine,
+    full_grads,
+    full_params,
+    make,
+    shard_stack,
+)
+from torch.distributed.device_mesh import init_device_mesh
+
+from ragged_dtensor.testing import run_threaded
+
+pytestmark = pytest.mark.numerics
+
+
+def _hsdp_window(rank: int, world: int, impl: str) -> dict[str, Any]:
+    """Two windows of three microbatches on a 2 x 2 HSDP mesh; the first two microbatches of
+    each with ``set_requires_all_reduce(False)``, then an Adam step."""
+    api = engine(impl)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    model = make(Stack)
+    shard_stack(api, model, mesh=mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    counts: list[tuple[int, int]] = []
+    grads: list[dict[str, Any]] = []
+    for step in range(2):
+        for micro in range(3):
+            model.set_requires_all_reduce(micro == 2)  # type: ignore[operator]
+            with counting() as seen:
+                model(data(rank, step=3 * step + micro)).sum().backward()
+            counts.append((seen.get(REDUCE_SCATTER, 0), seen.get(ALL_REDUCE, 0)))
+            if micro < 2:  # the sharded gradients are untouched until the all-reduce
+                assert all(p.grad is None for p in model.parameters())
+        grads.append(full_grads(model))
+        optim.step()
+        optim.zero_grad()
+    return {"counts": counts, "grads": grads, "params": full_params(model)}
+
+
+def test_hsdp_all_reduce_once_per_window_matches_fsdp2() -> None:
+    """HSDP with ``set_requires_all_reduce(False)`` on all but the last microbatch: every
+    microbatch reduce-scatters, the replica all-reduce runs once per group at the end of the
+    window (3 groups: 2 blocks and the root), ``.grad`` is written only then, and gradients and
+    trained parameters equal FSDP2's bitwise."""
+    ours = run_threaded(_hsdp_window, 4, "ours")
+    theirs = run_threaded(_hsdp_window, 4, "fsdp2")
+    for mine, control in zip(ours, theirs, strict=True):
+        assert [a for _, a in mine["counts"]] == [0, 0, 3] * 2, mine["counts"]
+        assert all(rs == 3 for rs, _ in mine["counts"]), mine["counts"]
+        assert [a for _, a in control["counts"]] == [0, 0, 3] * 2, control["counts"]
+        for got, want in zip(mine["grads"], control["grads"], strict=True):
+            for name, value in want.items():
+                assert torch.equal(got[name], value), name
+        for name, value in control["params"].items():
+            assert torch.equal(mine["params"][name], value), name
+
+
+def _separate_group(rank: int, world: int, impl: str) -> dict[str, Any]:
+    """Two steps of a 1-D ``Stack`` with ``set_separate_reduce_scatter_group(True)``: the
+    groups every reduce-scatter and all-gather used."""
+    api = engine(impl)
+    mesh = init_device_mesh("cpu", (world,))
+    model = make(Stack)
+    shard_stack(api, model, mesh=mesh)
+    model.set_separate_reduce_scatter_group(True)  # type: ignore[operator]
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    used: set[int] = set()
+    real = dist.reduce_scatter_single
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        used.add(id(kwargs["group"]))
+        return real(*args, **kwargs)
+
+    dist.reduce_scatter_single = record
+    grads = []
+    try:
+        for step in range(2):
+            model(data(rank, step=step)).sum().backward()
+            grads.append(full_grads(model))
+            optim.step()
+            optim.zero_grad()
+    finally:
+        dist.reduce_scatter_single = real
+    shard = mesh.get_group(0)
+    groups = [g for g in dist.distributed_c10d._world.pg_map if id(g) in used]
+    return {
+        "separate": bool(used) and id(shard) not in used,
+        "ranks": [dist.get_process_group_ranks(g) for g in groups],
+        "grads": grads,
+        "params": full_params(model),
+    }
+
+
+def test_separate_reduce_scatter_group_matches_fsdp2() -> None:
+    """``set_separate_reduce_scatter_group(True)``: the reduce-scatters run on a process group
+    other than the mesh's, over the same ranks (one for the whole call); the values equal
+    FSDP2's bitwise."""
+    ours = run_threaded(_separate_group, 2, "ours")
+    theirs = run_threaded(_separate_group, 2, "fsdp2")
+    for mine, control in zip(ours, theirs, strict=True):
+        assert mine["separate"] and control["separate"]
+        assert mine["ranks"] == [[0, 1]], mine["ranks"]
+        for got, want in zip(mine["grads"], control["grads"], strict=True):
+            for name, value in want.items():
+                assert torch.equal(got[name], value), name
+        for name, value in control["params"].items():
+            assert torch.equal(mine["params"][name], value), name
