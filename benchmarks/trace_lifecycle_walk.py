@@ -145,6 +145,7 @@ def main() -> None:
         )
         if "--files" in sys.argv:
             print("   ", sorted(entry["files"]))
+            print("   ", sorted(entry["edges"]))
     dist.destroy_process_group()
 
 

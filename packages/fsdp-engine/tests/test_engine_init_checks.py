@@ -81,7 +81,7 @@ def _subgroups(rank: int, world: int) -> tuple[bool, int]:
         model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))
     for layer in model:
         fsdp_engine.fully_shard(layer, mesh=mesh, reshard_after_forward=2)
-    parts = [get_state(layer).groups[0].post_forward for layer in model]  # type: ignore[union-attr]
+    parts = [get_state(layer).groups[0].post_forward_part for layer in model]  # type: ignore[union-attr]
     groups = {id(p.group) for p in parts if p is not None}
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
     model(x).sum().backward()  # the shared sub-group re-gathers every layer

@@ -37,7 +37,7 @@ import torch
 from fsdp_engine._private import compat, gather
 
 if TYPE_CHECKING:
-    from fsdp_engine._private.param_group import ParamGroup
+    from fsdp_engine._private.group_lifecycle import GroupLifecycle
     from fsdp_engine._private.state import FSDPState
 
 __all__ = [
@@ -62,7 +62,7 @@ class IterationContext:
         # all-gather of the iteration waits for instead of the compute stream
         self.inputs_ready: torch.Event | None = None
         self.max_in_flight = 1
-        self.in_flight: deque[ParamGroup] = deque()
+        self.in_flight: deque[GroupLifecycle] = deque()
         self.pre_forward_order: list[FSDPState] = []  # this iteration, with multiplicity
         self.forward_next: dict[int, list[FSDPState | None]] = {}  # last iteration's successors
         self.forward_seen: dict[int, int] = {}  # occurrences of each state so far
@@ -92,7 +92,7 @@ class IterationContext:
         return successors[occurrence] if occurrence < len(successors) else None
 
     # -- reductions ---------------------------------------------------------------------------
-    def before_reduction(self, group: ParamGroup, label: str) -> None:
+    def before_reduction(self, group: GroupLifecycle, label: str) -> None:
         """[Note: reductions in flight]: make room for ``group``'s reduction (waiting, in the
         profiler range ``label``, for the oldest ones beyond the cap)."""
         if self.in_flight and len(self.in_flight) >= self.max_in_flight:
@@ -123,7 +123,7 @@ def forward_prefetch_targets(state: FSDPState) -> Sequence[FSDPState]:
     next module ([Note: implicit forward prefetch])."""
     if state.config.forward_prefetch is not None:
         return state.config.forward_prefetch
-    if compat.in_backward():
+    if compat.graph_task_id() != -1:  # in a backward (compat.in_backward, without a frame)
         return ()
     target = state.ctx.predicted_next(state)
     if target is None or target is state or not target.groups:
