@@ -8,7 +8,7 @@ the same pre/post division), only laid out differently: compared bitwise.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -25,6 +25,7 @@ from engine_fsdp2 import (
     make,
     shard_stack,
 )
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from ragged_dtensor.testing import run_threaded
@@ -124,3 +125,79 @@ def test_separate_reduce_scatter_group_matches_fsdp2() -> None:
                 assert torch.equal(got[name], value), name
         for name, value in control["params"].items():
             assert torch.equal(mine["params"][name], value), name
+
+
+class _Branches(nn.Module):
+    """``a`` is used, ``b`` never (on any rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x)
+
+
+class _NcclAlone:
+    """Patched in for the whole test (the ranks are threads): each rank's mesh group looks
+    accelerator-only (no CPU backend), and the all-reduces are recorded per rank."""
+
+    shards: ClassVar[dict[int, Any]] = {}
+    groups: ClassVar[dict[int, list[Any]]] = {}
+
+    @classmethod
+    def install(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        from fsdp_engine._private import presence
+
+        real_has = presence.compat.has_backend_for
+        real_all_reduce = dist.all_reduce
+        cls.shards, cls.groups = {}, {}
+
+        def has_backend_for(group: Any, device: torch.device) -> bool:
+            if group is cls.shards.get(dist.get_rank()):
+                return False
+            return bool(real_has(group, device))
+
+        def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            assert tensor.device.type == "cpu"
+            cls.groups.setdefault(dist.get_rank(), []).append(kwargs.get("group"))
+            return real_all_reduce(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(presence.compat, "has_backend_for", has_backend_for)
+        monkeypatch.setattr(presence.dist, "all_reduce", all_reduce)
+
+
+def _presence_off_the_device(rank: int, world: int) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world,))
+    shard = _NcclAlone.shards[rank] = mesh.get_group(0)
+    model = make(_Branches)
+    engine("ours").fully_shard(model, mesh=mesh)
+    model.set_reduce_scatter_unused_params(False)  # type: ignore[operator]
+    present = []
+    for step in range(2):
+        model(data(rank, step=step)).sum().backward()
+        present.append({n: p.grad is not None for n, p in model.named_parameters()})
+        model.zero_grad()
+    groups = _NcclAlone.groups.get(rank, [])
+    return {
+        "present": present,
+        "groups": len(groups),
+        "on_mesh_group": any(g is shard for g in groups),
+        "one_host_group": len({id(g) for g in groups}) == 1,
+    }
+
+
+def test_exact_presence_on_an_accelerator_only_group_never_goes_through_the_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 34: ``set_reduce_scatter_unused_params(False)`` on a group whose backend serves no
+    CPU tensors (NCCL alone) sums the used-flags on a gloo group over the same ranks, made once:
+    one host all-reduce per backward, no device copy and so no host sync; the unused
+    parameters lose their ``.grad`` as on a gloo group."""
+    _NcclAlone.install(monkeypatch)
+    for result in run_threaded(_presence_off_the_device, 2):
+        for present in result["present"]:
+            assert present == {"a.weight": True, "a.bias": True, "b.weight": False, "b.bias": False}
+        assert result["groups"] == 2 and result["one_host_group"], result
+        assert not result["on_mesh_group"], result

@@ -32,6 +32,9 @@ from dbuffer._private.storage import Unsharded
 
 __all__ = ["DBuffer"]
 
+# per mesh object (by identity: equal meshes may hold other groups), dropped with the mesh
+_MESH_GROUPS: dict[int, dict[int, dist.ProcessGroup]] = {}
+
 
 class DBuffer(FusedOps, ReleasableShard):
     """A distributed flat buffer: a group of tensors laid out in one flat storage, sharded over
@@ -246,6 +249,19 @@ class DBuffer(FusedOps, ReleasableShard):
         if not handle.done:
             self._inflight.append(handle)
         return handle
+
+    def group(self, axis: int) -> dist.ProcessGroup:
+        """The process group of mesh axis ``axis`` (cached per mesh, outside the buffer so a
+        copied buffer copies no process group: ``get_group`` costs per call, and it is asked
+        for on every collective)."""
+        groups = _MESH_GROUPS.get(id(self.mesh))
+        if groups is None:
+            groups = _MESH_GROUPS[id(self.mesh)] = {}
+            weakref.finalize(self.mesh, _MESH_GROUPS.pop, id(self.mesh), None)
+        group = groups.get(axis)
+        if group is None:
+            group = groups[axis] = self.mesh.get_group(axis)
+        return group
 
     def wait(self) -> None:
         """Wait for every collective of this buffer still in flight (a no-op when none is)."""

@@ -112,7 +112,7 @@ def unshard(
         buffer,
         entry,
         buffer.shard,
-        buffer.mesh.get_group(buffer.shard_axis),
+        buffer.group(buffer.shard_axis),
         async_op=async_op,
         ready=ready,
         prepare=cast_in_place if cast else None,
@@ -154,7 +154,7 @@ def spec_for(
     every group the reduction uses."""
     if op not in ("sum", "avg"):
         raise ValueError(f"reduce op must be 'sum' or 'avg', got {op!r}")
-    groups = [buffer.mesh.get_group(a) for a in (buffer.shard_axis, *buffer.replicate_axes)]
+    groups = [buffer.group(a) for a in (buffer.shard_axis, *buffer.replicate_axes)]
     replicas = 1
     for axis in buffer.replicate_axes:
         replicas *= buffer.mesh.size(axis)
@@ -208,7 +208,7 @@ def reduce_scatter(
     if target is not buffer:
         target.wait()
     out = target.shard
-    replicas = [buffer.mesh.get_group(a) for a in buffer.replicate_axes]
+    replicas = [buffer.group(a) for a in buffer.replicate_axes]
     if hold is not None:
         if hold.numel() != buffer.shard_size:
             raise ValueError(
@@ -221,7 +221,7 @@ def reduce_scatter(
         reduce_scatter_flat(
             out,
             entry.flat,
-            buffer.mesh.get_group(buffer.shard_axis) if shard_group is None else shard_group,
+            buffer.group(buffer.shard_axis) if shard_group is None else shard_group,
             replicas,
             spec=spec,
             reduce_dtype=reduce_dtype,

@@ -170,10 +170,9 @@ def all_gather_flat(
     for the caller's stream now. ``comm``: a user all-gather run in place of the backend's (on
     the all-gather stream, like it).
     """
-    if out.numel() != inp.numel() * dist.get_world_size(group):
+    if out.numel() != inp.numel() * group.size():
         raise ValueError(
-            f"all-gather output has {out.numel()} elements, expected "
-            f"{dist.get_world_size(group)} x {inp.numel()}"
+            f"all-gather output has {out.numel()} elements, expected {group.size()} x {inp.numel()}"
         )
     device = inp.device
     stream = streams.comm_stream_for(device, "all_gather")
@@ -256,7 +255,7 @@ def reduce_scatter_flat(
     reduce-scatter stream after the caller's stream; the all-reduce on the all-reduce stream;
     the hook and the epilogue on the last of them; the handle's event after the epilogue.
     """
-    world = dist.get_world_size(shard_group)
+    world = shard_group.size()
     if inp.numel() != out.numel() * world:
         raise ValueError(
             f"reduce-scatter input has {inp.numel()} elements, expected {world} x {out.numel()}"

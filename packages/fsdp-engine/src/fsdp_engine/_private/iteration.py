@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fsdp_engine._private import compat, gather
+from fsdp_engine._private.trace import traced
 
 if TYPE_CHECKING:
     from fsdp_engine._private.group_lifecycle import GroupLifecycle
@@ -96,7 +97,7 @@ class IterationContext:
         """[Note: reductions in flight]: make room for ``group``'s reduction (waiting, in the
         profiler range ``label``, for the oldest ones beyond the cap)."""
         if self.in_flight and len(self.in_flight) >= self.max_in_flight:
-            with torch.profiler.record_function(label):
+            with traced(label, log=False):  # no range (no dispatcher call) unless profiling
                 while self.in_flight and len(self.in_flight) >= self.max_in_flight:
                     previous = self.in_flight.popleft()
                     if previous is not group:

@@ -33,9 +33,14 @@ import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
-from dbuffer import DBuffer, Handle
+from dbuffer import DBuffer, Handle, ReduceSpec
 from fsdp_engine._private import compat
-from fsdp_engine._private.compact import Reduction, compact_buffer, reduction_for_mask
+from fsdp_engine._private.compact import (
+    Reduction,
+    add_compact,
+    compact_buffer,
+    reduction_for_mask,
+)
 from fsdp_engine._private.grads import ShardedGrads
 from fsdp_engine._private.handover import InPlaceHandover, handover_casts, handover_for
 from fsdp_engine._private.param import FSDPParam
@@ -111,6 +116,7 @@ class GradReducer:
         self.state = GradState.IDLE
         self.comm: ReduceComm = ReduceScatter()
         self.partial = Partial()  # HSDP microbatches reduce-scattered without the all-reduce
+        self._specs: dict[tuple[float | None, bool], ReduceSpec] = {}
         self.handle: Handle | None = None
         self.hooks_due = False
         self.issued = False
@@ -333,18 +339,9 @@ class GradReducer:
                 self.accum.shard.untyped_storage().resize_(0)
             if not self.accumulated:
                 self.accum.alloc_unsharded(zero=True)
-            rows = self.accum.unsharded_flat().view(self.storage.world, reduction.segment)
+            grads = [_local(u.grad) for u in unsharded]
             with torch.no_grad():
-                for rank, pieces in enumerate(reduction.pieces):
-                    for i, start, length, dst in pieces:
-                        grad = unsharded[i].grad
-                        if grad is not None:
-                            used[i] = True
-                        if grad is None or not length:
-                            continue
-                        local = compat.local_tensor(grad) if isinstance(grad, DTensor) else grad
-                        flat = local.reshape(-1)[start : start + length]
-                        rows[rank, dst : dst + length].add_(flat)
+                used = add_compact(self.accum.unsharded_flat(), reduction, grads)
             self._detach(unsharded)
             self.state = GradState.HELD
         if sync and self.accumulated:
@@ -363,12 +360,15 @@ class GradReducer:
         comm = self.comm
         if settings.check_finite:  # before the reduction frees it; no host read
             self.local_norm = torch.linalg.vector_norm(source.unsharded_flat(), dtype=torch.float32)
-        spec = source.reduce_spec(
-            "avg",
-            self.reduce_dtype,
-            divide_factor=settings.divide_factor,
-            force_sum=settings.force_sum,
-        )
+        key = (settings.divide_factor, settings.force_sum)  # every source is on the same mesh
+        spec = self._specs.get(key)
+        if spec is None:  # the same arithmetic every step: worked out once
+            spec = self._specs[key] = source.reduce_spec(
+                "avg",
+                self.reduce_dtype,
+                divide_factor=settings.divide_factor,
+                force_sum=settings.force_sum,
+            )
         grads: DBuffer | None = None
         views: list[DTensor | None] = []
         accumulate = False
@@ -430,3 +430,7 @@ class GradReducer:
         self.partial = Partial()
         self.hooks_due = False
         self.local_norm = None
+
+
+def _local(grad: torch.Tensor | None) -> torch.Tensor | None:
+    return compat.local_tensor(grad) if isinstance(grad, DTensor) else grad
