@@ -26,10 +26,8 @@ parameters' local shares. Frozen parameters are neither communicated nor given a
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 
-import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -45,42 +43,16 @@ from fsdp_engine._private.grads import ShardedGrads
 from fsdp_engine._private.handover import InPlaceHandover, handover_casts, handover_for
 from fsdp_engine._private.param import FSDPParam
 from fsdp_engine._private.reduce_comm import (
+    GradState,
     Partial,
     ReduceComm,
+    Reduced,
     ReduceScatter,
     ReduceSettings,
 )
 from fsdp_engine._private.storage import ShardStorage
 
 __all__ = ["GradReducer", "GradState", "ReduceSettings", "Reduced"]
-
-
-class GradState(enum.Enum):
-    """Where a group's gradients are between backward and reduction ([Note: reduction
-    strategies] in reduce_comm.py)."""
-
-    IDLE = "idle"  # nothing to reduce
-    PENDING = "pending"  # autograd's gradients of this window, not yet reduced or held
-    HELD = "held"  # held in the accumulator (no-sync microbatches, or the compact input)
-    PENDING_ON_HELD = "pending_on_held"  # a new backward's gradients, earlier ones held
-
-    @property
-    def pending(self) -> bool:
-        return self in (GradState.PENDING, GradState.PENDING_ON_HELD)
-
-    @property
-    def held(self) -> bool:
-        return self in (GradState.HELD, GradState.PENDING_ON_HELD)
-
-
-@attrs.frozen
-class Reduced:
-    """What a post-backward did: which parameters autograd gave a gradient on this rank (the
-    compact path sees it), which had a ``.grad`` before, and whether a reduction was issued."""
-
-    used: list[bool]
-    had_grad: list[bool]
-    issued: bool
 
 
 class GradReducer:
@@ -129,14 +101,6 @@ class GradReducer:
         return isinstance(self.handover, InPlaceHandover) and self.handover.armed
 
     @property
-    def pending(self) -> bool:
-        return self.state.pending
-
-    @property
-    def accumulated(self) -> bool:
-        return self.state.held
-
-    @property
     def busy(self) -> bool:
         return self.state is not GradState.IDLE
 
@@ -179,7 +143,7 @@ class GradReducer:
         gradients may go ([Note: gradients in the parameters' storage]). Returns whether a new
         backward's gradients start now."""
         reduction = self.reduction_for(mask)
-        if reduction.kind == "none" or self.pending:
+        if reduction.kind == "none" or self.state.pending:
             return False
         # a module used twice in one backward: its first reduction may still read the storage
         # about to be zeroed for the second
@@ -195,7 +159,7 @@ class GradReducer:
             if (
                 in_place is not None
                 and isinstance(handover, InPlaceHandover)
-                and not self.accumulated
+                and not self.state.held
                 and in_place[0].dtype == self.reduce_dtype == self.storage.buffer.dtype
             ):
                 handover.arm(in_place[0], in_place[1], unsharded)
@@ -203,8 +167,8 @@ class GradReducer:
                 handover.prepare(unsharded)
         # else: autograd makes the gradients; post-backward collects them (compact, and
         # [Note: placed groups] copied into FSDP2's order)
-        started = not self.accumulated
-        self.state = GradState.PENDING_ON_HELD if self.accumulated else GradState.PENDING
+        started = not self.state.held
+        self.state = GradState.PENDING_ON_HELD if self.state.held else GradState.PENDING
         return started
 
     # -- after backward -----------------------------------------------------------------------
@@ -238,7 +202,7 @@ class GradReducer:
         if self.accum is None:
             self.accum = like.new_like(self.reduce_dtype)
             self.accum.shard.untyped_storage().resize_(0)
-        if not self.accumulated:
+        if not self.state.held:
             self.accum.alloc_unsharded(zero=True)
         return self.accum
 
@@ -275,16 +239,16 @@ class GradReducer:
             return []
         used: list[bool] = []
         in_place = self.in_place
-        if self.pending and self.storage.copies:
+        if self.state.pending and self.storage.copies:
             used = self._copy_in(unsharded)  # every microbatch
-        elif self.pending:
+        elif self.state.pending:
             used = self.handover.collect(unsharded)
         if in_place:
             return self._reduce_parameters(reduction, unsharded, used, settings, sync, async_op)
         # no-sync accumulation runs in reduce_dtype (FSDP2): a compute-dtype microbatch gradient
         # is added into a reduce_dtype accumulator and the compute buffer is let go
         separate = self.reduce_dtype != self.unsharded_grads.dtype
-        if self.pending and (self.accumulated or (separate and not sync)):
+        if self.state.pending and (self.state.held or (separate and not sync)):
             accum = self._accumulator(self.unsharded_grads)
             accum.unsharded_flat().add_(self.unsharded_grads.unsharded_flat())
             self._detach(unsharded)
@@ -292,7 +256,7 @@ class GradReducer:
             self.state = GradState.HELD
         if not sync:
             return used  # same dtype: the next microbatch adds into the unsharded storage
-        source = self.accum if self.accumulated else self.unsharded_grads
+        source = self.accum if self.state.held else self.unsharded_grads
         assert source is not None
         self._detach(unsharded)
         self._issue(reduction, source, settings, async_op=async_op)
@@ -333,18 +297,18 @@ class GradReducer:
         async_op: bool,
     ) -> list[bool]:
         used = [False] * len(self.params)
-        if self.pending:
+        if self.state.pending:
             if self.accum is None:
                 self.accum = compact_buffer(self.storage, reduction.segment, self.reduce_dtype)
                 self.accum.shard.untyped_storage().resize_(0)
-            if not self.accumulated:
+            if not self.state.held:
                 self.accum.alloc_unsharded(zero=True)
             grads = [_local(u.grad) for u in unsharded]
             with torch.no_grad():
                 used = add_compact(self.accum.unsharded_flat(), reduction, grads)
             self._detach(unsharded)
             self.state = GradState.HELD
-        if sync and self.accumulated:
+        if sync and self.state.held:
             assert self.accum is not None
             self._issue(reduction, self.accum, settings, async_op=async_op)
             self.state = GradState.IDLE

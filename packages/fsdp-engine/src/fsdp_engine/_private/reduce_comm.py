@@ -3,7 +3,7 @@ reconfigured, never a flag tested per call (as the gathers: [Note: all-gather st
 
 [Note: reduction strategies]
 What a post-backward does with a group's gradients is the reducer's state
-(``GradState`` in reduce.py: nothing pending, autograd's gradients pending, held locally without
+(``GradState``: nothing pending, autograd's gradients pending, held locally without
 synchronization); when it reduces, the group's ``ReduceComm`` says how:
 - ``ReduceScatter``: one reduce-scatter over the shard dim into the sharded gradient storage
   (1-D FSDP), followed by one all-reduce over each replicate dim on a 2-D mesh (HSDP, and
@@ -25,6 +25,7 @@ communicator.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import Protocol
 
@@ -35,13 +36,43 @@ import torch.distributed as dist
 from dbuffer import DBuffer, Handle, ReduceScatterComm, ReduceSpec
 
 __all__ = [
+    "GradState",
     "HoldReduceScatter",
     "Partial",
     "ReduceComm",
     "ReduceScatter",
     "ReduceSettings",
+    "Reduced",
     "choose_reduce_comm",
 ]
+
+
+class GradState(enum.Enum):
+    """Where a group's gradients are between backward and reduction ([Note: reduction
+    strategies] in reduce_comm.py)."""
+
+    IDLE = "idle"  # nothing to reduce
+    PENDING = "pending"  # autograd's gradients of this window, not yet reduced or held
+    HELD = "held"  # held in the accumulator (no-sync microbatches, or the compact input)
+    PENDING_ON_HELD = "pending_on_held"  # a new backward's gradients, earlier ones held
+
+    @property
+    def pending(self) -> bool:
+        return self in (GradState.PENDING, GradState.PENDING_ON_HELD)
+
+    @property
+    def held(self) -> bool:
+        return self in (GradState.HELD, GradState.PENDING_ON_HELD)
+
+
+@attrs.frozen
+class Reduced:
+    """What a post-backward did: which parameters autograd gave a gradient on this rank (the
+    compact path sees it), which had a ``.grad`` before, and whether a reduction was issued."""
+
+    used: list[bool]
+    had_grad: list[bool]
+    issued: bool
 
 
 @attrs.frozen
