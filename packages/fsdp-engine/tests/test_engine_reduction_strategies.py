@@ -27,6 +27,7 @@ from engine_fsdp2 import (
 )
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ragged_dtensor.testing import run_threaded
 
@@ -201,3 +202,62 @@ def test_exact_presence_on_an_accelerator_only_group_never_goes_through_the_devi
             assert present == {"a.weight": True, "a.bias": True, "b.weight": False, "b.bias": False}
         assert result["groups"] == 2 and result["one_host_group"], result
         assert not result["on_mesh_group"], result
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops that launch work inside the block (per op name); views and other
+    metadata-only ops (``view``, ``slice``, ``split``, ``detach``...) launch nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = str(func.overloadpacket)
+        if not func.is_view and name not in _METADATA_ONLY:
+            self.ops[name] = self.ops.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+_METADATA_ONLY = frozenset({"aten.split_with_sizes", "aten.split", "aten.detach"})
+
+
+_COUNTED: dict[int, dict[str, int]] = {}
+
+
+def _compact_ops(rank: int, world: int, layers: int) -> dict[str, int]:
+    mesh = init_device_mesh("cpu", (world,))
+    model = make(lambda: nn.Sequential(*(nn.Linear(8, 8) for _ in range(layers))))
+    engine("ours").fully_shard(model, mesh=mesh)  # one group
+    for i, layer in enumerate(model):
+        if i % 2 == 0:
+            layer.weight.requires_grad_(False)  # a mixed mask: the compact reduction
+    _COUNTED[rank] = {}
+    model(data(rank)).sum().backward()
+    return dict(_COUNTED[rank])
+
+
+def test_frozen_parameter_reduction_launches_do_not_grow_with_the_parameters(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 34: the reduction of a group with frozen parameters adds each trainable
+    gradient's pieces into the compact input with one foreach op, not one op per parameter and
+    piece: the ops it dispatches are the same for 4 and for 16 layers in the group."""
+    from fsdp_engine._private.reduce import GradReducer
+
+    real = GradReducer._reduce_compact
+
+    def reduce_compact(self: Any, *args: Any, **kwargs: Any) -> Any:
+        counted = _OpCount()
+        with counted:  # dispatch modes are per thread: each rank counts its own
+            out = real(self, *args, **kwargs)
+        mine = _COUNTED[dist.get_rank()]
+        for name, n in counted.ops.items():
+            mine[name] = mine.get(name, 0) + n
+        return out
+
+    monkeypatch.setattr(GradReducer, "_reduce_compact", reduce_compact)
+    four = run_threaded(_compact_ops, 2, 4)[0]
+    sixteen = run_threaded(_compact_ops, 2, 16)[0]
+    assert four == sixteen, (four, sixteen)
+    assert four.get("aten._foreach_add_", 0) == 1, four
