@@ -32,9 +32,6 @@ from dbuffer._private.storage import Unsharded
 
 __all__ = ["DBuffer"]
 
-# per mesh object (by identity: equal meshes may hold other groups), dropped with the mesh
-_MESH_GROUPS: dict[int, dict[int, dist.ProcessGroup]] = {}
-
 
 class DBuffer(FusedOps, ReleasableShard):
     """A distributed flat buffer: a group of tensors laid out in one flat storage, sharded over
@@ -250,19 +247,6 @@ class DBuffer(FusedOps, ReleasableShard):
             self._inflight.append(handle)
         return handle
 
-    def group(self, axis: int) -> dist.ProcessGroup:
-        """The process group of mesh axis ``axis`` (cached per mesh, outside the buffer so a
-        copied buffer copies no process group: ``get_group`` costs per call, and it is asked
-        for on every collective)."""
-        groups = _MESH_GROUPS.get(id(self.mesh))
-        if groups is None:
-            groups = _MESH_GROUPS[id(self.mesh)] = {}
-            weakref.finalize(self.mesh, _MESH_GROUPS.pop, id(self.mesh), None)
-        group = groups.get(axis)
-        if group is None:
-            group = groups[axis] = self.mesh.get_group(axis)
-        return group
-
     def wait(self) -> None:
         """Wait for every collective of this buffer still in flight (a no-op when none is)."""
         pending, self._inflight = self._inflight, []
@@ -318,13 +302,7 @@ class DBuffer(FusedOps, ReleasableShard):
         ``hook(reduced)`` runs on the reduced shard (reduce dtype) after the replica all-reduce,
         on ``hook_stream`` if given; ``comm`` / ``allocate`` replace the backend's
         reduce-scatter and the receive buffer's allocation (FSDP2's custom reduce-scatter).
-        HSDP microbatches without the replica all-reduce (FSDP2's ``set_requires_all_reduce
-        (False)``): ``hold`` (a shard-sized tensor in the reduce dtype) receives the
-        reduce-scatter's result instead (added with ``accumulate``; no all-reduce, post-division
-        or hook), and the next full reduction adds it back before its all-reduce (``partial``).
-        ``Handle.wait_input`` waits only until the input has been read ([Note: two events per
-        reduction]). ``shard_group``: the reduce-scatter on another process group over the
-        same ranks as the shard axis (FSDP2's ``set_separate_reduce_scatter_group``).
+        ``hold`` / ``partial`` / ``shard_group``: ``buffer_comm.reduce_scatter``.
         """
         rdtype = reduce_dtype or self.dtype
         return buffer_comm.reduce_scatter(

@@ -196,7 +196,7 @@ class PackedAllGather:
         guard = _unsafe_preserve_version_counter(out)
         with guard, streams.on_stream(stream):
             if world > 1:
-                group = buffer.group(buffer.shard_axis)
+                group = buffer.mesh.get_group(buffer.shard_axis)
                 streams.collective_starts("all_gather", stream)
                 work = dist.all_gather_single(recv, send, group=group, async_op=defer)
                 if defer and work is not None:
