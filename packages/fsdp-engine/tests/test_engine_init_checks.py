@@ -81,7 +81,7 @@ def _subgroups(rank: int, world: int) -> tuple[bool, int]:
         model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))
     for layer in model:
         fsdp_engine.fully_shard(layer, mesh=mesh, reshard_after_forward=2)
-    parts = [get_state(layer).groups[0].post_forward for layer in model]  # type: ignore[union-attr]
+    parts = [get_state(layer).groups[0].post_forward_part for layer in model]  # type: ignore[union-attr]
     groups = {id(p.group) for p in parts if p is not None}
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
     model(x).sum().backward()  # the shared sub-group re-gathers every layer
@@ -97,9 +97,9 @@ def test_one_subgroup_per_mesh_and_k() -> None:
 
 def _presence_on_host(rank: int, world: int) -> list[bool]:
     mesh = init_device_mesh("cpu", (world,))
-    # the device argument is where flags would go without a CPU backend: "meta" proves the
-    # host path never touches it (a device round trip would fail on meta)
-    return _sum_over_mesh([rank == 0, False, True], mesh, torch.device("meta"))
+    # the flags never go to a device (an accelerator-only group gets a gloo group of its own:
+    # test_exact_presence_on_an_accelerator_only_group_never_goes_through_the_device)
+    return _sum_over_mesh([rank == 0, False, True], mesh)
 
 
 def test_presence_flags_are_summed_on_the_host_side_of_the_backend() -> None:

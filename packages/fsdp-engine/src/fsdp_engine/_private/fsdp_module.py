@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
@@ -183,15 +184,11 @@ class FSDPModule(TorchFSDPModule):
             state.configure(requires_gradient_sync=requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: reduce-scatter every microbatch but all-reduce only when set back. The engine
-        reduces both axes together; only ``True`` (the default) is supported on a 2-D mesh."""
-        for state in _states_under(self, recurse):
-            if not requires_all_reduce and any(g.mesh.ndim > 1 for g in state.groups):
-                raise NotImplementedError(
-                    "set_requires_all_reduce(False): reduce-scatter without the replica "
-                    "all-reduce is not supported by fsdp_engine; use "
-                    "set_requires_gradient_sync(False) to accumulate without communication"
-                )
+        """HSDP: ``False`` reduce-scatters each microbatch but holds the result (reduce dtype,
+        the shard's size) without the replica all-reduce; the next backward with ``True`` adds
+        it before its all-reduce, so the all-reduce runs once per window ([Note: reduction
+        strategies]). No effect on a 1-D mesh (FSDP2's rule)."""
+        self._configure_groups(recurse, requires_all_reduce=requires_all_reduce)
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
@@ -347,15 +344,24 @@ class FSDPModule(TorchFSDPModule):
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
     ) -> None:
-        """FSDP2 runs the reduce-scatters on a process group of their own so they overlap the
-        all-gathers on the wire. Not built in fsdp_engine: ``False`` (the state it is always
-        in) is accepted, ``True`` raises."""
-        if enable:
-            raise NotImplementedError(
-                "set_separate_reduce_scatter_group: fsdp_engine runs its all-gathers and "
-                "reduce-scatters on the mesh's process groups"
-            )
-        _states_under(self, recurse)
+        """``True``: the reduce-scatters run on a process group of their own over the shard
+        ranks (``dist.new_group(..., use_local_synchronization=True)``, one per distinct set of
+        shard ranks in this call), so they do not share a communicator with the all-gathers;
+        ``False``: back to the mesh's group. Collective over the shard ranks, as in FSDP2."""
+        new_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for state in _states_under(self, recurse):
+            for group in state.groups:
+                separate = None
+                if enable:
+                    shard_group = group.mesh.get_group(group.storage.shard_axis)
+                    ranks = tuple(dist.get_process_group_ranks(shard_group))
+                    if ranks not in new_groups:
+                        existing = group.config.separate_rs_group
+                        new_groups[ranks] = existing or dist.new_group(
+                            list(ranks), use_local_synchronization=True
+                        )
+                    separate = new_groups[ranks]
+                group.configure(separate_rs_group=separate)
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
         """FSDP2 allocates its all-gather staging buffers from symmetric memory (NCCL). The
