@@ -14,8 +14,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_engine
 from dbuffer.testing import LiveBytes
-from fsdp_engine._private import init as init_module
-from fsdp_engine._private.init import choose_device, value_digest
+from fsdp_engine._private import digest as digest_module
+from fsdp_engine._private.digest import value_digest
+from fsdp_engine._private.init import choose_device
 from fsdp_engine._private.presence import _sum_over_mesh
 from fsdp_engine._private.state import get_state
 from ragged_dtensor.testing import run_processes, run_threaded
@@ -42,7 +43,7 @@ def test_the_digest_reads_nothing_to_the_host_and_bounds_its_memory(
     """Issue 24, defect 7: the frozen-values agreement copied every frozen parameter to the
     host (``.cpu()`` and numpy bytes: minutes and a host-memory spike for LoRA on a large
     model). Now only the two 64-bit lanes are read back, and the temporaries are a chunk's."""
-    monkeypatch.setattr(init_module, "_DIGEST_CHUNK", 1 << 18)  # 256 Ki words a chunk
+    monkeypatch.setattr(digest_module, "_DIGEST_CHUNK", 1 << 18)  # 256 Ki words a chunk
     param = torch.randn(1 << 22)  # 16 MiB of fp32: 16 chunks
     expected = value_digest(param)
 
