@@ -20,7 +20,7 @@ stream reuses it (the hand-back after the hook in dbuffer's packed.py) must be r
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -31,7 +31,12 @@ from torch.distributed.device_mesh import init_device_mesh
 import fsdp_engine
 from dbuffer._private import collectives as collectives_module
 from dbuffer._private import streams as streams_module
-from dbuffer.testing import install_simulated_streams, simulated_event_now, simulated_streams
+from dbuffer.testing import (
+    current_simulation,
+    install_simulated_streams,
+    simulated_event_now,
+    simulated_streams,
+)
 from fsdp_engine._private import gather as gather_module
 from ragged_dtensor.testing import run_threaded
 
@@ -191,3 +196,81 @@ def test_custom_collectives_run_on_the_communication_streams(
     """Issue 24, defect 5: a user all-gather / reduce-scatter ran synchronously on the compute
     stream; now on the all-gather and reduce-scatter streams, ordered like the built-in ones."""
     _check_streams(monkeypatch, True, False, False, give_back=True, extras="custom")
+
+
+def _train_hsdp(rank: int, world: int) -> tuple[list[str], list[tuple[int, int, int]]]:
+    """HSDP (2 replicas x 2 shards) under the simulated streams, two steps; what each cap wait
+    saw (``_CapProbe``)."""
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    with _BUILD:
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    with simulated_streams(give_back=True) as sim:
+        for layer in model:
+            fsdp_engine.fully_shard(layer, mesh=mesh)
+        fsdp_engine.fully_shard(model, mesh=mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
+        for _ in range(2):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return list(sim.races), list(_CapProbe.seen.get(rank, []))
+
+
+class _CapProbe:
+    """Wraps ``IterationContext.before_reduction``: at each reduction that had to wait for an
+    older one (the in-flight cap, 1 by default), records how far the compute stream is ordered
+    after the all-reduce stream, how far that stream has got, and how far the compute stream is
+    ordered after the reduce-scatter stream (per rank: the ranks are threads)."""
+
+    seen: ClassVar[dict[int, list[tuple[int, int, int]]]] = {}
+
+    @classmethod
+    def install(cls, monkeypatch: pytest.MonkeyPatch) -> None:
+        from fsdp_engine._private import iteration
+
+        real = iteration.IterationContext.before_reduction
+        cls.seen = {}
+
+        def before_reduction(ctx: Any, group: Any, label: str) -> None:
+            waits = bool(ctx.in_flight) and len(ctx.in_flight) >= ctx.max_in_flight
+            real(ctx, group, label)
+            sim = current_simulation()
+            if waits and sim is not None and "all_reduce" in sim.streams:
+                compute = sim.compute.clock
+                ar = sim.streams["all_reduce"].clock["all_reduce"]
+                entry = (compute.get("all_reduce", 0), ar, compute.get("reduce_scatter", 0))
+                cls.seen.setdefault(dist.get_rank(), []).append(entry)
+
+        monkeypatch.setattr(iteration.IterationContext, "before_reduction", before_reduction)
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_hsdp_cap_waits_for_the_reduce_scatter_only(
+    planted: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31 item 4: at the cap on reductions in flight, the compute stream waits for the
+    older reduction's reduce-scatter (its input is then freed), not for its replica all-reduce
+    (FSDP2: a layer costs max(compute, RS), not max(compute, RS + AR)); the gradients' readers
+    still wait for the whole reduction (no race, with blocks given back). ``planted``: the cap
+    waits for the whole reduction again (the old behaviour): the check must fail."""
+    from fsdp_engine._private.param_group import ParamGroup
+
+    install_simulated_streams(monkeypatch)
+    monkeypatch.setattr(gather_module, "event_now", simulated_event_now)
+    _CapProbe.install(monkeypatch)
+    if planted:
+        monkeypatch.setattr(ParamGroup, "wait_for_reduce_input", ParamGroup.wait_for_reduce)
+    results: list[Any] = run_threaded(_train_hsdp, 4, timeout=120)
+    for races, seen in results:
+        assert races == [], races[:5]
+        assert len(seen) == 6, seen  # 3 cap waits per backward (4 groups), 2 steps
+        # every cap wait ordered compute after a reduce-scatter
+        assert all(rs > 0 for _, _, rs in seen), seen
+        overlapped = [compute < ar for compute, ar, _ in seen]
+        if planted:
+            assert not any(overlapped), seen
+        else:
+            assert all(overlapped), seen

@@ -65,13 +65,6 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
 
-    def requires_all_reduce() -> None:
-        m = Mlp()
-        api.fully_shard(m, mesh=hsdp)
-        m.set_requires_all_reduce(False)  # type: ignore[operator]
-
-    capture("set_requires_all_reduce(False) with HSDP", requires_all_reduce)
-
     def ddp_mode() -> None:  # FSDP2's DDP mode: dp_mesh_dims naming replicate dims only
         layer = nn.Linear(4, 4)
         for name, param in list(layer.named_parameters()):
@@ -81,12 +74,6 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 
     capture("dp_mesh_dims without shard dims", ddp_mode)
 
-    def separate_group() -> None:
-        m = Mlp()
-        api.fully_shard(m)
-        m.set_separate_reduce_scatter_group()  # type: ignore[operator]
-
-    capture("set_separate_reduce_scatter_group", separate_group)
     return out
 
 
@@ -95,9 +82,7 @@ def test_what_fsdp2_supports_and_we_refuse_raises_naming_it() -> None:
     the reason (see the README's table)."""
     out = run_threaded(_refusals, 4)[0]
     expected = {
-        "set_requires_all_reduce(False) with HSDP": "set_requires_all_reduce(False)",
         "dp_mesh_dims without shard dims": "without shard dims",
-        "set_separate_reduce_scatter_group": "set_separate_reduce_scatter_group",
     }
     for name, fragment in expected.items():
         assert out[name].startswith("NotImplementedError") and fragment in out[name], out[name]

@@ -14,8 +14,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_engine
 from dbuffer.testing import LiveBytes
-from fsdp_engine._private import init as init_module
-from fsdp_engine._private.init import choose_device, value_digest
+from fsdp_engine._private import digest as digest_module
+from fsdp_engine._private.digest import value_digest
+from fsdp_engine._private.init import choose_device
 from fsdp_engine._private.presence import _sum_over_mesh
 from fsdp_engine._private.state import get_state
 from ragged_dtensor.testing import run_processes, run_threaded
@@ -42,7 +43,7 @@ def test_the_digest_reads_nothing_to_the_host_and_bounds_its_memory(
     """Issue 24, defect 7: the frozen-values agreement copied every frozen parameter to the
     host (``.cpu()`` and numpy bytes: minutes and a host-memory spike for LoRA on a large
     model). Now only the two 64-bit lanes are read back, and the temporaries are a chunk's."""
-    monkeypatch.setattr(init_module, "_DIGEST_CHUNK", 1 << 18)  # 256 Ki words a chunk
+    monkeypatch.setattr(digest_module, "_DIGEST_CHUNK", 1 << 18)  # 256 Ki words a chunk
     param = torch.randn(1 << 22)  # 16 MiB of fp32: 16 chunks
     expected = value_digest(param)
 
@@ -81,7 +82,7 @@ def _subgroups(rank: int, world: int) -> tuple[bool, int]:
         model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))
     for layer in model:
         fsdp_engine.fully_shard(layer, mesh=mesh, reshard_after_forward=2)
-    parts = [get_state(layer).groups[0].post_forward for layer in model]  # type: ignore[union-attr]
+    parts = [get_state(layer).groups[0].post_forward_part for layer in model]  # type: ignore[union-attr]
     groups = {id(p.group) for p in parts if p is not None}
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
     model(x).sum().backward()  # the shared sub-group re-gathers every layer
@@ -97,9 +98,9 @@ def test_one_subgroup_per_mesh_and_k() -> None:
 
 def _presence_on_host(rank: int, world: int) -> list[bool]:
     mesh = init_device_mesh("cpu", (world,))
-    # the device argument is where flags would go without a CPU backend: "meta" proves the
-    # host path never touches it (a device round trip would fail on meta)
-    return _sum_over_mesh([rank == 0, False, True], mesh, torch.device("meta"))
+    # the flags never go to a device (an accelerator-only group gets a gloo group of its own:
+    # test_exact_presence_on_an_accelerator_only_group_never_goes_through_the_device)
+    return _sum_over_mesh([rank == 0, False, True], mesh)
 
 
 def test_presence_flags_are_summed_on_the_host_side_of_the_backend() -> None:

@@ -60,19 +60,19 @@ def test_max_input_buffers_sets_the_reductions_in_flight() -> None:
     final callback; the root has no parameters). One in flight (FSDP2's default): layers 2 and
     1 each wait for the one before; two in flight: only layer 1 waits (for layer 3). Before the
     setting was honoured it was accepted and ignored (2 waits either way)."""
-    real = ParamGroup.wait_for_reduce
+    real = ParamGroup.wait_for_reduce_input  # the cap's wait ([Note: reductions in flight])
 
     def counted(self: ParamGroup) -> None:
         if getattr(_LOCAL, "counting", False) and self.reducer.handle is not None:
             _LOCAL.waits += 1
         real(self)
 
-    ParamGroup.wait_for_reduce = counted  # type: ignore[method-assign]
+    ParamGroup.wait_for_reduce_input = counted  # type: ignore[method-assign]
     try:
         default = run_threaded(_waits_in_backward, 2, None)
         two = run_threaded(_waits_in_backward, 2, 2)
     finally:
-        ParamGroup.wait_for_reduce = real  # type: ignore[method-assign]
+        ParamGroup.wait_for_reduce_input = real  # type: ignore[method-assign]
     assert default == [2, 2], default
     assert two == [1, 1], two
 

@@ -113,7 +113,7 @@ def _subgroup_counts(rank: int, world: int) -> dict[str, int]:
     tokens = batches(1, world)[0].chunk(world)[rank]
     loss = loss_fn(model, tokens)
     state = model.layers[0].__dict__["_fsdp_engine_state"]
-    kept = state.group.post_forward.chunk.numel()
+    kept = state.group.post_forward_part.chunk.numel()
     full = state.group.storage.buffer.shard_size * world
     with count_collectives() as counter:
         loss.backward()

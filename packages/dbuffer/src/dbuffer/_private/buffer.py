@@ -287,6 +287,9 @@ class DBuffer(FusedOps, ReleasableShard):
         hook_stream: torch.Stream | None = None,
         comm: ReduceScatterComm | None = None,
         allocate: Callable[..., torch.Tensor] | None = None,
+        partial: torch.Tensor | None = None,
+        hold: torch.Tensor | None = None,
+        shard_group: dist.ProcessGroup | None = None,
     ) -> Handle:
         """Reduce the unsharded storage over the mesh into the shard: one reduce-scatter over the
         shard axis (none when it has one rank), then (HSDP) one all-reduce over each replicate
@@ -299,6 +302,7 @@ class DBuffer(FusedOps, ReleasableShard):
         ``hook(reduced)`` runs on the reduced shard (reduce dtype) after the replica all-reduce,
         on ``hook_stream`` if given; ``comm`` / ``allocate`` replace the backend's
         reduce-scatter and the receive buffer's allocation (FSDP2's custom reduce-scatter).
+        ``hold`` / ``partial`` / ``shard_group``: ``buffer_comm.reduce_scatter``.
         """
         rdtype = reduce_dtype or self.dtype
         return buffer_comm.reduce_scatter(
@@ -313,6 +317,9 @@ class DBuffer(FusedOps, ReleasableShard):
             hook_stream=hook_stream,
             comm=comm,
             allocate=allocate,
+            partial=partial,
+            hold=hold,
+            shard_group=shard_group,
         )
 
     @property

@@ -11,9 +11,11 @@ processes), so the counter is put back when the handle is waited, not only aroun
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import attrs
 import torch
 import torch.distributed as dist
 from torch.autograd.grad_mode import _unsafe_preserve_version_counter
@@ -32,7 +34,25 @@ from dbuffer._private.storage import Unsharded
 if TYPE_CHECKING:
     from dbuffer._private.buffer import DBuffer
 
-__all__ = ["gather_into", "reduce_scatter", "spec_for", "unshard"]
+__all__ = ["gather_into", "mesh_group", "reduce_scatter", "spec_for", "unshard"]
+
+# per mesh object (by identity: equal meshes may hold other groups), dropped with the mesh; kept
+# outside the buffers so a copied buffer copies no process group
+_MESH_GROUPS: dict[int, dict[int, dist.ProcessGroup]] = {}
+
+
+def mesh_group(buffer: DBuffer, axis: int) -> dist.ProcessGroup:
+    """The process group of ``buffer``'s mesh axis ``axis`` (``get_group`` costs per call, and
+    it is asked for on every collective)."""
+    mesh = buffer.mesh
+    groups = _MESH_GROUPS.get(id(mesh))
+    if groups is None:
+        groups = _MESH_GROUPS[id(mesh)] = {}
+        weakref.finalize(mesh, _MESH_GROUPS.pop, id(mesh), None)
+    group = groups.get(axis)
+    if group is None:
+        group = groups[axis] = mesh.get_group(axis)
+    return group
 
 
 def _gather_into_entry(
@@ -111,7 +131,7 @@ def unshard(
         buffer,
         entry,
         buffer.shard,
-        buffer.mesh.get_group(buffer.shard_axis),
+        mesh_group(buffer, buffer.shard_axis),
         async_op=async_op,
         ready=ready,
         prepare=cast_in_place if cast else None,
@@ -153,7 +173,7 @@ def spec_for(
     every group the reduction uses."""
     if op not in ("sum", "avg"):
         raise ValueError(f"reduce op must be 'sum' or 'avg', got {op!r}")
-    groups = [buffer.mesh.get_group(a) for a in (buffer.shard_axis, *buffer.replicate_axes)]
+    groups = [mesh_group(buffer, a) for a in (buffer.shard_axis, *buffer.replicate_axes)]
     replicas = 1
     for axis in buffer.replicate_axes:
         replicas *= buffer.mesh.size(axis)
@@ -181,12 +201,24 @@ def reduce_scatter(
     hook_stream: torch.Stream | None = None,
     comm: ReduceScatterComm | None = None,
     allocate: Callable[..., torch.Tensor] | None = None,
+    partial: torch.Tensor | None = None,
+    hold: torch.Tensor | None = None,
+    shard_group: dist.ProcessGroup | None = None,
 ) -> Handle:
-    """``DBuffer.reduce_scatter``: the unsharded storage reduced into ``into``'s shard."""
+    """``DBuffer.reduce_scatter``: the unsharded storage reduced into ``into``'s shard.
+
+    HSDP microbatches without the replica all-reduce (FSDP2's ``set_requires_all_reduce
+    (False)``): ``hold`` (a shard-sized tensor in the reduce dtype) receives the reduce-scatter's
+    result instead (added with ``accumulate``; no all-reduce, post-division or hook), and the
+    next full reduction adds it back before its all-reduce (``partial``). ``shard_group``: the
+    reduce-scatter on another process group over the shard axis' ranks (FSDP2's
+    ``set_separate_reduce_scatter_group``). ``Handle.wait_input`` waits only until the input has
+    been read ([Note: two events per reduction])."""
     target = buffer if into is None else into
     if into is not None:
         buffer._require_same(into, "reduce_scatter")
-    target._require_shard("reduce_scatter")
+    if hold is None:
+        target._require_shard("reduce_scatter")
     if not buffer.is_unsharded():
         raise RuntimeError(
             "DBuffer.reduce_scatter: the unsharded storage is not allocated "
@@ -201,20 +233,31 @@ def reduce_scatter(
     buffer.wait()
     if target is not buffer:
         target.wait()
+    out = target.shard
+    replicas = [mesh_group(buffer, a) for a in buffer.replicate_axes]
+    if hold is not None:
+        if hold.numel() != buffer.shard_size:
+            raise ValueError(
+                f"DBuffer.reduce_scatter: hold has {hold.numel()} elements, the shard "
+                f"{buffer.shard_size}"
+            )
+        out, replicas, hook = hold, [], None
+        spec = attrs.evolve(spec, post_divide=None)
     return buffer._track(
         reduce_scatter_flat(
-            target.shard,
+            out,
             entry.flat,
-            buffer.mesh.get_group(buffer.shard_axis),
-            [buffer.mesh.get_group(a) for a in buffer.replicate_axes],
+            mesh_group(buffer, buffer.shard_axis) if shard_group is None else shard_group,
+            replicas,
             spec=spec,
             reduce_dtype=reduce_dtype,
             accumulate=accumulate,
             async_op=async_op,
-            finish=release if free_unsharded else None,
             hook=hook,
             hook_stream=hook_stream,
             comm=comm,
             allocate=allocate,
+            partial=partial,
+            release_input=release if free_unsharded else None,
         )
     )

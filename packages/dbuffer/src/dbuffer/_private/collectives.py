@@ -7,6 +7,14 @@ unsharded gradient storage itself (autograd wrote the gradients into its slices)
 straight into the sharded gradient storage. Only a dtype change (mixed precision), a division
 or an accumulation adds one fused kernel over the whole group.
 
+[Note: two events per reduction]
+A reduction records one event when its reduce-scatter has read the input and one at its end
+(after the HSDP all-reduce, the hook and the write into the destination). ``Handle.wait_input``
+waits for the first and frees the input: what a cap on reductions in flight needs (the memory
+is the input), so the compute stream never waits for an all-reduce to bound memory (FSDP2's
+``reduce_scatter_states``). ``Handle.wait`` waits for the second: what a reader of the gradient
+needs.
+
 Streams and frees: [Note: streams and frees without record_stream] (streams.py). Arithmetic of
 means: [Note: dividing a mean of gradients] (reduction.py).
 """
@@ -79,8 +87,13 @@ class Handle:
         keep: Sequence[torch.Tensor] = (),
         owners: Sequence[torch.Stream] = (),
         device: torch.device | None = None,
+        input_event: torch.Event | None = None,
+        release_input: Callable[[], None] | None = None,
     ) -> None:
         self._works = list(works)
+        self._input_event = input_event
+        self._release_input = release_input
+        self._input_waited = False
         self._event = event
         self._finish = finish
         self._keep = list(keep)
@@ -93,6 +106,26 @@ class Handle:
         """True once ``wait()`` has returned."""
         return self._done
 
+    def wait_input(self) -> None:
+        """Only the collective's reading of its input: the caller's stream is ordered after it
+        and the input is released; what follows it (an HSDP all-reduce, a hook, the write into
+        the destination) stays in flight until ``wait()`` ([Note: two events per reduction]).
+        Without an event for it (no streams: host-ordered work) this is ``wait()``."""
+        if self._done:
+            return
+        event, self._input_event = self._input_event, None
+        if event is None:  # host-ordered (no streams), or already waited
+            if self._release_input is not None or not self._input_waited:
+                self.wait()
+            return
+        self._input_waited = True
+        device = event.device if self._device is None else self._device
+        assert device is not None
+        streams.current_stream(device).wait_event(event)
+        release, self._release_input = self._release_input, None
+        if release is not None:
+            release()
+
     def wait(self) -> None:
         if self._done:
             return
@@ -102,6 +135,9 @@ class Handle:
             device = self._event.device if self._device is None else self._device
             assert device is not None
             streams.current_stream(device).wait_event(self._event)
+        release, self._release_input = self._release_input, None
+        if release is not None:
+            release()
         finish, self._finish = self._finish, None
         if finish is not None:
             finish()
@@ -134,10 +170,9 @@ def all_gather_flat(
     for the caller's stream now. ``comm``: a user all-gather run in place of the backend's (on
     the all-gather stream, like it).
     """
-    if out.numel() != inp.numel() * dist.get_world_size(group):
+    if out.numel() != inp.numel() * group.size():
         raise ValueError(
-            f"all-gather output has {out.numel()} elements, expected "
-            f"{dist.get_world_size(group)} x {inp.numel()}"
+            f"all-gather output has {out.numel()} elements, expected {group.size()} x {inp.numel()}"
         )
     device = inp.device
     stream = streams.comm_stream_for(device, "all_gather")
@@ -197,6 +232,8 @@ def reduce_scatter_flat(
     hook_stream: torch.Stream | None = None,
     comm: ReduceScatterComm | None = None,
     allocate: Callable[..., torch.Tensor] | None = None,
+    partial: torch.Tensor | None = None,
+    release_input: Callable[[], None] | None = None,
 ) -> Handle:
     """Reduce-scatter the flat ``inp`` (m * S) over ``shard_group`` into the flat ``out`` (S),
     then all-reduce the result over each of ``replicate_groups`` (HSDP), with ``spec``'s
@@ -208,13 +245,17 @@ def reduce_scatter_flat(
     runs on the reduced shard in the reduce dtype after the all-reduce and before the
     post-division (FSDP2's all-reduce hook), on ``hook_stream`` (default: the all-reduce stream)
     ordered after the reduction; ``comm`` replaces the backend's reduce-scatter and
-    ``allocate(shape, dtype=, device=)`` (its allocator) makes the receive buffer.
+    ``allocate(shape, dtype=, device=)`` (its allocator) makes the receive buffer. ``partial``
+    (reduce dtype, S elements: earlier microbatches reduce-scattered without their all-reduce)
+    is added to the result before the all-reduce (FSDP2's ``partial_reduce_output``).
+    ``release_input`` frees ``inp`` once the reduce-scatter has read it (``Handle.wait_input``,
+    or ``wait``).
 
     Streams: the reduce-scatter (and the casts, pre-division and receive buffer) on the
     reduce-scatter stream after the caller's stream; the all-reduce on the all-reduce stream;
     the hook and the epilogue on the last of them; the handle's event after the epilogue.
     """
-    world = dist.get_world_size(shard_group)
+    world = shard_group.size()
     if inp.numel() != out.numel() * world:
         raise ValueError(
             f"reduce-scatter input has {inp.numel()} elements, expected {world} x {out.numel()}"
@@ -266,10 +307,16 @@ def reduce_scatter_flat(
             if defer and work is not None:
                 works.append(work)
         last = rs_stream
+    # [Note: two events per reduction]: the input is free once this is reached, whatever
+    # follows on other streams
+    input_read = None if rs_stream is None or defer else streams.event_after(rs_stream, device)
 
     def epilogue() -> torch.Stream | None:
         """The all-reduce, the hook and the write into ``out``; returns the stream it ended on."""
         stream = last
+        if partial is not None:  # on the reduce-scatter stream, as FSDP2 accumulates
+            with streams.on_stream(stream):
+                recv.add_(partial)
         if replicate_groups:
             stream = _follow(stream, ar_stream, device)
             with streams.on_stream(stream):
@@ -301,9 +348,11 @@ def reduce_scatter_flat(
         works,
         event=end,
         finish=complete,
-        keep=(send, recv, inp, out),
+        keep=(send, recv, inp, out) if partial is None else (send, recv, inp, out, partial),
         owners=owners,
         device=device,
+        input_event=input_read,
+        release_input=release_input,
     )
     if not async_op:
         handle.wait()

@@ -18,6 +18,7 @@ from fsdp_engine._private.storage import ShardStorage
 __all__ = [
     "Piece",
     "Reduction",
+    "add_compact",
     "compact_buffer",
     "compact_pieces",
     "placed_compact_pieces",
@@ -100,6 +101,10 @@ class Reduction:
     kind: Literal["none", "full", "compact"]
     segment: int = 0  # compact: elements per rank
     pieces: tuple[tuple[Piece, ...], ...] = ()
+    # compact: the compact buffer cut into its pieces and paddings, rank-major (``split`` sizes),
+    # and per trainable tensor its pieces' lengths by rank and their slots in that cut
+    cut: tuple[int, ...] = ()
+    by_tensor: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = attrs.field(factory=dict)
 
 
 def compact_buffer(
@@ -139,4 +144,43 @@ def reduction_for_mask(storage: ShardStorage, mask: tuple[bool, ...], align: int
     segment, pieces = compact_pieces(
         plan.offsets, plan.numels, plan.shard_size, storage.world, mask, align
     )
-    return Reduction(mask, "compact", segment, pieces)
+    cut: list[int] = []
+    lengths: dict[int, list[int]] = {}
+    slots: dict[int, list[int]] = {}
+    for rank_pieces in pieces:
+        used = 0
+        for i, _, length, _ in rank_pieces:
+            lengths.setdefault(i, []).append(length)
+            slots.setdefault(i, []).append(len(cut))
+            cut.append(length)
+            used += length
+        cut.append(segment - used)
+    by_tensor = {i: (tuple(lengths[i]), tuple(slots[i])) for i in lengths}
+    return Reduction(mask, "compact", segment, pieces, tuple(cut), by_tensor)
+
+
+def add_compact(
+    flat: torch.Tensor, reduction: Reduction, grads: Sequence[torch.Tensor | None]
+) -> list[bool]:
+    """Add the trainable tensors' gradients (full, flat-able; None: no gradient) into the
+    compact buffer ``flat`` (rank-major segments): each tensor's pieces, consecutive in the
+    tensor, to their slots; one foreach add for the whole group (no launch per piece or
+    tensor). Returns which tensors had a gradient."""
+    slots = torch.split(flat, list(reduction.cut))
+    dst: list[torch.Tensor] = []
+    src: list[torch.Tensor] = []
+    used = [False] * len(grads)
+    for i, (lengths, where) in reduction.by_tensor.items():
+        grad = grads[i]
+        if grad is None:
+            continue
+        used[i] = True
+        for piece, slot, length in zip(
+            torch.split(grad.reshape(-1), list(lengths)), where, lengths, strict=True
+        ):
+            if length:
+                dst.append(slots[slot])
+                src.append(piece)
+    if dst:
+        torch._foreach_add_(dst, src)
+    return used

@@ -153,13 +153,17 @@ _APPLY = _torch_apply_to_tensors()
 _STATUS["apply_to_tensors"] = "torch" if _APPLY is not None else "pytree"
 
 
-def apply_to_tensors(fn: Callable[[torch.Tensor], Any], container: Any) -> Any:
-    """``fn`` on every tensor of a nested container (dataclasses included), rebuilt."""
-    if _APPLY is not None:
-        return _APPLY(fn, container)
+def _pytree_apply(fn: Callable[[torch.Tensor], Any], container: Any) -> Any:
     from torch.utils._pytree import tree_map  # pragma: no cover
 
     return tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, container)
+
+
+# ``fn`` on every tensor of a nested container (dataclasses included), rebuilt: torch's own
+# function itself where it has one (no frame of ours around it on the hot path)
+apply_to_tensors: Callable[[Callable[[torch.Tensor], Any], Any], Any] = (
+    _APPLY if _APPLY is not None else _pytree_apply
+)
 
 
 # -- the autograd engine ----------------------------------------------------------------------
@@ -167,10 +171,9 @@ _GRAPH_TASK_ID: Callable[[], int] | None = getattr(torch._C, "_current_graph_tas
 _STATUS["graph_task_id"] = "torch" if _GRAPH_TASK_ID is not None else "unavailable"
 
 
-def profiler_enabled() -> bool:
-    """Whether a profiler (``torch.profiler.profile`` or the autograd profiler) is recording:
-    only then does a ``record_function`` range end up anywhere."""
-    return bool(torch._C._autograd._profiler_enabled())
+# Whether a profiler (``torch.profiler.profile`` or the autograd profiler) is recording: only then
+# does a ``record_function`` range end up anywhere (torch's function itself: called per hook)
+profiler_enabled: Callable[[], bool] = torch._C._autograd._profiler_enabled
 
 
 def in_backward() -> bool:
@@ -178,10 +181,13 @@ def in_backward() -> bool:
     return _GRAPH_TASK_ID is not None and _GRAPH_TASK_ID() != -1
 
 
-def graph_task_id() -> int:
-    """The id of the backward pass running on this thread (-1 outside one); a reentrant
-    checkpoint's backward runs a graph task of its own."""
-    return _GRAPH_TASK_ID() if _GRAPH_TASK_ID is not None else -1
+def _no_graph_task() -> int:  # pragma: no cover - torch without _current_graph_task_id
+    return -1
+
+
+# The id of the backward pass running on this thread (-1 outside one); a reentrant checkpoint's
+# backward runs a graph task of its own (torch's function itself: called per hook)
+graph_task_id: Callable[[], int] = _GRAPH_TASK_ID if _GRAPH_TASK_ID is not None else _no_graph_task
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:

@@ -31,6 +31,12 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method as torch_register_fsdp_forward_method,
 )
 
+from fsdp_engine._private.comm_settings import (
+    check_no_custom_comm_for_allocation,
+    check_symm_mem_for_comm,
+    configure_separate_reduce_scatter_groups,
+)
+from fsdp_engine._private.module_states import prefetch_states, state_of, states_under
 from fsdp_engine._private.state import FSDPState, get_state
 
 __all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "share_comm_ctx"]
@@ -48,40 +54,6 @@ class UnshardHandle(TorchUnshardHandle):
         for group in state.groups if state is not None else ():
             group.wait_for_unshard()
             group.register_unsharded()
-
-
-def _states_under(module: object, recurse: bool) -> list[FSDPState]:
-    assert isinstance(module, nn.Module)
-    states: list[FSDPState] = []
-    for m in module.modules() if recurse else [module]:
-        state = get_state(m)
-        if state is not None and state not in states:
-            states.append(state)
-    return states
-
-
-def _state_of(module: object, what: str) -> FSDPState:
-    state = get_state(module) if isinstance(module, nn.Module) else None
-    if state is None:
-        raise ValueError(f"{what}: {type(module).__name__} is not a fully_shard module")
-    return state
-
-
-def _prefetch_states(setter: str, modules: list[TorchFSDPModule]) -> tuple[FSDPState, ...]:
-    """The states of prefetch targets: FSDP2's ``ValueError`` for anything that is not a
-    fully_shard module (one torch's own FSDP2 manages is named as such)."""
-    states = []
-    for module in modules:
-        state = get_state(module) if isinstance(module, nn.Module) else None
-        if state is None:
-            torchs = isinstance(module, TorchFSDPModule)
-            whose = " (sharded by torch's fully_shard)" if torchs else ""
-            raise ValueError(
-                f"{setter}: Expects FSDPModule (a module fsdp_engine.fully_shard was applied to) "
-                f"but got {type(module)}{whose}: {module}"
-            )
-        states.append(state)
-    return tuple(states)
 
 
 class FSDPModule(TorchFSDPModule):
@@ -106,7 +78,7 @@ class FSDPModule(TorchFSDPModule):
         )
 
     def _engine_state(self) -> FSDPState:
-        return _state_of(self, "fully_shard")
+        return state_of(self, "fully_shard")
 
     def _get_fsdp_state(self) -> Any:
         """The module's state (ours: torch's ``register_fsdp_forward_method`` applied to our
@@ -123,10 +95,10 @@ class FSDPModule(TorchFSDPModule):
         effect."""
         if not isinstance(async_op, bool):
             raise TypeError(f"async_op must be a bool, got {type(async_op).__name__}")
-        _states_under(self, True)
+        states_under(self, True)
 
     def _configure_groups(self, recurse: bool, **changes: Any) -> None:
-        for state in _states_under(self, recurse):
+        for state in states_under(self, recurse):
             for group in state.groups:
                 group.configure(**changes)
 
@@ -179,24 +151,20 @@ class FSDPModule(TorchFSDPModule):
     ) -> None:
         """``False``: accumulate gradients locally (no reduce-scatter, in ``reduce_dtype``)
         until set back."""
-        for state in _states_under(self, recurse):
+        for state in states_under(self, recurse):
             state.configure(requires_gradient_sync=requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: reduce-scatter every microbatch but all-reduce only when set back. The engine
-        reduces both axes together; only ``True`` (the default) is supported on a 2-D mesh."""
-        for state in _states_under(self, recurse):
-            if not requires_all_reduce and any(g.mesh.ndim > 1 for g in state.groups):
-                raise NotImplementedError(
-                    "set_requires_all_reduce(False): reduce-scatter without the replica "
-                    "all-reduce is not supported by fsdp_engine; use "
-                    "set_requires_gradient_sync(False) to accumulate without communication"
-                )
+        """HSDP: ``False`` reduce-scatters each microbatch but holds the result (reduce dtype,
+        the shard's size) without the replica all-reduce; the next backward with ``True`` adds
+        it before its all-reduce, so the all-reduce runs once per window ([Note: reduction
+        strategies]). No effect on a 1-D mesh (FSDP2's rule)."""
+        self._configure_groups(recurse, requires_all_reduce=requires_all_reduce)
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
-        for state in _states_under(self, recurse):
+        for state in states_under(self, recurse):
             state.configure(reshard_after_backward=reshard_after_backward)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
@@ -206,7 +174,7 @@ class FSDPModule(TorchFSDPModule):
             raise ValueError(
                 f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}"
             )
-        for state in _states_under(self, recurse):
+        for state in states_under(self, recurse):
             state.configure(reshard_after_forward=reshard_after_forward)
             for group in state.groups:
                 group.configure(post_forward_k=0)
@@ -214,13 +182,13 @@ class FSDPModule(TorchFSDPModule):
     def set_modules_to_forward_prefetch(self, modules: list[TorchFSDPModule]) -> None:
         """All-gather these modules' parameters asynchronously when this module's forward
         starts."""
-        targets = _prefetch_states("set_modules_to_forward_prefetch", modules)
+        targets = prefetch_states("set_modules_to_forward_prefetch", modules)
         self._engine_state().configure(forward_prefetch=targets)
 
     def set_modules_to_backward_prefetch(self, modules: list[TorchFSDPModule]) -> None:
         """All-gather these modules' parameters asynchronously when this module's backward starts
         (default: the module that ran forward just before this one)."""
-        targets = _prefetch_states("set_modules_to_backward_prefetch", modules)
+        targets = prefetch_states("set_modules_to_backward_prefetch", modules)
         self._engine_state().configure(backward_prefetch=targets)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
@@ -337,25 +305,17 @@ class FSDPModule(TorchFSDPModule):
         """FSDP2 allocates its staging buffers from the process group's allocator. The engine
         has no staging buffers (collectives read and write the planned persistent storage), so
         this changes nothing; like FSDP2 it cannot be combined with a custom collective."""
-        for group in self._engine_state().groups:
-            if group.config.all_gather_comm is not None or group.config.reduce.comm is not None:
-                raise AssertionError(
-                    "set_allocate_memory_from_process_group_for_comm cannot be used together "
-                    "with set_custom_all_gather / set_custom_reduce_scatter"
-                )
+        check_no_custom_comm_for_allocation(self._engine_state().groups)
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
     ) -> None:
-        """FSDP2 runs the reduce-scatters on a process group of their own so they overlap the
-        all-gathers on the wire. Not built in fsdp_engine: ``False`` (the state it is always
-        in) is accepted, ``True`` raises."""
-        if enable:
-            raise NotImplementedError(
-                "set_separate_reduce_scatter_group: fsdp_engine runs its all-gathers and "
-                "reduce-scatters on the mesh's process groups"
-            )
-        _states_under(self, recurse)
+        """``True``: the reduce-scatters run on a process group of their own over the shard
+        ranks (``dist.new_group(..., use_local_synchronization=True)``, one per distinct set of
+        shard ranks in this call), so they do not share a communicator with the all-gathers;
+        ``False``: back to the mesh's group. Collective over the shard ranks, as in FSDP2."""
+        groups = [group for state in states_under(self, recurse) for group in state.groups]
+        configure_separate_reduce_scatter_groups(groups, enable)
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
         """FSDP2 allocates its all-gather staging buffers from symmetric memory (NCCL). The
@@ -364,24 +324,13 @@ class FSDPModule(TorchFSDPModule):
         ``set_allocate_memory_from_process_group_for_comm``, this is validated as FSDP2
         validates it (the ``"NCCL"`` backend; not with a custom collective) and changes
         nothing."""
-        if backend != "NCCL":
-            raise ValueError(f'set_symm_mem_for_comm: backend must be "NCCL", got {backend!r}')
-        for group in self._engine_state().groups:
-            for kind, comm in (
-                ("all gather", group.config.all_gather_comm),
-                ("reduce scatter", group.config.reduce.comm),
-            ):
-                if comm is not None:
-                    raise AssertionError(
-                        f"cannot call set_symm_mem() when {kind} comm is custom: "
-                        f"{type(comm).__name__}"
-                    )
+        check_symm_mem_for_comm(self._engine_state().groups, backend)
 
     def to_empty(self, *, device: Any, recurse: bool = True) -> Any:
         """``nn.Module.to_empty``: the managed parameters' storage is reserved on ``device``
         without being written ([Note: meta-device parameters]); their values are undefined until
         initialized or loaded, as with torch's ``to_empty``."""
-        states = _states_under(self, recurse)
+        states = states_under(self, recurse)
         for state in states:
             for group in state.groups:
                 group.values_undefined = True

@@ -174,19 +174,34 @@ class TakeHandover(Handover):
         self.written[i] = self.taken[i] = True
 
     def collect(self, unsharded: Sequence[nn.Parameter]) -> list[bool]:
-        for i, param in enumerate(unsharded):  # gradients no hook took (a hook removed...)
-            if param.grad is not None:
-                grad = param.grad
-                self._write(i, compat.local_tensor(grad) if isinstance(grad, DTensor) else grad)
-                param.grad = None
+        """The gradients no hook took (all of them without hooks) into the storage: one
+        foreach copy (and one foreach add for a later microbatch's), zeros where none came."""
+        taken = [(i, p.grad) for i, p in enumerate(unsharded) if p.grad is not None]
+        if taken and not self.grads.is_unsharded():
+            self._allocate()
+        views = self.views() if taken else []
+        copy: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        add: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+        for i, grad in taken:
+            local = compat.local_tensor(grad) if isinstance(grad, DTensor) else grad
+            into = add if self.written[i] else copy
+            into[0].append(views[i])
+            into[1].append(local.view(views[i].shape))
+            self.written[i] = self.taken[i] = True
+            unsharded[i].grad = None
+        with torch.no_grad():
+            if copy[0]:
+                torch._foreach_copy_(copy[0], copy[1])
+            if add[0]:
+                torch._foreach_add_(add[0], add[1])
         if not self.grads.is_unsharded():
             self.grads.alloc_unsharded(zero=True)  # no gradient at all on this rank
             self.taken = [False] * len(self.taken)
         else:
-            with torch.no_grad():
-                for view, written in zip(self.views(), self.written, strict=True):
-                    if not written:
-                        view.zero_()
+            unwritten = [v for v, w in zip(self.views(), self.written, strict=True) if not w]
+            if unwritten:
+                with torch.no_grad():
+                    torch._foreach_zero_(unwritten)
         self.written = [True] * len(self.written)  # zeros are values: a next microbatch adds
         return list(self.taken)
 

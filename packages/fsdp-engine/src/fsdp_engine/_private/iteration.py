@@ -18,7 +18,10 @@ iteration has no previous order: no prefetch, like FSDP2 on CPU.
 A group's reduce-scatter reads its unsharded gradient storage until it completes. At most
 ``max_input_buffers`` reductions are in flight (``set_reduce_scatter_max_input_buffers``, FSDP2's
 cap over every group of a root, 1 by default): before a group hands its gradients over, the
-oldest reductions beyond the cap are waited for, which frees their storage. More in flight lets
+oldest reductions beyond the cap are waited for up to their reduce-scatter's read of the input,
+which frees their storage; an HSDP all-reduce still running is not waited for (FSDP2: compute
+costs max(compute, reduce-scatter), not max(compute, reduce-scatter + all-reduce); [Note: two
+events per reduction] in dbuffer). More in flight lets
 the next layer's backward run while an exposed reduce-scatter finishes, at the cost of that
 much more gradient memory.
 """
@@ -32,9 +35,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from fsdp_engine._private import compat, gather
+from fsdp_engine._private.trace import traced
 
 if TYPE_CHECKING:
-    from fsdp_engine._private.param_group import ParamGroup
+    from fsdp_engine._private.group_lifecycle import GroupLifecycle
     from fsdp_engine._private.state import FSDPState
 
 __all__ = [
@@ -59,7 +63,7 @@ class IterationContext:
         # all-gather of the iteration waits for instead of the compute stream
         self.inputs_ready: torch.Event | None = None
         self.max_in_flight = 1
-        self.in_flight: deque[ParamGroup] = deque()
+        self.in_flight: deque[GroupLifecycle] = deque()
         self.pre_forward_order: list[FSDPState] = []  # this iteration, with multiplicity
         self.forward_next: dict[int, list[FSDPState | None]] = {}  # last iteration's successors
         self.forward_seen: dict[int, int] = {}  # occurrences of each state so far
@@ -89,15 +93,15 @@ class IterationContext:
         return successors[occurrence] if occurrence < len(successors) else None
 
     # -- reductions ---------------------------------------------------------------------------
-    def before_reduction(self, group: ParamGroup, label: str) -> None:
+    def before_reduction(self, group: GroupLifecycle, label: str) -> None:
         """[Note: reductions in flight]: make room for ``group``'s reduction (waiting, in the
         profiler range ``label``, for the oldest ones beyond the cap)."""
         if self.in_flight and len(self.in_flight) >= self.max_in_flight:
-            with torch.profiler.record_function(label):
+            with traced(label, log=False):  # no range (no dispatcher call) unless profiling
                 while self.in_flight and len(self.in_flight) >= self.max_in_flight:
                     previous = self.in_flight.popleft()
                     if previous is not group:
-                        previous.wait_for_reduce()
+                        previous.wait_for_reduce_input()
         if group in self.in_flight:
             self.in_flight.remove(group)
         self.in_flight.append(group)
@@ -120,7 +124,7 @@ def forward_prefetch_targets(state: FSDPState) -> Sequence[FSDPState]:
     next module ([Note: implicit forward prefetch])."""
     if state.config.forward_prefetch is not None:
         return state.config.forward_prefetch
-    if compat.in_backward():
+    if compat.graph_task_id() != -1:  # in a backward (compat.in_backward, without a frame)
         return ()
     target = state.ctx.predicted_next(state)
     if target is None or target is state or not target.groups:

@@ -17,20 +17,19 @@ A ``fully_shard`` call whose parameters have several dtypes gets one group per d
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 
 import attrs
 import torch
-from torch import nn
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from dbuffer import AllGatherComm, Handle
 from fsdp_engine._private.api import BlockPolicy, MixedPrecisionPolicy
 from fsdp_engine._private.extension_gather import gather_for_params
-from fsdp_engine._private.gather import BufferGather, Gather, PostForwardPart
+from fsdp_engine._private.gather import Gather, PostForwardPart
 from fsdp_engine._private.group_layout import lay_out_group
+from fsdp_engine._private.group_lifecycle import GroupLifecycle, ShardedState
 from fsdp_engine._private.param import (
     ParamRef,
     adopt_registered,
@@ -39,18 +38,12 @@ from fsdp_engine._private.param import (
 )
 from fsdp_engine._private.plans import alignment, view_dtypes
 from fsdp_engine._private.presence import Presence
-from fsdp_engine._private.reduce import GradReducer, ReduceSettings
-from fsdp_engine._private.replaced import check_not_replaced_unsharded
+from fsdp_engine._private.reduce import GradReducer
+from fsdp_engine._private.reduce_comm import ReduceSettings, choose_reduce_comm
 from fsdp_engine._private.spmd import SpmdMesh
 from fsdp_engine._private.storage import group_dtypes
 
 __all__ = ["GroupConfig", "ParamGroup", "ShardedState"]
-
-
-class ShardedState(enum.Enum):
-    SHARDED = "sharded"
-    SHARDED_POST_FORWARD = "sharded_post_forward"
-    UNSHARDED = "unsharded"
 
 
 @attrs.frozen
@@ -66,9 +59,19 @@ class GroupConfig:
     post_forward_k: int = 0  # reshard_after_forward=k: a 1/k part kept after forward (0: none)
     # set_gradients_in_parameter_storage ([Note: gradients in the parameters' storage])
     gradients_in_place: bool = False
+    # set_requires_all_reduce / set_separate_reduce_scatter_group ([Note: reduction strategies])
+    requires_all_reduce: bool = True
+    # the state's settings the lifecycle needs ([Note: the group's lifecycle])
+    requires_gradient_sync: bool = True
+    reshard_after_backward: bool = True
+    reshard_after_forward: bool = True
+    unshard_in_backward: bool = True
+    separate_rs_group: dist.ProcessGroup | None = (
+        None  # not "reduce_": that prefix is ReduceSettings
+    )
 
 
-class ParamGroup:
+class ParamGroup(GroupLifecycle):
     """The parameters of one dtype of one ``fully_shard`` call over one mesh (1-D or 2-D HSDP)."""
 
     def __init__(
@@ -104,7 +107,7 @@ class ParamGroup:
         self.quantized = layout.quantized
         self.params = list(layout.params)
         self.config = GroupConfig(post_forward_k=post_forward_k)
-        self.post_forward = (
+        self.post_forward_part = (
             PostForwardPart(mesh, post_forward_k, self.storage.rank) if post_forward_k else None
         )
         self.presence = Presence(len(self.params))
@@ -132,15 +135,21 @@ class ParamGroup:
             if self.state is not ShardedState.SHARDED:
                 self.reshard()  # a part kept for the old setting goes
             k = config.post_forward_k
-            self.post_forward = PostForwardPart(self.mesh, k, self.storage.rank) if k else None
+            self.post_forward_part = PostForwardPart(self.mesh, k, self.storage.rank) if k else None
         gather_changed = (
             config.all_gather_comm is not self.config.all_gather_comm
             or config.post_forward_k != self.config.post_forward_k
+        )
+        reduce_changed = (
+            config.requires_all_reduce != self.config.requires_all_reduce
+            or config.separate_rs_group is not self.config.separate_rs_group
         )
         self.config = config
         self.presence.exact = config.exact_presence
         if gather_changed:
             self._choose_gather()
+        if reduce_changed:
+            self._choose_reduce()
 
     def _set_dtypes(self) -> None:
         """Compute and reduce dtypes from the policy and the parameters' dtype; the gradient
@@ -158,6 +167,15 @@ class ParamGroup:
             align=alignment(aligned),
         )
         self._choose_gather()
+        self._choose_reduce()
+
+    def _choose_reduce(self) -> None:
+        """[Note: reduction strategies] (reduce_comm.py)."""
+        self.reducer.comm = choose_reduce_comm(
+            replicated=bool(self.storage.buffer.replicate_axes),
+            requires_all_reduce=self.config.requires_all_reduce,
+            shard_group=self.config.separate_rs_group,
+        )
 
     def _choose_gather(self) -> None:
         self.gather: Gather = gather_for_params(
@@ -167,7 +185,7 @@ class ParamGroup:
             compute_dtype=self.compute_dtype,
             quantized=self.quantized,
             comm=self.config.all_gather_comm,
-            keep_gathered=self.post_forward is not None,
+            keep_gathered=self.post_forward_part is not None,
             mp_policy=self.mp_policy,
         )
         for param in self.params:
@@ -177,109 +195,6 @@ class ParamGroup:
     @property
     def dtype(self) -> torch.dtype:
         return self.storage.dtype
-
-    @property
-    def sharded(self) -> list[nn.Parameter]:
-        return [p.sharded for p in self.params]
-
-    def names(self) -> list[str]:
-        return [p.fqn for p in self.params]
-
-    def meta_indices(self) -> list[int]:
-        return [i for i, p in enumerate(self.params) if p.is_meta]
-
-    def trainable(self) -> tuple[bool, ...]:
-        return tuple(p.sharded.requires_grad for p in self.params)
-
-    def unsharded_params(self) -> list[nn.Parameter]:
-        dtype = self.compute_dtype
-        made = [p.unsharded(dtype) for p in self.params]
-        if any(u is None for u in made):
-            views = self.gather.views()
-            guarded = self.config.gradients_in_place  # [Note: reading an overwritten weight]
-            made = [
-                p.make_unsharded(dtype, v, guarded) for p, v in zip(self.params, views, strict=True)
-            ]
-        return [u for u in made if u is not None]
-
-    def register_unsharded(self) -> None:
-        self.unsharded_params()  # made if needed
-        check_not_replaced_unsharded(self.params)  # a replacement is never silently dropped
-        for param in self.params:
-            param.register_unsharded(self.compute_dtype)
-
-    def register_sharded(self) -> None:
-        for param in self.params:
-            param.register_sharded()
-
-    # -- unshard / reshard --------------------------------------------------------------------
-    def _check_ready(self) -> None:
-        if self.conversion_incomplete is not None:
-            raise ValueError(
-                f"fully_shard: the parameters of one group were converted to different dtypes "
-                f"{self.conversion_incomplete} ({self.names()}); convert every module of a "
-                f"fully_shard call alike"
-            )
-        if not self.storage.materialized:
-            raise RuntimeError(
-                f"fully_shard: parameters {[self.params[i].fqn for i in self.meta_indices()]} "
-                "are still on the meta device; materialize them (to_empty + init, or load a "
-                "state dict with assign=True) before running forward"
-            )
-
-    def unshard(self, *, async_op: bool = False, ready: torch.Event | None = None) -> None:
-        """Start the all-gather (``async_op``: ``wait_for_unshard`` completes it). On an
-        accelerator it waits for ``ready`` (the shards' last write this iteration) instead of
-        everything the compute stream has queued, so a prefetch overlaps the compute before it."""
-        if self.state is ShardedState.UNSHARDED or self.unshard_handle is not None:
-            if not async_op:
-                self.wait_for_unshard()
-            return
-        if self.state is ShardedState.SHARDED:
-            self.adopt_registered()  # replaced since the last step ([Note: registered parameters])
-        self._check_ready()
-        if self.post_forward is not None and self.post_forward.held:
-            handle: Handle | None = self.post_forward.regather(
-                self.storage.buffer, self.gather_dtype, async_op=async_op
-            )
-        else:
-            handle = self.gather.issue(ready=ready, async_op=async_op)
-        self.unshard_handle = handle
-        if handle is None or not async_op:
-            self.wait_for_unshard(force=handle is None)
-
-    def wait_for_unshard(self, *, force: bool = False) -> None:
-        if self.unshard_handle is None and not force:
-            return
-        if self.unshard_handle is not None:
-            self.unshard_handle.wait()  # DBuffer restores the version counter autograd checks
-            self.unshard_handle = None
-        self.gather.complete()
-        self.state = ShardedState.UNSHARDED
-
-    def reshard(self, *, keep_part: bool = False, release: bool = True) -> None:
-        """Free the unsharded storage and register the sharded parameters (``keep_part``: a
-        post-forward part just kept stays; ``release=False``: a reduction in flight reads the
-        storage and frees it when done)."""
-        if self.state is ShardedState.SHARDED and self.unshard_handle is None:
-            return  # already sharded: the registered parameters are the sharded ones
-        self.wait_for_unshard()
-        if self.state is ShardedState.UNSHARDED:
-            check_not_replaced_unsharded(self.params)
-        if release:
-            self.gather.release()
-        if self.post_forward is not None and not keep_part:
-            self.post_forward.drop()
-        self.register_sharded()
-        self.state = ShardedState.SHARDED
-
-    def reshard_post_forward(self) -> None:
-        """``reshard_after_forward=k``: keep this rank's 1/k part, free the rest."""
-        assert self.post_forward is not None
-        self.wait_for_unshard()
-        self.post_forward.keep(self.gather.flat())
-        self.reshard(keep_part=True)
-        self.state = ShardedState.SHARDED_POST_FORWARD
 
     # -- parameters assigned or converted by the user -----------------------------------------
     def to_sharded(self) -> None:
@@ -326,75 +241,6 @@ class ParamGroup:
             self._choose_gather()
         if any(g is not None for g in grads):
             self.reducer.adopt_grads(grads)
-
-    # -- gradients ----------------------------------------------------------------------------
-    def pre_backward(self, *, reduces_and_reshards: bool = False) -> None:
-        """Before this group's backward: the gradient storage autograd writes into.
-        ``reduces_and_reshards``: this backward ends with a reduction and a reshard, so its
-        gradients may overwrite the unsharded parameters when the user enabled it ([Note:
-        gradients in the parameters' storage]: one plain all-gathered buffer, no cast)."""
-        in_place = None
-        if (
-            reduces_and_reshards
-            and self.config.gradients_in_place
-            and self.state is ShardedState.UNSHARDED
-            and type(self.gather) is BufferGather
-            and self.gather_dtype == self.compute_dtype
-        ):
-            in_place = (self.gather.flat(), self.gather.views())
-        if self.reducer.prepare(self.trainable(), self.unsharded_params(), in_place):
-            self.presence.reset()
-
-    @property
-    def gradients_in_place(self) -> bool:
-        """This backward's gradients are in the unsharded parameters' storage."""
-        return self.reducer.in_place
-
-    def reduce(self, *, sync: bool, async_op: bool) -> None:
-        """Post-backward: reduce the gradients (``sync``) or keep accumulating them locally."""
-        unsharded = self.unsharded_params()
-        self._redistribute_grads(unsharded)
-        result = self.reducer.reduce(unsharded, self.config.reduce, sync=sync, async_op=async_op)
-        self.presence.note_used(result.used)
-        if result.issued:
-            self.presence.after_reduction(result.had_grad)
-            if self.reducer.handle is None:
-                self._run_hooks()
-
-    def _redistribute_grads(self, unsharded: Sequence[nn.Parameter]) -> None:
-        """A DTensor parameter's gradient in its parameter's placements before the reduction
-        reads its local tensor (FSDP2's ``_get_grad_inner_tensor``: e.g. a ``Partial`` on the
-        tensor-parallel dims is reduced there first; an SPMD mesh's data-parallel dims keep the
-        gradient's own placements)."""
-        for param, spec in zip(unsharded, self.storage.tp_specs, strict=True):
-            grad = param.grad
-            if spec is None or not isinstance(grad, DTensor):
-                continue
-            target = spec.target(grad)
-            if tuple(grad.placements) != target:
-                param.grad = grad.redistribute(placements=target)
-
-    def wait_for_reduce(self) -> None:
-        self.reducer.wait()
-        self._run_hooks()
-
-    def _run_hooks(self) -> None:
-        if self.presence.due is None:  # exact presence: the hooks wait for it
-            self.reducer.run_post_accumulate_hooks()
-
-    def apply_presence(self, used_anywhere: Sequence[bool]) -> None:
-        self.presence.apply(used_anywhere, self.sharded)
-        if self.reducer.handle is None:  # else wait_for_reduce runs them
-            self._run_hooks()
-
-    def discard_iteration(self) -> None:
-        """Drop every in-flight collective and pending gradient (``reset_iter_state``)."""
-        if self.unshard_handle is not None:
-            self.unshard_handle.wait()
-            self.unshard_handle = None
-        self.reducer.discard(self.unsharded_params())
-        self.presence.due = None
-        self.reshard()
 
     @property
     def device(self) -> torch.device:

@@ -12,15 +12,17 @@ gradient (a post-accumulate hook on the unsharded parameters, or the compact pat
 the ranks' flags are summed by **one** small all-reduce per backward for every such group of a
 mesh together, and parameters no rank used lose their ``.grad``.
 
-The flags are host values, so they travel on the host where the process group can: a backend
-serving CPU tensors (gloo, or the CPU part of ``"cpu:gloo,cuda:nccl"``, what
-``init_process_group()`` gives on a GPU host) sums them without touching the device; otherwise
-they go through the accelerator with one pinned host-to-device copy and one copy back per
-backward, for all groups together (never per group).
+The flags are host values, so they always travel on the host, never through the device (a
+device round trip would be one host sync per backward): on the mesh's own group when its
+backend serves CPU tensors (gloo, or the CPU part of ``"cpu:gloo,cuda:nccl"``, what
+``init_process_group()`` gives on a GPU host); on an accelerator-only group (NCCL alone), on a
+gloo group over the same ranks, made once per group the first time it is needed (every rank of
+the group gets there at the same point: the presence is resolved in a fixed order).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -65,18 +67,30 @@ class Presence:
                 param.grad = None
 
 
-def _sum_over_mesh(flags: list[bool], mesh: DeviceMesh, device: torch.device) -> list[bool]:
-    """The flags OR-ed over every rank of ``mesh``: one all-reduce per mesh axis."""
-    groups = [mesh.get_group(axis) for axis in range(mesh.ndim) if mesh.size(axis) > 1]
-    on_host = all(compat.has_backend_for(g, torch.device("cpu")) for g in groups)
+_HOST_GROUPS: weakref.WeakKeyDictionary[dist.ProcessGroup, dist.ProcessGroup] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _on_host(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """``group`` itself if its backend serves CPU tensors, else a gloo group over its ranks."""
+    if compat.has_backend_for(group, torch.device("cpu")):
+        return group
+    host = _HOST_GROUPS.get(group)
+    if host is None:
+        ranks = dist.get_process_group_ranks(group)
+        made = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+        assert made is not None  # this rank is one of ``ranks``
+        host = _HOST_GROUPS[group] = made
+    return host
+
+
+def _sum_over_mesh(flags: list[bool], mesh: DeviceMesh) -> list[bool]:
+    """The flags OR-ed over every rank of ``mesh``: one all-reduce per mesh axis, on the host."""
     values = torch.tensor(flags, dtype=torch.int32)
-    if not on_host:
-        pinned = values.pin_memory() if device.type == "cuda" else values
-        values = pinned.to(device, non_blocking=True)
-    for group in groups:
-        dist.all_reduce(values, group=group)
-    if not on_host:
-        values = values.cpu()  # the one device-to-host read of a backward
+    for axis in range(mesh.ndim):
+        if mesh.size(axis) > 1:
+            dist.all_reduce(values, group=_on_host(mesh.get_group(axis)))
     return [bool(v) for v in values.tolist()]
 
 
@@ -103,7 +117,7 @@ def resolve_presence(owners: Sequence[PresenceOwner]) -> None:
             by_mesh.setdefault(id(owner.mesh), []).append((owner, flags))
     for due in by_mesh.values():
         first = due[0][0]
-        total = _sum_over_mesh([f for _, flags in due for f in flags], first.mesh, first.device)
+        total = _sum_over_mesh([f for _, flags in due for f in flags], first.mesh)
         offset = 0
         for owner, flags in due:
             owner.apply_presence(total[offset : offset + len(flags)])

@@ -26,50 +26,38 @@ parameters' local shares. Frozen parameters are neither communicated nor given a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
-from dbuffer import DBuffer, Handle, ReduceScatterComm
+from dbuffer import DBuffer, Handle, ReduceSpec
 from fsdp_engine._private import compat
-from fsdp_engine._private.compact import Reduction, compact_buffer, reduction_for_mask
+from fsdp_engine._private.compact import (
+    Reduction,
+    add_compact,
+    compact_buffer,
+    reduction_for_mask,
+)
 from fsdp_engine._private.grads import ShardedGrads
 from fsdp_engine._private.handover import InPlaceHandover, handover_casts, handover_for
 from fsdp_engine._private.param import FSDPParam
+from fsdp_engine._private.reduce_comm import (
+    GradState,
+    Partial,
+    ReduceComm,
+    Reduced,
+    ReduceScatter,
+    ReduceSettings,
+)
 from fsdp_engine._private.storage import ShardStorage
 
-__all__ = ["GradReducer", "ReduceSettings", "Reduced"]
-
-
-@attrs.frozen
-class Reduced:
-    """What a post-backward did: which parameters autograd gave a gradient on this rank (the
-    compact path sees it), which had a ``.grad`` before, and whether a reduction was issued."""
-
-    used: list[bool]
-    had_grad: list[bool]
-    issued: bool
-
-
-@attrs.frozen
-class ReduceSettings:
-    """What the user configured for a group's reductions (``FSDPModule`` setters)."""
-
-    divide_factor: float | None = None
-    force_sum: bool = False
-    hook: Callable[[torch.Tensor], None] | None = None
-    hook_stream: torch.Stream | None = None
-    comm: ReduceScatterComm | None = None
-    allocate: Callable[..., torch.Tensor] | None = None
-    check_finite: bool = False  # set_check_finite_gradients ([Note: a non-finite gradient, named])
+__all__ = ["GradReducer", "GradState", "ReduceSettings", "Reduced"]
 
 
 class GradReducer:
-    """A group's gradient path (module Notes). ``pending``: autograd wrote unsharded gradients
-    not yet reduced; ``accumulated``: gradients held in ``accum`` (no-sync microbatches, or the
-    compact input)."""
+    """A group's gradient path (module Notes): its ``GradState``, and how it communicates
+    (``comm``, chosen by the group when it is set up or reconfigured)."""
 
     def __init__(
         self,
@@ -97,8 +85,10 @@ class GradReducer:
         self.grads = ShardedGrads(storage, params)  # [Note: gradient storage lifetimes]
         self.reduction: Reduction | None = None
         self.accum: DBuffer | None = None
-        self.pending = False
-        self.accumulated = False
+        self.state = GradState.IDLE
+        self.comm: ReduceComm = ReduceScatter()
+        self.partial = Partial()  # HSDP microbatches reduce-scattered without the all-reduce
+        self._specs: dict[tuple[float | None, bool], ReduceSpec] = {}
         self.handle: Handle | None = None
         self.hooks_due = False
         self.issued = False
@@ -112,7 +102,7 @@ class GradReducer:
 
     @property
     def busy(self) -> bool:
-        return self.pending or self.accumulated
+        return self.state is not GradState.IDLE
 
     # -- the reduction of a mask --------------------------------------------------------------
     def reduction_for(self, mask: tuple[bool, ...]) -> Reduction:
@@ -121,7 +111,7 @@ class GradReducer:
         if current is not None and current.mask == mask:
             return current
         reduction = reduction_for_mask(self.storage, mask, self.align)
-        if current is not None and self.busy:
+        if current is not None and (self.busy or self.partial.tensor is not None):
             raise RuntimeError(
                 "fully_shard: requires_grad of parameters changed while gradients were being "
                 "accumulated without synchronization; change it between optimizer steps"
@@ -153,7 +143,7 @@ class GradReducer:
         gradients may go ([Note: gradients in the parameters' storage]). Returns whether a new
         backward's gradients start now."""
         reduction = self.reduction_for(mask)
-        if reduction.kind == "none" or self.pending:
+        if reduction.kind == "none" or self.state.pending:
             return False
         # a module used twice in one backward: its first reduction may still read the storage
         # about to be zeroed for the second
@@ -169,7 +159,7 @@ class GradReducer:
             if (
                 in_place is not None
                 and isinstance(handover, InPlaceHandover)
-                and not self.accumulated
+                and not self.state.held
                 and in_place[0].dtype == self.reduce_dtype == self.storage.buffer.dtype
             ):
                 handover.arm(in_place[0], in_place[1], unsharded)
@@ -177,8 +167,8 @@ class GradReducer:
                 handover.prepare(unsharded)
         # else: autograd makes the gradients; post-backward collects them (compact, and
         # [Note: placed groups] copied into FSDP2's order)
-        started = not self.accumulated
-        self.pending = True
+        started = not self.state.held
+        self.state = GradState.PENDING_ON_HELD if self.state.held else GradState.PENDING
         return started
 
     # -- after backward -----------------------------------------------------------------------
@@ -212,7 +202,7 @@ class GradReducer:
         if self.accum is None:
             self.accum = like.new_like(self.reduce_dtype)
             self.accum.shard.untyped_storage().resize_(0)
-        if not self.accumulated:
+        if not self.state.held:
             self.accum.alloc_unsharded(zero=True)
         return self.accum
 
@@ -249,28 +239,28 @@ class GradReducer:
             return []
         used: list[bool] = []
         in_place = self.in_place
-        if self.pending and self.storage.copies:
+        if self.state.pending and self.storage.copies:
             used = self._copy_in(unsharded)  # every microbatch
-        elif self.pending:
+        elif self.state.pending:
             used = self.handover.collect(unsharded)
         if in_place:
             return self._reduce_parameters(reduction, unsharded, used, settings, sync, async_op)
         # no-sync accumulation runs in reduce_dtype (FSDP2): a compute-dtype microbatch gradient
         # is added into a reduce_dtype accumulator and the compute buffer is let go
         separate = self.reduce_dtype != self.unsharded_grads.dtype
-        if self.pending and (self.accumulated or (separate and not sync)):
+        if self.state.pending and (self.state.held or (separate and not sync)):
             accum = self._accumulator(self.unsharded_grads)
             accum.unsharded_flat().add_(self.unsharded_grads.unsharded_flat())
             self._detach(unsharded)
             self.unsharded_grads.reshard()
-            self.pending, self.accumulated = False, True
+            self.state = GradState.HELD
         if not sync:
             return used  # same dtype: the next microbatch adds into the unsharded storage
-        source = self.accum if self.accumulated else self.unsharded_grads
+        source = self.accum if self.state.held else self.unsharded_grads
         assert source is not None
         self._detach(unsharded)
         self._issue(reduction, source, settings, async_op=async_op)
-        self.pending = self.accumulated = False
+        self.state = GradState.IDLE
         return used
 
     def _reduce_parameters(
@@ -290,11 +280,11 @@ class GradReducer:
         params = self.storage.buffer
         if sync:
             self._issue(reduction, params, settings, async_op=async_op)
+            self.state = GradState.IDLE
         else:
             accum = self._accumulator(params)
             accum.unsharded_flat().add_(params.unsharded_flat())
-            self.accumulated = True
-        self.pending = False
+            self.state = GradState.HELD
         return used
 
     def _reduce_compact(
@@ -307,66 +297,72 @@ class GradReducer:
         async_op: bool,
     ) -> list[bool]:
         used = [False] * len(self.params)
-        if self.pending:
+        if self.state.pending:
             if self.accum is None:
                 self.accum = compact_buffer(self.storage, reduction.segment, self.reduce_dtype)
                 self.accum.shard.untyped_storage().resize_(0)
-            if not self.accumulated:
+            if not self.state.held:
                 self.accum.alloc_unsharded(zero=True)
-            rows = self.accum.unsharded_flat().view(self.storage.world, reduction.segment)
+            grads = [_local(u.grad) for u in unsharded]
             with torch.no_grad():
-                for rank, pieces in enumerate(reduction.pieces):
-                    for i, start, length, dst in pieces:
-                        grad = unsharded[i].grad
-                        if grad is not None:
-                            used[i] = True
-                        if grad is None or not length:
-                            continue
-                        local = compat.local_tensor(grad) if isinstance(grad, DTensor) else grad
-                        flat = local.reshape(-1)[start : start + length]
-                        rows[rank, dst : dst + length].add_(flat)
+                used = add_compact(self.accum.unsharded_flat(), reduction, grads)
             self._detach(unsharded)
-            self.pending, self.accumulated = False, True
-        if sync and self.accumulated:
+            self.state = GradState.HELD
+        if sync and self.state.held:
             assert self.accum is not None
             self._issue(reduction, self.accum, settings, async_op=async_op)
-            self.accumulated = False
+            self.state = GradState.IDLE
         return used
 
     def _issue(
         self, reduction: Reduction, source: DBuffer, settings: ReduceSettings, *, async_op: bool
     ) -> None:
-        """One reduce-scatter (plus one all-reduce per replicate axis for HSDP) of ``source``
-        into the sharded gradient storage; each trainable parameter's ``.grad`` becomes its
-        view (accumulating into a ``.grad`` already there, which must be ours)."""
-        grads, views, accumulate = self.grads.target(reduction)
+        """The group's ``comm`` reduces ``source`` ([Note: reduction strategies]): into the
+        sharded gradient storage, each trainable parameter's ``.grad`` becoming its view
+        (accumulating into a ``.grad`` already there, which must be ours), or held for a later
+        all-reduce."""
+        comm = self.comm
         if settings.check_finite:  # before the reduction frees it; no host read
             self.local_norm = torch.linalg.vector_norm(source.unsharded_flat(), dtype=torch.float32)
-        spec = source.reduce_spec(
-            "avg",
-            self.reduce_dtype,
-            divide_factor=settings.divide_factor,
-            force_sum=settings.force_sum,
-        )
-        handle = source.reduce_scatter(
+        key = (settings.divide_factor, settings.force_sum)  # every source is on the same mesh
+        spec = self._specs.get(key)
+        if spec is None:  # the same arithmetic every step: worked out once
+            spec = self._specs[key] = source.reduce_spec(
+                "avg",
+                self.reduce_dtype,
+                divide_factor=settings.divide_factor,
+                force_sum=settings.force_sum,
+            )
+        grads: DBuffer | None = None
+        views: list[DTensor | None] = []
+        accumulate = False
+        if comm.assigns_grads:
+            grads, views, accumulate = self.grads.target(reduction)
+        handle = comm.issue(
+            source,
+            into=grads,
+            accumulate=accumulate,
             spec=spec,
             reduce_dtype=self.reduce_dtype,
-            accumulate=accumulate,
-            into=grads,
-            free_unsharded=True,
+            partial=self.partial,
+            settings=settings,
             async_op=async_op,
-            hook=settings.hook,
-            hook_stream=settings.hook_stream,
-            comm=settings.comm,
-            allocate=settings.allocate,
         )
         self.handle = None if handle.done else handle
-        for param, view in zip(self.params, views, strict=True):
+        for param, view in zip(self.params, views, strict=False):
             if view is not None:
                 param.sharded.grad = view
-        self.hooks_due = self.issued = True
+        self.hooks_due = self.issued = comm.assigns_grads
 
     # -- completion and lifetimes -------------------------------------------------------------
+    def wait_input(self) -> None:
+        """Until the reduce-scatter has read its input, which is then freed (the in-flight cap:
+        [Note: two events per reduction] in dbuffer); the rest stays in flight."""
+        if self.handle is not None:
+            self.handle.wait_input()
+            if self.handle.done:
+                self.handle = None
+
     def wait(self) -> None:
         if self.handle is not None:
             self.handle.wait()
@@ -394,5 +390,11 @@ class GradReducer:
         self.unsharded_grads.reshard()
         if self.accum is not None:
             self.accum.reshard()
-        self.pending = self.accumulated = self.hooks_due = False
+        self.state = GradState.IDLE
+        self.partial = Partial()
+        self.hooks_due = False
         self.local_norm = None
+
+
+def _local(grad: torch.Tensor | None) -> torch.Tensor | None:
+    return compat.local_tensor(grad) if isinstance(grad, DTensor) else grad

@@ -60,6 +60,7 @@ def init_root(root: FSDPState, get_state: Callable[[nn.Module], FSDPState | None
         root.configure(reshard_after_forward=False)
     for state in ctx.all_states:
         for group in state.groups:
+            group.fqn, group.ctx = state.fqn, ctx  # [Note: the group's lifecycle]
             group.to_sharded()
     _check_materialized(root_module, ctx.all_states)
 

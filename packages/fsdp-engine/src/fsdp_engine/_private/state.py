@@ -54,7 +54,7 @@ from fsdp_engine._private.iteration import (
     forward_prefetch_targets,
     iteration_event,
 )
-from fsdp_engine._private.param_group import ParamGroup, ShardedState
+from fsdp_engine._private.param_group import ParamGroup
 from fsdp_engine._private.pipelining import PipelineStageNames
 from fsdp_engine._private.presence import resolve_presence
 from fsdp_engine._private.root_init import init_root
@@ -100,7 +100,8 @@ class FSDPState(PipelineStageNames):
         self.modules = tuple(modules)
         self.module = self.modules[0]
         self.groups = tuple(groups)
-        self.config = StateConfig(reshard_after_forward=reshard_after_forward)
+        self.config = StateConfig()
+        self.configure(reshard_after_forward=reshard_after_forward)
         self.mp_policy = mp_policy
         self.training_state = TrainingState.IDLE
         self.is_root: bool | None = None
@@ -132,8 +133,15 @@ class FSDPState(PipelineStageNames):
             self._hooks.append(module.register_forward_hook(self._post_forward, prepend=False))
 
     def configure(self, **changes: Any) -> None:
-        """The one entry for ``FSDPModule``'s state setters (``StateConfig`` fields)."""
+        """The one entry for ``FSDPModule``'s state setters (``StateConfig`` fields); the
+        groups get the fields their lifecycle reads ([Note: the group's lifecycle])."""
         self.config = attrs.evolve(self.config, **changes)
+        pushed = {k: v for k, v in changes.items() if k in _GROUP_FIELDS}
+        if "reshard_after_forward" in pushed:
+            pushed["reshard_after_forward"] = pushed["reshard_after_forward"] is not False
+        if pushed:
+            for group in self.groups:
+                group.configure(**pushed)
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -169,8 +177,7 @@ class FSDPState(PipelineStageNames):
         if self.training_state is TrainingState.PRE_BACKWARD:
             # activation-checkpoint recompute of this module inside its backward
             for group in self.groups:
-                group.unshard(ready=self.ctx.inputs_ready)
-                group.register_unsharded()
+                group.pre_forward(recompute=True)
             return cast_inputs(self.mp_policy, args, kwargs)
         first_in_pass = self.training_state is not TrainingState.FORWARD
         if first_in_pass:
@@ -182,32 +189,19 @@ class FSDPState(PipelineStageNames):
         args, kwargs = cast_inputs(self.mp_policy, args, kwargs)
         with traced(self.label("FSDP::pre_forward"), log=bool(self.groups)):
             for group in self.groups:
-                group.wait_for_reduce()
-                self._unshard(self, group)
-                group.register_unsharded()
+                group.pre_forward()
             if first_in_pass:
                 args, kwargs = register_post_backward(self, bool(self.groups), args, kwargs)
         if first_in_pass:
             for other in forward_prefetch_targets(self):
                 with traced(f"FSDP::forward_prefetch for {other.fqn}", log=False):
                     for group in other.groups:
-                        self._unshard(other, group, async_op=True)
+                        group.unshard_traced(async_op=True)
         return args, kwargs
 
     def label(self, name: str) -> str:
         """FSDP2's name of a step of this module ([Note: FSDP2's trace])."""
         return with_fqn(name, self.fqn)
-
-    def _unshard(self, owner: FSDPState, group: ParamGroup, *, async_op: bool = False) -> None:
-        """Unshard ``owner``'s ``group`` in this state's iteration, in FSDP2's
-        ``FSDP::all_gather`` range when it issues an all-gather (not when the group is unsharded
-        or its all-gather is already in flight)."""
-        ready = self.ctx.inputs_ready
-        if group.state is ShardedState.UNSHARDED or group.unshard_handle is not None:
-            group.unshard(async_op=async_op, ready=ready)
-            return
-        with traced(owner.label("FSDP::all_gather"), log=False):
-            group.unshard(async_op=async_op, ready=ready)
 
     def _root_pre_forward(self) -> None:
         """Once per iteration, by the first state to run forward (normally the root)."""
@@ -268,8 +262,7 @@ class FSDPState(PipelineStageNames):
 
     def _drop_unused_prefetch(self) -> None:
         for group in self.groups:
-            if group.unshard_handle is not None and group.state is ShardedState.SHARDED:
-                group.reshard()
+            group.drop_prefetch()
 
     def _finish_forward(self, output: Any) -> Any:
         with traced(self.label("FSDP::post_forward"), log=bool(self.groups)):
@@ -286,15 +279,9 @@ class FSDPState(PipelineStageNames):
         """``reshard_after_forward`` and the backward prefetch order (not in a recompute inside
         backward)."""
         if not compat.in_backward():
-            grad = torch.is_grad_enabled()
             for group in self.groups:
-                if group.post_forward is not None and grad:  # reshard_after_forward=k
-                    group.reshard_post_forward()
-                elif group.post_forward is not None or self.reshard_after_forward or not grad:
-                    # no_grad (eval): no backward needs them; a copy kept would be stale after
-                    # an optimizer step, at the next forward (FSDP2's is)
-                    group.reshard()
-            if grad:  # the backward prefetch order
+                group.post_forward()
+            if torch.is_grad_enabled():  # the backward prefetch order
                 ctx = self.ctx
                 self._post_forward_indices.append(len(ctx.post_forward_order))
                 ctx.post_forward_order.append(self)
@@ -314,18 +301,12 @@ class FSDPState(PipelineStageNames):
             check_microbatch_agreement(root, "backward")
         with traced(self.label("FSDP::pre_backward"), log=bool(self.groups)):
             for group in self.groups:
-                if self.config.unshard_in_backward:
-                    self._unshard(self, group)
-                    group.register_unsharded()
-                group.pre_backward(reduces_and_reshards=self._reduces_and_reshards())
+                group.pre_backward()
             for other in backward_prefetch_targets(self):
                 with traced(f"FSDP::backward_prefetch for {other.fqn}", log=False):
                     for group in other.groups:
-                        self._unshard(other, group, async_op=True)
+                        group.unshard_traced(async_op=True)
         return grad
-
-    def _reduces_and_reshards(self) -> bool:
-        return self.config.requires_gradient_sync and self.config.reshard_after_backward
 
     @hidden_from_dynamo
     def post_backward(self, *unused: Any) -> None:
@@ -334,27 +315,8 @@ class FSDPState(PipelineStageNames):
         if self.groups:
             logger.debug("%s", self.label("FSDP::post_backward"))
         self.training_state = TrainingState.POST_BACKWARD
-        sync = self.config.requires_gradient_sync
         for group in self.groups:
-            # reshard first (FSDP2's order): the unsharded parameters go before the reduction's
-            # memory comes (autograd's gradients are tensors of their own, or already handed
-            # over); gradients in the parameters' storage are reduced from it first, and it is
-            # freed by that reduction ([Note: gradients in the parameters' storage])
-            in_place = group.gradients_in_place
-            if (
-                not in_place
-                and self.config.reshard_after_backward
-                and group.state is ShardedState.UNSHARDED
-            ):
-                with traced(self.label("FSDP::post_backward_reshard"), log=False):
-                    group.reshard()
-            if sync:
-                # [Note: reductions in flight], in FSDP2's range (its label, verbatim)
-                self.ctx.before_reduction(group, f"FSDP::post_backward_rs_wait ({self.fqn})")
-            with traced(self.label("FSDP::post_backward_reduce"), log=False):
-                group.reduce(sync=sync, async_op=sync)
-            if in_place:  # whatever the settings now: the storage no longer holds parameters
-                group.reshard(release=group.reducer.handle is None)
+            group.post_backward()
 
     def _final_callback(self) -> None:
         """Root only: runs once when the whole backward pass has finished."""
@@ -374,7 +336,7 @@ class FSDPState(PipelineStageNames):
         resolve_presence(groups)
         if ctx.is_last_backward:
             for group in groups:
-                group.wait_for_reduce()
+                group.finalize_backward()
             ctx.post_forward_order.clear()
             for state in ctx.all_states:
                 state._post_forward_indices.clear()
@@ -401,6 +363,15 @@ class FSDPState(PipelineStageNames):
 
 
 STATE_ATTR = "_fsdp_engine_state"
+# the StateConfig fields the groups' lifecycle reads (pushed by FSDPState.configure)
+_GROUP_FIELDS = frozenset(
+    {
+        "requires_gradient_sync",
+        "reshard_after_backward",
+        "reshard_after_forward",
+        "unshard_in_backward",
+    }
+)
 
 
 def get_state(module: nn.Module) -> FSDPState | None:

@@ -34,7 +34,6 @@ plan.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -51,9 +50,9 @@ from shard_planner._private.bounds import (
     int_mode,
     lower_bound_shard_size,
     round_up,
-    trivial_shard_size,
 )
 from shard_planner._private.greedy import greedy_ends
+from shard_planner._private.heuristics import model_order_plan, paper_plan, trivial_plan
 from shard_planner._private.multiset import BestOrder, Kinds
 from shard_planner._private.orders import (
     fill_offsets,
@@ -238,16 +237,7 @@ def _ladder(
     return sorted(found)
 
 
-def _trivial(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
-    """Everything in shard 0 in model order: always valid; caps the search (``bounds`` Note on
-    exact integers: no larger shard size is ever tried)."""
-    numels = [s.numel for s in specs]
-    offsets = dict(zip(range(len(specs)), itertools.accumulate([0, *numels[:-1]]), strict=True))
-    shard = trivial_shard_size(numels, align)
-    return make_plan(specs, world_size, align, shard=shard, offsets=offsets, method="auto")
-
-
-def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
+def auto_plan(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
     numels = [s.numel for s in specs]
     blocks = [s.block for s in specs]
     nonempty = [i for i, e in enumerate(numels) if e > 0]
@@ -261,7 +251,7 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
         )
 
     naive = naive_plan(specs, world_size, align)
-    trivial = _trivial(specs, world_size, align)
+    trivial = trivial_plan(specs, world_size, align)
     upper = naive if naive.shard_size <= trivial.shard_size else trivial
     upper_offsets = dict(enumerate(upper.offsets))
     if not nonempty or m == 1:
@@ -347,68 +337,6 @@ def _auto(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
     return done(upper.shard_size, upper_offsets, proven)
 
 
-def _paper(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
-    """Our reading of the veScale heuristic (REFERENCE.md §3), kept as a baseline.
-
-    Orders: model order, blocks descending, sizes descending. For every prefix of the distinct
-    block sizes sorted descending, ``L = lcm(align, prefix)``; bisect over multiples of ``L`` for
-    the smallest S where the greedy fits (bisection assumes feasibility monotone in S, which it is
-    not, so this can miss smaller sizes). The best (S, order) over all is returned.
-    """
-    numels = [s.numel for s in specs]
-    blocks = [s.block for s in specs]
-    nonempty = [i for i, e in enumerate(numels) if e > 0]
-    m = world_size
-    total = sum(numels)
-    if not nonempty or m == 1:
-        return _auto(specs, world_size, align)
-    orders = static_orders(numels, blocks, nonempty)[:3]
-    distinct = sorted({blocks[i] for i in nonempty}, reverse=True)
-    steps = [math.lcm(align, *distinct[:j]) for j in range(len(distinct) + 1)]
-    best: tuple[int, tuple[int, ...]] | None = None
-    for step in dict.fromkeys(steps):
-        floor_units = -(-max(-(-total // m), *distinct) // step)
-        hi_units = -(-max(total, *distinct) // step)  # everything in shard 0: feasible
-        for order in orders:
-            lo, hi = floor_units, hi_units
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if place_in_order(numels, blocks, order, mid * step, m) is None:
-                    lo = mid + 1
-                else:
-                    hi = mid
-            shard = lo * step
-            if best is None or shard < best[0]:
-                best = (shard, order)
-    assert best is not None
-    placed = place_in_order(numels, blocks, best[1], best[0], m)
-    assert placed is not None
-    return make_plan(specs, m, align, shard=best[0], offsets=placed, method="paper")
-
-
-def _model_order(specs: Sequence[TensorSpec], world_size: int, align: int) -> Plan:
-    """Model order only, exhaustive scan over admissible S: isolates the value of reordering."""
-    numels = [s.numel for s in specs]
-    blocks = [s.block for s in specs]
-    order = [i for i, e in enumerate(numels) if e > 0]
-    sizes = ShardSizes(numels, blocks, world_size, align)
-    mode = sizes.mode
-    e = mode.array([[numels[i] for i in order]])
-    g = mode.array([[blocks[i] for i in order]])
-    batch = 16
-    while (chunk := sizes.take(batch)).size:
-        fits = np.flatnonzero(greedy_ends(e, g, chunk, mode.infeasible)[0] <= chunk * world_size)
-        if fits.size:
-            shard = int(chunk[int(fits[0])])
-            placed = place_in_order(numels, blocks, order, shard, world_size)
-            assert placed is not None
-            return make_plan(
-                specs, world_size, align, shard=shard, offsets=placed, method="model-order"
-            )
-        batch = min(batch * 4, _MAX_BATCH)
-    raise AssertionError("unreachable: the trivial shard size always fits")  # pragma: no cover
-
-
 def lower_bound(specs: Sequence[TensorSpec], world_size: int, align: int = 1) -> int:
     """A shard size no plan of this group can beat (see ``bounds``): compare plans against it."""
     world_size, align = check_inputs(specs, world_size, align)
@@ -448,11 +376,11 @@ def plan(
 
 def _plan(specs: list[TensorSpec], world_size: int, align: int, method: str) -> Plan:
     if method == "auto":
-        return _auto(specs, world_size, align)
+        return auto_plan(specs, world_size, align)
     if method == "paper":
-        return _paper(specs, world_size, align)
+        return paper_plan(specs, world_size, align)
     if method == "model-order":
-        return _model_order(specs, world_size, align)
+        return model_order_plan(specs, world_size, align)
     if method == "exact":
         from shard_planner._private.exact import exact_plan
 
