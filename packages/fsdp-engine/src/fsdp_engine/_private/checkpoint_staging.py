@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["StagedStateDict", "stage_state_dict", "wait_staged_writes"]
@@ -185,7 +186,7 @@ class _DeviceCopies:
         except BaseException as exc:  # the writer raises it; the guard still waits on what ran
             self.error = exc
         finally:
-            for source, _, stream, device, _ in self.spans:
+            for _source, _, stream, device, _ in self.spans:
                 if device in waited and device not in self.done:
                     event = torch.Event(device=device)
                     event.record(stream)
@@ -237,7 +238,7 @@ def _guard(copies: _DeviceCopies) -> None:
     _GUARDS[:] = [g for g in _GUARDS if not g.finished]
     _GUARDS.append(copies)
     if _GUARD_HOOK is None:
-        _GUARD_HOOK = torch.optim.optimizer.register_optimizer_step_pre_hook(_before_step)
+        _GUARD_HOOK = register_optimizer_step_pre_hook(_before_step)
 
 
 # -- the staging ---------------------------------------------------------------------------------
