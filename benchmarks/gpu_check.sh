@@ -31,7 +31,7 @@
 # Options: --dry; --separate (with --dry: each run its own launch, as on GPUs; slower); --out DIR (default results/gpu_check; --dry: $TMPDIR/gpu_check_dry);
 # --python PY (default $PYTHON or python); --gpus N (default: every visible GPU; --dry: 2 gloo
 # ranks); --runs R (bench runs per engine and configuration; default 3, --dry 2); --avoid-record-
-# streams both|unset|1 (default both); --budget S (seconds for all launches, default 540: the
+# streams both|unset|1 (default both); --budget S (seconds for all launches, default 450: the
 # command ends within about S + 30 s, a launch that would start later is skipped and reported);
 # --archive FILE (a .tgz of the out folder at the end).
 #
@@ -105,7 +105,7 @@ else
   DEVICE=cuda; STEPS=20; RACE_STEPS=100; SIZE=()
   STRESS=(--device cuda); BENCH=(--device cuda --mixed)
   HOST=(--worlds 8 1024 --steps 10)
-  RUNS="${RUNS:-3}"; BUDGET="${BUDGET:-540}"
+  RUNS="${RUNS:-3}"; BUDGET="${BUDGET:-450}"
 fi
 mkdir -p "$OUT/logs"
 rm -f "$OUT"/{parity,race,stress,bench}_*.json "$OUT"/{preflight,gpu_check}.json "$OUT"/sanitizer.* \

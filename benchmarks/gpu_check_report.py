@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpu_check_runs import LOSS_RTOL
+
 PARTS = ("parity", "race", "stress", "bench", "sanitizer", "host")
 
 
@@ -265,6 +267,10 @@ def bench_rows(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
             "fsdp2_min_ms": stat(theirs, "min_ms", min),
             "finite": all(math.isfinite(v) for run in ours + theirs for v in run["losses"]),
         }
+        if sample["backend"] == "fake":  # no data moves: the other ranks' shards are garbage
+            row.update(loss_verdict="not comparable", loss_max_rel_diff=math.nan, loss_rtol=0.0)
+        else:
+            row.update(_losses_against_fsdp2(ours, theirs, sample["mixed"]))
         row["step_ratio"] = _ratio(row["ours_ms"], row["fsdp2_ms"])
         row["min_ratio"] = _ratio(row["ours_min_ms"], row["fsdp2_min_ms"])
         for key in ("max_allocated", "max_reserved", "alloc_retries"):
@@ -278,6 +284,34 @@ def bench_rows(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         key=lambda r: (r["backend"] == "fake", -r["world"], r["avoid_record_streams"] != "unset")
     )
     return rows, model
+
+
+def _losses_against_fsdp2(
+    ours: list[dict[str, Any]], theirs: list[dict[str, Any]], mixed: bool
+) -> dict[str, Any]:
+    """Our losses against FSDP2's in the same command (the same initial weights and batches):
+    ``bitwise``, ``within tolerance`` (``LOSS_RTOL`` of the precision: the engines sum
+    gradients in other orders across ranks) or ``MISMATCH``, which fails the report, so a fast
+    wrong run never passes. Every run of an engine is compared with FSDP2's first run."""
+    case = "bf16" if mixed else "fp32"
+    if not ours or not theirs:
+        return {"loss_verdict": "missing", "loss_max_rel_diff": math.nan, "loss_rtol": 0.0}
+    reference = [float(v) for v in theirs[0]["losses"]]
+    worst, bitwise = 0.0, True
+    for run in ours + theirs[1:]:
+        losses = [float(v) for v in run["losses"]]
+        if len(losses) != len(reference) or not losses:
+            worst, bitwise = math.inf, False
+            continue
+        for a, b in zip(losses, reference, strict=True):
+            if a != b:
+                bitwise = False
+                rel = abs(a - b) / max(abs(b), 1e-12) if math.isfinite(a - b) else math.inf
+                worst = max(worst, rel)
+    verdict = (
+        "bitwise" if bitwise else "within tolerance" if worst <= LOSS_RTOL[case] else "MISMATCH"
+    )
+    return {"loss_verdict": verdict, "loss_max_rel_diff": worst, "loss_rtol": LOSS_RTOL[case]}
 
 
 def _where(row: dict[str, Any]) -> str:
@@ -323,6 +357,29 @@ def bench(r: Report) -> None:
             r.fail(f"bench {row['config']}: no runs of one engine")
         if not row["finite"]:
             r.fail(f"bench {row['config']}: non-finite losses")
+        if row["loss_verdict"] not in ("bitwise", "within tolerance", "not comparable"):
+            r.fail(f"bench {row['config']}: losses ours vs FSDP2 {row['loss_verdict']}")
+        r.lines.append(
+            f"- losses ours vs FSDP2, {row['config']} ({_where(row)}): {row['loss_verdict']}"
+            + (
+                ""
+                if row["loss_verdict"] == "bitwise"
+                else " (the fake process group gathers no other rank's shard)"
+                if row["loss_verdict"] == "not comparable"
+                else f" (max relative difference {row['loss_max_rel_diff']:.2e}, "
+                f"tolerance {row['loss_rtol']:.0e})"
+            )
+        )
+    if rows and not any(row["backend"] != "fake" and row["world"] > 1 for row in rows):
+        r.lines.append(
+            "- one device: no step-time ratio here has real communication (world size 1 issues "
+            "no collectives; the fake process group's collectives move no data; NCCL refuses "
+            "two ranks on one device). What this run shows: memory (max allocated / reserved), "
+            "the copies and kernel launches of each engine. Step-time ratios with real "
+            "communication need >= 2 GPUs (8 for the intended figures)."
+        )
+    if rows:
+        r.lines.append("")
     if model is not None:
         r.lines.append(
             f"LLaMA-like model: dim {model['dim']}, {model['layers']} layers, {model['heads']} "

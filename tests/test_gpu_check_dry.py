@@ -107,6 +107,20 @@ def test_gpu_check_dry_run_passes(tmp_path: Path) -> None:
     ]
     for row in rows.values():
         assert row["runs"] == [2, 2] and row["finite"] and row["step_ratio"] > 0
+        # our losses against FSDP2's in the same command: asserted, a slot for every config
+        fake = row["backend"] == "fake"  # its collectives move no data: nothing to compare
+        assert (
+            row["loss_verdict"] == "not comparable"
+            if fake
+            else row["loss_verdict"]
+            in (
+                "bitwise",
+                "within tolerance",
+            )
+        ), row
+    summary_text = (tmp_path / "summary.md").read_text()
+    for config in rows:
+        assert f"- losses ours vs FSDP2, {config} (" in summary_text
     runs = [_json(p) for p in tmp_path.glob("bench_ranks2-avoid-1_*.json")]
     assert {r["avoid_record_streams"] for r in runs} == {"1"}
     assert {(r["engine"], r["index"]) for r in runs} == {
