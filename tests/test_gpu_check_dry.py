@@ -335,3 +335,53 @@ def test_gpu_check_dry_separate_launches(tmp_path: Path) -> None:
     bench = [n for n in names if n.startswith("bench_ranks2-avoid-unset")]
     assert bench == ["bench_ranks2-avoid-unset_ours_1", "bench_ranks2-avoid-unset_fsdp2_1"]
     assert "result: passed" in (tmp_path / "summary.md").read_text()
+
+
+def _bench(engine: str, index: int, losses: list[float], **extra: Any) -> dict[str, Any]:
+    model = {"dim": 1, "layers": 1, "heads": 1, "ffn": 1, "vocab": 1, "seq": 1}
+    return {
+        "kind": "bench",
+        "config": "ranks8-avoid-unset",
+        "engine": engine,
+        "index": index,
+        "model": dict(model, batch_per_rank=1, parameters=1e6),
+        "world": 8,
+        "backend": "nccl",
+        "mixed": True,
+        "avoid_record_streams": None,
+        "median_ms": 10.0 if engine == "fsdp2" else 5.0,
+        "min_ms": 9.0 if engine == "fsdp2" else 4.0,
+        "losses": losses,
+        "memory": {"max_allocated": 2**30, "max_reserved": 2**31, "alloc_retries": 0},
+        **extra,
+    }
+
+
+@pytest.mark.parametrize(
+    ("ours", "verdict", "fails"),
+    [
+        ([2.0, 1.5], "bitwise", False),
+        ([2.0, 1.5 * (1 + 1e-3)], "within tolerance", False),  # bf16's LOSS_RTOL is 2e-2
+        ([2.0, 1.2], "MISMATCH", True),  # a fast wrong run
+    ],
+)
+def test_gpu_check_report_asserts_our_losses_against_fsdp2(
+    tmp_path: Path, ours: list[float], verdict: str, fails: bool
+) -> None:
+    """The bench's step-time ratio never passes on its own: our losses are compared with
+    FSDP2's of the same command, and a mismatch fails the report by name."""
+    for index in (1, 2):
+        (tmp_path / f"bench_x_fsdp2_{index}.json").write_text(
+            json.dumps(_bench("fsdp2", index, [2.0, 1.5]))
+        )
+        (tmp_path / f"bench_x_ours_{index}.json").write_text(
+            json.dumps(_bench("ours", index, ours))
+        )
+    proc = _report(tmp_path, "bench")
+    assert f"- losses ours vs FSDP2, ranks8-avoid-unset (8 x nccl): {verdict}" in proc.stdout
+    if fails:
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "bench ranks8-avoid-unset: losses ours vs FSDP2 MISMATCH" in proc.stdout
+    else:
+        assert "losses ours vs FSDP2 MISMATCH" not in proc.stdout
+        assert "one device: no step-time ratio" not in proc.stdout  # 8 real ranks
