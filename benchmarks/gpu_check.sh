@@ -18,11 +18,18 @@
 #              step, fp32 and bf16. On N >= 2 GPUs: torchrun, N ranks on NCCL, against a
 #              one-process reference (bitwise at N = 2, within a stated tolerance above); on
 #              one GPU: rank 0 of 4 on the fake process group against a serial run
-#              (CUDA_LAUNCH_BLOCKING=1, no sleeps), bitwise;
+#              (CUDA_LAUNCH_BLOCKING=1, no sleeps), bitwise. Beside those, bf16 with HSDP (2
+#              replicas x N/2 shards: the all-reduce stream), user collectives
+#              (set_custom_all_gather / set_custom_reduce_scatter) and in-place gradients
+#              (zero_grad(set_to_none=False)): on N >= 2 even GPUs N ranks, on one GPU rank 0 of
+#              4 on the fake process group (2 x 2: every stream's collective); the report fails
+#              a run whose hook saw no collective of a kind its mesh issues;
 #   bench      ours vs FSDP2 on a LLaMA-like model (bf16 mixed precision, AdamW), each run its
 #              own launch, alternating (ours, FSDP2, ours, FSDP2, ...; --runs per engine):
 #              step-time ratio (median of the runs' medians, and of the minimums),
-#              max_memory_allocated and max_memory_reserved ratios. On N >= 2 GPUs: torchrun,
+#              max_memory_allocated and max_memory_reserved ratios; our losses against FSDP2's
+#              of the same command (bitwise or within the precision's tolerance, else the
+#              report fails: a fast wrong run never passes; not comparable on the fake group). On N >= 2 GPUs: torchrun,
 #              N ranks on NCCL, with TORCH_NCCL_AVOID_RECORD_STREAMS unset and =1; on one GPU:
 #              world size 1 on NCCL (unset and =1) and rank 0 of 8 on the fake process group;
 #   sanitizer  5 steps of the race run under TORCH_CUDA_SANITIZER=1 (not in --dry);
@@ -209,6 +216,19 @@ if has stress; then
         --fake-world 4 --out "$OUT/stress_fake4_$case.json"
     fi
   done
+  # HSDP (the all-reduce stream), user collectives and in-place gradients, bf16
+  VARIANT=(--hsdp --custom-collectives --inplace-grads)
+  if ((GPUS >= 2 && GPUS % 2 == 0)); then
+    job "stress_ranks${GPUS}_hsdp_bf16" 300 ranks "$ALLOC" stress "${STRESS[@]}" --mixed \
+      "${VARIANT[@]}" --out "$OUT/stress_ranks${GPUS}_hsdp_bf16.json"
+  fi
+  if ((GPUS == 1)) || [[ $DRY == 1 ]]; then
+    job "stress_fake4_hsdp_bf16_serial" 300 single CUDA_LAUNCH_BLOCKING=1 stress \
+      "${STRESS[@]}" --mixed "${VARIANT[@]}" --fake-world 4 --serial \
+      --out "$OUT/stress_fake4_hsdp_bf16_serial.json"
+    job "stress_fake4_hsdp_bf16" 300 single "$ALLOC" stress "${STRESS[@]}" --mixed \
+      "${VARIANT[@]}" --fake-world 4 --out "$OUT/stress_fake4_hsdp_bf16.json"
+  fi
 fi
 
 if has bench; then

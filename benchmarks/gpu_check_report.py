@@ -129,11 +129,14 @@ def _hook_problems(run: dict[str, Any]) -> list[str]:
     hook, or (on a device) a call without a stream or off its stream."""
     hook = run.get("hook") or {}
     calls = hook.get("calls", {})
-    problems = [
-        f"no {kind} collective seen by the hook"
-        for kind in ("all_gather", "reduce_scatter")
-        if not calls.get(kind)
-    ]
+    variant = run.get("variant") or {}
+    mesh = variant.get("mesh") or [run.get("world", 1)]
+    kinds = []
+    if mesh[-1] > 1:  # a shard group of one rank copies instead of gathering and scattering
+        kinds += ["all_gather", "reduce_scatter"]
+    if variant.get("hsdp"):
+        kinds.append("all_reduce")  # the replicas' all-reduce, on its own stream
+    problems = [f"no {kind} collective seen by the hook" for kind in kinds if not calls.get(kind)]
     if run["device"] != "cpu" and hook.get("without_stream"):
         problems.append(f"{hook['without_stream']} hook calls without a stream")
     if hook.get("not_current"):
@@ -175,6 +178,13 @@ def stress(r: Report) -> None:
             if run["backend"] == "fake"
             else f"{run['world']} ranks ({run['backend']})"
         )
+        variant = run.get("variant") or {}
+        if variant.get("hsdp"):
+            where += f", HSDP mesh {variant['mesh']}"
+        if variant.get("custom_collectives"):
+            where += ", custom collectives"
+        if variant.get("inplace_grads"):
+            where += ", in-place gradients"
         head = (
             f"- {case}, {where}, {run['steps']} steps, MLP dim {model['dim']} hidden "
             f"{model['hidden']} x {model['layers']} layers, batch {run['batch_per_rank']} per rank"

@@ -406,6 +406,44 @@ def _initial_model(args: argparse.Namespace, device: Any) -> Any:
     return build_model(args.layers, args.dim, args.hidden).to(device)
 
 
+def _stress_mesh(ctx: Dist, hsdp: bool) -> Any:
+    """FSDP: the 1-D mesh of every rank; HSDP: 2 replicas x ``world / 2`` shards (the
+    replicas' all-reduce on the all-reduce stream; at 2 ranks each shard group is one rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not hsdp:
+        return ctx.mesh
+    if ctx.world % 2:
+        raise SystemExit(f"--hsdp needs an even world size, not {ctx.world}")
+    return init_device_mesh(
+        ctx.device.type, (2, ctx.world // 2), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def _user_all_gather(**kwargs: Any) -> Any:
+    """A user all-gather (FSDP2's custom-collective interface) wrapping the backend's."""
+    import torch.distributed as dist
+
+    return dist.all_gather_single(
+        kwargs["output_tensor"],
+        kwargs["input_tensor"],
+        group=kwargs["group"],
+        async_op=kwargs["async_op"],
+    )
+
+
+def _user_reduce_scatter(**kwargs: Any) -> Any:
+    import torch.distributed as dist
+
+    return dist.reduce_scatter_single(
+        kwargs["output_tensor"],
+        kwargs["input_tensor"],
+        op=kwargs["op"],
+        group=kwargs["group"],
+        async_op=kwargs["async_op"],
+    )
+
+
 def stress(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from torch.distributed.tensor import DTensor
@@ -418,9 +456,14 @@ def stress(args: argparse.Namespace) -> dict[str, Any]:
         import fsdp_engine as api
 
         mp = _mp(api, args.mixed)
+        mesh = _stress_mesh(ctx, args.hsdp)
         for block in model.blocks:
-            api.fully_shard(block, mesh=ctx.mesh, mp_policy=mp)
-        api.fully_shard(model, mesh=ctx.mesh, mp_policy=mp)
+            api.fully_shard(block, mesh=mesh, mp_policy=mp)
+        api.fully_shard(model, mesh=mesh, mp_policy=mp)
+        if args.custom_collectives:  # a user's collectives: they too run on the comm streams
+            for module in (*model.blocks, model):
+                module.set_custom_all_gather(_user_all_gather)
+                module.set_custom_reduce_scatter(_user_reduce_scatter)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
         # a real world: rank r's rows of the global batch; fake: rank 0's rows of a world of one
         real = ctx.backend != "fake"
@@ -437,7 +480,8 @@ def stress(args: argparse.Namespace) -> dict[str, Any]:
                 loss = (model(x).float() - y).pow(2).mean()
                 loss.backward()
                 opt.step()
-                opt.zero_grad(set_to_none=True)
+                # in-place gradients: the next reduction accumulates into the kept .grad
+                opt.zero_grad(set_to_none=not args.inplace_grads)
                 losses.append(loss.detach())
                 if cuda and not args.serial:
                     torch.cuda.empty_cache()  # unmap what was freed: a late use reads new data
@@ -455,6 +499,12 @@ def stress(args: argparse.Namespace) -> dict[str, Any]:
             "launch_blocking": os.environ.get("CUDA_LAUNCH_BLOCKING", ""),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "hook": None if hook is None else hook.summary(),
+            "variant": {
+                "mesh": list(mesh.shape),
+                "hsdp": args.hsdp,
+                "custom_collectives": args.custom_collectives,
+                "inplace_grads": args.inplace_grads,
+            },
         }
         if not real:
             digest = hashlib.sha256()

@@ -95,6 +95,22 @@ def test_gpu_check_dry_run_passes(tmp_path: Path) -> None:
         assert fake["alloc_conf"] == "expandable_segments:True"
         assert serial["launch_blocking"] == "1"
 
+    # HSDP, user collectives and in-place gradients: on 2 ranks a 2 x 1 mesh (the replicas'
+    # all-reduce only); rank 0 of 4 on the fake group a 2 x 2 mesh (every collective stream)
+    hsdp = _json(tmp_path / "stress_ranks2_hsdp_bf16.json")
+    assert hsdp["variant"]["mesh"] == [2, 1] and hsdp["variant"]["custom_collectives"]
+    assert hsdp["compare"]["verdict"] == "bitwise" and hsdp["hook"]["calls"]["all_reduce"] > 0
+    fake_hsdp = _json(tmp_path / "stress_fake4_hsdp_bf16.json")
+    assert fake_hsdp["variant"] == {
+        "mesh": [2, 2],
+        "hsdp": True,
+        "custom_collectives": True,
+        "inplace_grads": True,
+    }
+    assert set(fake_hsdp["hook"]["calls"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+    serial_hsdp = _json(tmp_path / "stress_fake4_hsdp_bf16_serial.json")
+    assert fake_hsdp["losses"] == serial_hsdp["losses"]
+
     report = _json(tmp_path / "gpu_check.json")
     assert report["dry"] is True and report["result"] == "passed"
     rows = {row["config"]: row for row in report["bench"]["rows"]}
