@@ -303,6 +303,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--engine", choices=["ours", "fsdp2"], required=True)
     b.add_argument("--config", required=True, help="label of the configuration (report rows)")
     b.add_argument("--index", type=int, default=0, help="the run's number (1, 2, ...)")
+    b.add_argument("--hsdp", action="store_true", help="2 replicas x world/2 shards")
     for name, default in (
         ("dim", 2048),
         ("layers", 8),

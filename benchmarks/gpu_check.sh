@@ -236,6 +236,7 @@ if has bench; then
   configs=()  # label:mode:fake world:TORCH_NCCL_AVOID_RECORD_STREAMS
   if ((GPUS >= 2)); then
     for avoid in "${AVOIDS[@]}"; do configs+=("ranks$GPUS-avoid-$avoid:ranks:1:$avoid"); done
+    ((GPUS % 2 == 0)) && configs+=("ranks$GPUS-hsdp:ranks:1:unset:--hsdp")  # 2 x N/2 mesh
   fi
   if ((GPUS == 1)) || [[ $DRY == 1 ]]; then
     for avoid in "${AVOIDS[@]}"; do
@@ -245,13 +246,14 @@ if has bench; then
     configs+=("fake8:single:8:unset")
   fi
   for config in "${configs[@]}"; do
-    IFS=: read -r label mode fake avoid <<<"$config"
+    IFS=: read -r label mode fake avoid extra <<<"$config"
     envs=(); [[ $avoid != unset ]] && envs=("TORCH_NCCL_AVOID_RECORD_STREAMS=$avoid")
+    extras=(); [[ -n ${extra:-} ]] && extras=("$extra")
     for ((run = 1; run <= RUNS; run++)); do
       for engine in ours fsdp2; do
         job "bench_${label}_${engine}_$run" 180 "$mode" "${envs[@]}" bench "${BENCH[@]}" \
           --engine "$engine" --config "$label" --index "$run" --fake-world "$fake" \
-          --out "$OUT/bench_${label}_${engine}_$run.json"
+          "${extras[@]}" --out "$OUT/bench_${label}_${engine}_$run.json"
       done
     done
   done

@@ -270,6 +270,7 @@ def bench_rows(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
             "backend": sample["backend"],
             "mixed": sample["mixed"],
             "avoid_record_streams": sample["avoid_record_streams"] or "unset",
+            "mesh": sample.get("mesh") or [sample["world"]],
             "runs": [len(ours), len(theirs)],
             "ours_ms": stat(ours, "median_ms", _median),
             "fsdp2_ms": stat(theirs, "median_ms", _median),
@@ -327,7 +328,9 @@ def _losses_against_fsdp2(
 def _where(row: dict[str, Any]) -> str:
     if row["backend"] == "fake":
         return f"rank 0 of {row['world']}, fake process group (no communication)"
-    return f"{row['world']} x {row['backend']}"
+    mesh = row.get("mesh") or [row["world"]]
+    hsdp = f", HSDP {mesh[0]} x {mesh[1]}" if len(mesh) == 2 else ""
+    return f"{row['world']} x {row['backend']}{hsdp}"
 
 
 def bench_table(rows: list[dict[str, Any]]) -> list[str]:

@@ -224,9 +224,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         params = sum(p.numel() for p in model.parameters())
         api = _api(args.engine)
         mp = _mp(api, args.mixed)
+        mesh = _stress_mesh(ctx, args.hsdp)  # FSDP, or HSDP: 2 replicas x world / 2 shards
         for layer in model.layers:
-            api.fully_shard(layer, mesh=ctx.mesh, mp_policy=mp)
-        api.fully_shard(model, mesh=ctx.mesh, mp_policy=mp)
+            api.fully_shard(layer, mesh=mesh, mp_policy=mp)
+        api.fully_shard(model, mesh=mesh, mp_policy=mp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)  # CUDA's default
         gen = torch.Generator().manual_seed(1 + ctx.rank)
         batches = [
@@ -256,6 +257,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "kind": "bench",
             "engine": args.engine,
             "config": args.config,
+            "mesh": list(mesh.shape),
             "index": args.index,
             "backend": ctx.backend,
             "world": ctx.world,

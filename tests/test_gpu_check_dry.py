@@ -114,8 +114,16 @@ def test_gpu_check_dry_run_passes(tmp_path: Path) -> None:
     report = _json(tmp_path / "gpu_check.json")
     assert report["dry"] is True and report["result"] == "passed"
     rows = {row["config"]: row for row in report["bench"]["rows"]}
-    assert set(rows) == {"ranks2-avoid-unset", "ranks2-avoid-1", "world1-avoid-unset", "fake8"}
+    assert set(rows) == {
+        "ranks2-avoid-unset",
+        "ranks2-avoid-1",
+        "ranks2-hsdp",
+        "world1-avoid-unset",
+        "fake8",
+    }
+    assert rows["ranks2-hsdp"]["mesh"] == [2, 1]  # the HSDP case: 2 replicas x 1 shard
     assert [(r["backend"], r["world"]) for r in report["bench"]["rows"]] == [
+        ("gloo", 2),
         ("gloo", 2),
         ("gloo", 2),
         ("gloo", 1),
