@@ -329,6 +329,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--hsdp", action="store_true", help="2 replicas x world/2 shards")
     s.add_argument("--custom-collectives", action="store_true", help="user all-gather/RS")
     s.add_argument("--inplace-grads", action="store_true", help="zero_grad keeps .grad")
+    s.add_argument("--float8", action="store_true", help="FP8 quantized all-gather (bf16)")
 
     h = sub.add_parser("host", help="bench_scale_host.py ARGS (with this torch's shims)")
     h.add_argument("args", nargs=argparse.REMAINDER)

@@ -23,7 +23,10 @@
 #              (set_custom_all_gather / set_custom_reduce_scatter) and in-place gradients
 #              (zero_grad(set_to_none=False)): on N >= 2 even GPUs N ranks, on one GPU rank 0 of
 #              4 on the fake process group (2 x 2: every stream's collective); the report fails
-#              a run whose hook saw no collective of a kind its mesh issues;
+#              a run whose hook saw no collective of a kind its mesh issues; and float8 (the
+#              FP8 quantized all-gather, 1 x 8 tiles) on N >= 2 GPUs against a reference that
+#              quantizes the whole weights (on one GPU there is no float8 case: the fake
+#              group's receive buffers are never filled);
 #   bench      ours vs FSDP2 on a LLaMA-like model (bf16 mixed precision, AdamW), each run its
 #              own launch, alternating (ours, FSDP2, ours, FSDP2, ...; --runs per engine):
 #              step-time ratio (median of the runs' medians, and of the minimums),
@@ -221,6 +224,11 @@ if has stress; then
   if ((GPUS >= 2 && GPUS % 2 == 0)); then
     job "stress_ranks${GPUS}_hsdp_bf16" 300 ranks "$ALLOC" stress "${STRESS[@]}" --mixed \
       "${VARIANT[@]}" --out "$OUT/stress_ranks${GPUS}_hsdp_bf16.json"
+  fi
+  if ((GPUS >= 2)); then  # float8 (the FP8 quantized all-gather): real ranks only (the fake
+    # group's unfilled receive buffers are NaN scales; on one GPU there is no float8 case)
+    job "stress_ranks${GPUS}_float8_bf16" 300 ranks "$ALLOC" stress "${STRESS[@]}" --mixed \
+      --float8 --out "$OUT/stress_ranks${GPUS}_float8_bf16.json"
   fi
   if ((GPUS == 1)) || [[ $DRY == 1 ]]; then
     job "stress_fake4_hsdp_bf16_serial" 300 single CUDA_LAUNCH_BLOCKING=1 stress \

@@ -185,6 +185,8 @@ def stress(r: Report) -> None:
             where += ", custom collectives"
         if variant.get("inplace_grads"):
             where += ", in-place gradients"
+        if variant.get("float8"):
+            where += ", FP8 quantized all-gather"
         head = (
             f"- {case}, {where}, {run['steps']} steps, MLP dim {model['dim']} hidden "
             f"{model['hidden']} x {model['layers']} layers, batch {run['batch_per_rank']} per rank"

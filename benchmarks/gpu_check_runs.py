@@ -458,6 +458,13 @@ def stress(args: argparse.Namespace) -> dict[str, Any]:
         import fsdp_engine as api
 
         mp = _mp(api, args.mixed)
+        if args.float8:  # FP8 codes of 1 x 8 tiles in the all-gather, its stream's temporaries
+            quantized = api.QuantizedAllGather(format="float8_e4m3fn", block=(1, 8), min_numel=1)
+            mp = api.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16,
+                reduce_dtype=torch.float32,
+                quantized_all_gather=quantized,
+            )
         mesh = _stress_mesh(ctx, args.hsdp)
         for block in model.blocks:
             api.fully_shard(block, mesh=mesh, mp_policy=mp)
@@ -506,6 +513,7 @@ def stress(args: argparse.Namespace) -> dict[str, Any]:
                 "hsdp": args.hsdp,
                 "custom_collectives": args.custom_collectives,
                 "inplace_grads": args.inplace_grads,
+                "float8": args.float8,
             },
         }
         if not real:
@@ -539,6 +547,21 @@ def _all_losses(ctx: Dist, local: Any) -> Any:
     return gathered.view(ctx.world, -1)
 
 
+def _fp8_roundtrip(master: Any) -> Any:
+    """What the FP8 quantized all-gather (``--float8``: 1 x 8 tiles) gives for ``master``:
+    the whole weight quantized and dequantized into bf16 (bitwise the sharded result, [Note: a
+    shard quantizes exactly its own tiles])."""
+    import torch
+
+    from fsdp_engine._private.quantize import dequantize_panel, panel_shape, quantize_panel
+
+    block = (1, 8)
+    panel = master.detach().reshape(panel_shape(tuple(master.shape), block))
+    codes, scales = quantize_panel(panel, block, "float8_e4m3fn")
+    out = dequantize_panel(codes, scales, block, dtype=torch.bfloat16)
+    return out.view(master.shape)
+
+
 def reference(args: argparse.Namespace, world: int, device: Any) -> tuple[Any, Any, Any]:
     """One process, the sharded run's arithmetic: per step, each rank's rows on the whole model
     (a bf16 copy of the fp32 parameters with ``--mixed``, its gradients cast to fp32), the
@@ -560,7 +583,12 @@ def reference(args: argparse.Namespace, world: int, device: Any) -> tuple[Any, A
         if args.mixed:
             with torch.no_grad():
                 for master, low in pairs:
-                    low.copy_(master)  # the engine's cast of the shard, elementwise
+                    # the gathered FP8 codes, dequantized: the policy's default choice, the
+                    # weights of >= 2 dims (biases travel in bf16)
+                    if getattr(args, "float8", False) and master.dim() >= 2:
+                        low.copy_(_fp8_roundtrip(master))
+                    else:
+                        low.copy_(master)  # the engine's cast of the shard, elementwise
         total: list[Any] = []
         for rank in range(world):
             work.zero_grad(set_to_none=True)

@@ -108,6 +108,10 @@ def test_gpu_check_dry_run_passes(tmp_path: Path) -> None:
         "inplace_grads": True,
     }
     assert set(fake_hsdp["hook"]["calls"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+    # float8: the FP8 quantized all-gather on 2 ranks against a reference that quantizes the
+    # whole weights (the same arithmetic: bitwise)
+    fp8 = _json(tmp_path / "stress_ranks2_float8_bf16.json")
+    assert fp8["variant"]["float8"] and fp8["compare"]["verdict"] == "bitwise", fp8["compare"]
     serial_hsdp = _json(tmp_path / "stress_fake4_hsdp_bf16_serial.json")
     assert fake_hsdp["losses"] == serial_hsdp["losses"]
 
