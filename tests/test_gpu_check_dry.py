@@ -106,6 +106,7 @@ def test_gpu_check_dry_run_passes(tmp_path: Path) -> None:
         "hsdp": True,
         "custom_collectives": True,
         "inplace_grads": True,
+        "float8": False,
     }
     assert set(fake_hsdp["hook"]["calls"]) == {"all_gather", "reduce_scatter", "all_reduce"}
     # float8: the FP8 quantized all-gather on 2 ranks against a reference that quantizes the
