@@ -227,11 +227,10 @@ def quantize_panels(
         if fmt == "int8":
             scaled.round_()
         coded = scaled.view(-1, width).to(code_dtype(fmt))
-        rows = [panels[i].shape[0] for i in members]
-        torch._foreach_copy_([codes[i] for i in members], list(coded.split(rows)))
-        torch._foreach_copy_(
-            [scales[i] for i in members], list(scale.split([r // br for r in rows]))
-        )
+        heights = [int(panels[i].shape[0]) for i in members]
+        torch._foreach_copy_([codes[i] for i in members], list(torch.split(coded, heights)))
+        scale_heights = [h // br for h in heights]
+        torch._foreach_copy_([scales[i] for i in members], list(torch.split(scale, scale_heights)))
 
 
 def dequantize_panels(
@@ -256,5 +255,5 @@ def dequantize_panels(
         wide = torch.cat([codes[i] for i in members]).float().view(-1, br, tc, bc)
         scale = torch.cat([scales[i] for i in members]).float()
         product = (wide * scale[:, None, :, None]).view(-1, width).to(dtype)  # rounded once
-        rows = [codes[i].shape[0] for i in members]
-        torch._foreach_copy_([out[i] for i in members], list(product.split(rows)))
+        heights = [int(codes[i].shape[0]) for i in members]
+        torch._foreach_copy_([out[i] for i in members], list(torch.split(product, heights)))

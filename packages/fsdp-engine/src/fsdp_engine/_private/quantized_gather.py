@@ -285,7 +285,7 @@ class QuantizedGather:
             scales.append(scale.view(scale_rows, -1))
         if plain:  # one cast of every unquantized share, one foreach copy into the segments
             cast = torch.cat(plain).to(dtype)
-            torch._foreach_copy_(segments, list(cast.split([t.numel() for t in plain])))
+            torch._foreach_copy_(segments, list(torch.split(cast, [t.numel() for t in plain])))
         if panels:
             quantize_panels(panels, self.policy.block, self.policy.format, codes, scales)
 
