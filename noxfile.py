@@ -7,7 +7,7 @@ venv, cross-package integration, and the newcomer path (`nox -s dev` + a 2-step 
 `nox -s numerics` runs the floating-point tests under every CPU kernel set x thread count;
 `nox -s fuzz` the property tests at 10,000 random examples; `nox -s bench` the benchmarks;
 `nox -s trainers` accelerate, Lightning, transformers' Trainer, torchtitan on fsdp_engine;
-`nox -s finetune` QLoRA (torchao NF4 + LoRA) against FSDP2.
+`nox -s finetune` QLoRA (torchao NF4 + LoRA) and PEFT LoRA (accelerate, Trainer) against FSDP2.
 
 Each package's test session installs only what that package declares (its sibling dependencies come
 from this checkout), so an undeclared import fails there instead of passing by accident.
@@ -403,7 +403,7 @@ def float8(session: nox.Session) -> None:
     )
 
 
-FINETUNE_EXTRAS = ["finetune"]  # examples' extras the `finetune` session installs (add more)
+FINETUNE_EXTRAS = ["finetune", "hf"]  # examples' extras the `finetune` session installs
 
 
 @nox.session
@@ -413,8 +413,13 @@ def finetune(session: nox.Session) -> None:
     with torchao's NF4 base weights and LoRA adapters, loss for loss, collective bytes per
     step, checkpoints across world sizes. Not in CI: the NF4 mechanism (subclasses with a
     storage of their own) is covered there by fsdp-engine's TwoTensor tests; this session
-    adds torchao (a 3.4 MB wheel, ~5 s to install, but ~13 s to import on the 2-core machine)
-    and the fine-tuning stacks added here later."""
+    adds torchao (a 3.4 MB wheel, ~5 s to install, but ~13 s to import on the 2-core machine).
+    LoRA with PEFT on a small transformers LLaMA through accelerate's FSDP2 plugin and
+    transformers' Trainer, switched to fsdp_engine, loss for loss and the saved adapter
+    (tests/test_finetune_lora.py, helpers in tests/lora_workers.py). Measured on the 2-core
+    machine at load 20-30: test_finetune_lora.py 170 s (14 tests, one 2-process launch for the
+    10 runs plus the example under torchrun), test_finetune_qlora.py 44-53 s; with the
+    transformers/accelerate/PEFT/torchao install, too much for the CI's 15 minutes."""
     _install_torch(session)
     extras = ",".join(FINETUNE_EXTRAS)
     _install_local(
@@ -426,9 +431,11 @@ def finetune(session: nox.Session) -> None:
     session.run(
         "python",
         "-c",
-        "import torch, torchao; assert torch.__version__.startswith('2.13.0')"
-        " and '_shared_torch' in torch.__file__, torch.__file__",
+        "import torch, torchao, peft, accelerate, transformers, safetensors;"
+        " assert torch.__version__.startswith('2.13.0') and '_shared_torch' in torch.__file__,"
+        " torch.__file__",
     )
+    session.run("python", "-m", "pip", "check")
     tests = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_finetune_*.py"))
     if not tests:
         session.error("no tests/test_finetune_*.py")

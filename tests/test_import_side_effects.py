@@ -54,6 +54,9 @@ def named_targets():
     out["_api.distribute_tensor.__code__"] = _api.distribute_tensor.__code__
     out["torch.distributed.tensor.distribute_tensor"] = torch.distributed.tensor.distribute_tensor
     out["_api globals"] = tuple(sorted(k for k in vars(_api) if "ragged" in k))
+    import torch.distributed._state_dict_utils as state_dict_utils
+
+    out["_state_dict_utils._distribute_tensors"] = state_dict_utils._distribute_tensors
     for name in ("from_local", "__create_write_items__", "__create_chunk_list__",
                  "__get_tensor_shard__", "redistribute", "full_tensor", "__new__", "data_ptr"):
         out[f"DTensor.{name}"] = vars(DTensor).get(name, MISSING)
@@ -64,6 +67,8 @@ def named_targets():
     out["dispatcher._dispatch_get_local_results_slow_path"] = vars(dispatcher).get(
         "_dispatch_get_local_results_slow_path", MISSING
     )
+    for op, handler in dispatcher._custom_op_handlers.items():
+        out[f"dispatcher._custom_op_handlers[{op}]"] = handler
     out["torch.UntypedStorage.resize_"] = vars(torch.UntypedStorage).get("resize_", MISSING)
     for name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_gather",
                  "all_to_all_single", "broadcast", "all_gather_object", "batch_isend_irecv"):
@@ -225,12 +230,23 @@ def test_the_integration_changes_only_its_targets_and_removal_restores_them(
         [
             *(f"DTensor.{name}" for name in ("__create_chunk_list__", "__create_write_items__")),
             "DTensor.__get_tensor_shard__",
-            "DTensor.data_ptr",  # [Note: a DTensor's data_ptr]
             "_api globals",  # the trampoline's target
             "_api.distribute_tensor.__code__",  # [Note: distribute_tensor's code]
+            "_state_dict_utils._distribute_tensors",  # the full-state-dict load from rank 0
             "dispatch mode stack",  # the collective checks the environment asked for
             "dispatcher instance attributes",
             "dispatcher._dispatch_get_local_results_slow_path",
+            # [Note: ops DTensor handles by hand]
+            *(
+                f"dispatcher._custom_op_handlers[aten.{op}]"
+                for op in (
+                    "argmax.default",
+                    "argmin.default",
+                    "as_strided.default",
+                    "convolution.default",
+                    "convolution_backward.default",
+                )
+            ),
             "global optimizer post hooks",  # their step counter
             "propagator instance attributes",
             "propagator.propagate_op_sharding",
@@ -239,14 +255,30 @@ def test_the_integration_changes_only_its_targets_and_removal_restores_them(
         ]
     )
     assert fresh["installed: parts"] == dict.fromkeys(
-        ("redistribute", "propagator", "random", "checkpoint", "distribute_tensor", "data_ptr"),
+        (
+            "redistribute",
+            "propagator",
+            "random",
+            "checkpoint",
+            "distribute_tensor",
+            "state_dict",
+            "custom_handlers",
+        ),
         True,
     )
     assert fresh["installed: collective checks on"] is True
     assert fresh["removed: named targets changed"] == []
     assert fresh["removed: torch attributes changed"] == []
     assert fresh["removed: parts"] == dict.fromkeys(
-        ("redistribute", "propagator", "random", "checkpoint", "distribute_tensor", "data_ptr"),
+        (
+            "redistribute",
+            "propagator",
+            "random",
+            "checkpoint",
+            "distribute_tensor",
+            "state_dict",
+            "custom_handlers",
+        ),
         False,
     )
     assert fresh["removed: collective checks on"] is False

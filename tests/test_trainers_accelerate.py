@@ -9,7 +9,9 @@ accumulation (``accelerator.accumulate``: ``set_requires_gradient_sync(False)`` 
 micro-batches before the last), bf16 mixed precision (accelerate's autocast and the plugin's
 ``MixedPrecisionPolicy(param_dtype=bf16)``), the plugin's activation checkpointing, its
 ``reshard_after_forward=False``, and ``accelerator.save_state`` / ``load_state`` in the middle
-of training (resumed losses repeat bitwise).
+of training (resumed losses repeat bitwise), with the plugin's sharded checkpoints and with
+``state_dict_type="FULL_STATE_DICT"`` (rank 0 writes full tensors; the load broadcasts them
+from rank 0: torch's ``set_*_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ CASES: dict[str, dict[str, Any]] = {
     "activation_checkpointing": {"activation_checkpointing": True},
     "no-reshard": {"reshard_after_forward": False},
     "save-load-state": {"save_load": True},
+    "save-load-full-state": {"save_load": True, "state_dict_type": "FULL_STATE_DICT"},
 }
 
 
@@ -71,7 +74,8 @@ def test_accelerate_save_and_load_state_resume_exactly(
     half the steps: the second half, trained again after loading, repeats its losses bitwise, on
     FSDP2 and on ours (whose losses equal FSDP2's: the test above)."""
     for engine in ("fsdp2", "ours"):
-        for result in runs["save-load-state"][engine]:
-            assert result["resumed"] == result["losses"][STEPS // 2 :], engine
+        for case in ("save-load-state", "save-load-full-state"):
+            for result in runs[case][engine]:
+                assert result["resumed"] == result["losses"][STEPS // 2 :], (case, engine)
     # without save_state nothing is resumed
     assert runs["plain"]["ours"][0]["resumed"] is None

@@ -8,6 +8,12 @@ Without gradient clipping (``max_grad_norm=0``) every loss of every rank is bitw
 (kind (a) of [Note: comparisons of the trainer tests] in ``trainer_workers.py``). With the
 Trainer's default clipping (``max_grad_norm=1.0``) the gradient norm is a sum of squares taken
 over our shards, in another order than FSDP2's: kind (b), ``steps * sqrt(P) * eps32`` relative.
+
+Resuming: the Trainer's own checkpoints (its default format under FSDP2, ``FULL_STATE_DICT``:
+rank 0 writes full tensors, the resume broadcasts them from rank 0 with torch's
+``set_*_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``) every half of the
+run; a new Trainer resumed from the middle one repeats the second half's losses bitwise, on
+FSDP2 and on ours.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ STEPS = 4
 CASES: dict[str, dict[str, Any]] = {
     "no-clipping": {"accumulation": 2, "max_grad_norm": 0.0, "steps": STEPS},
     "clipping": {"accumulation": 2, "max_grad_norm": 1.0, "steps": STEPS},
+    "resume": {"accumulation": 2, "max_grad_norm": 0.0, "steps": STEPS, "resume": True},
 }
 
 
@@ -70,3 +77,17 @@ def test_hf_trainer_with_clipping_matches_fsdp2_within_the_norm_tolerance(
         assert worst <= tol, f"rank {rank}: relative difference {worst:.2e} > {tol:.2e}"
     # the clipping took effect: the clipped run's losses differ from the unclipped ones
     assert run["fsdp2"][0]["losses"] != runs["no-clipping"]["fsdp2"][0]["losses"]
+
+
+def test_hf_trainer_resumes_from_its_default_checkpoint_like_fsdp2(
+    runs: dict[str, dict[str, list[dict[str, Any]]]],
+) -> None:
+    run = runs["resume"]
+    _check_engines(run)
+    for rank in range(2):
+        ours, fsdp2 = run["ours"][rank], run["fsdp2"][rank]
+        assert ours["resumed_engine"] == "ours" and fsdp2["resumed_engine"] == "fsdp2"
+        assert ours["losses"] == fsdp2["losses"], rank
+        half = len(ours["losses"]) // 2
+        assert fsdp2["resumed"] == fsdp2["losses"][half:], rank  # the control resumes exactly
+        assert ours["resumed"] == ours["losses"][half:], rank

@@ -137,6 +137,7 @@ def accelerate_run(
     activation_checkpointing: bool = False,
     reshard_after_forward: bool = True,
     checkpoint_dir: str | None = None,
+    state_dict_type: str = "SHARDED_STATE_DICT",
     steps: int = 4,
 ) -> dict[str, Any]:
     """A tied-embedding LLaMA through ``accelerator.prepare`` with the FSDP2 plugin, AdamW,
@@ -144,7 +145,9 @@ def accelerate_run(
 
     ``checkpoint_dir``: ``accelerator.save_state`` there after the first half of the steps,
     train the second half, ``accelerator.load_state`` and train the second half again
-    (``"resumed"``: its losses)."""
+    (``"resumed"``: its losses). ``state_dict_type``: the plugin's checkpoint format
+    (``"FULL_STATE_DICT"``: full tensors written by rank 0 and loaded with torch's
+    ``set_*_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)``)."""
     from accelerate import Accelerator
     from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -157,6 +160,7 @@ def accelerate_run(
         auto_wrap_policy="transformer_based_wrap",  # each decoder layer (model._no_split_modules)
         activation_checkpointing=activation_checkpointing,
         reshard_after_forward=reshard_after_forward,
+        state_dict_type=state_dict_type,
     )
     enable_accelerate_fsdp(accelerator, plugin)
     assert accelerator.is_fsdp2 and accelerator.num_processes == world
@@ -402,12 +406,24 @@ def run_lightning(
 
 
 def transformers_run(
-    rank: int, world: int, *, accumulation: int, max_grad_norm: float, steps: int = 4
+    rank: int,
+    world: int,
+    *,
+    accumulation: int,
+    max_grad_norm: float,
+    steps: int = 4,
+    output_dir: str | None = None,
+    save_steps: int | None = None,
+    resume_from: str | None = None,
 ) -> dict[str, Any]:
     """``transformers.Trainer`` with ``fsdp=True, fsdp_config={"version": 2}`` on a tiny
     random-init LLaMA. On CPU, accelerate (which the Trainer builds from the FSDP plugin
     arguments it derives from ``fsdp_config``) stops at ``MULTI_CPU``: the Trainer subclass
-    finishes the accelerator the way a GPU launch would (``enable_accelerate_fsdp``)."""
+    finishes the accelerator the way a GPU launch would (``enable_accelerate_fsdp``).
+
+    ``save_steps``: the Trainer's own checkpoints every that many steps (its default format
+    under FSDP2: ``FULL_STATE_DICT``) in ``output_dir``; ``resume_from``: a checkpoint directory
+    to resume from (``trainer.train(resume_from_checkpoint=...)``)."""
     import transformers
     from accelerate.utils import FullyShardedDataParallelPlugin
 
@@ -432,7 +448,7 @@ def transformers_run(
     )
     dataset = [{"input_ids": row, "labels": row} for row in windows]
     args = transformers.TrainingArguments(
-        output_dir=os.environ["TRAINER_TEST_OUT"],
+        output_dir=output_dir or os.environ["TRAINER_TEST_OUT"],
         use_cpu=True,
         fsdp=True,
         fsdp_config={"version": 2},
@@ -442,7 +458,8 @@ def transformers_run(
         learning_rate=LR,
         max_grad_norm=max_grad_norm,
         report_to=[],
-        save_strategy="no",
+        save_strategy="no" if save_steps is None else "steps",
+        save_steps=save_steps or 500,
         logging_strategy="no",
         disable_tqdm=True,
         dataloader_num_workers=0,
@@ -450,7 +467,7 @@ def transformers_run(
     )
     trainer = CPUFSDPTrainer(model=model, args=args, train_dataset=dataset)
     trainer.losses = []
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume_from)
     result = {
         "losses": trainer.losses,
         "engine": engine_of(trainer.model),
@@ -467,9 +484,23 @@ def run_transformers(
     os.environ["TRAINER_TEST_OUT"] = out
     results = []
     for case in cases:
-        options = {k: v for k, v in case.items() if k != "engine"}
+        options = {k: v for k, v in case.items() if k not in ("engine", "resume")}
+        if not case.get("resume"):
+            with engine(case["engine"]):
+                results.append(transformers_run(rank, world, **options))
+            continue
+        # a run that saves its checkpoints, then a new Trainer resumed from the middle one
+        steps = options.get("steps", 4)
+        directory = os.path.join(out, f"resume-{case['engine']}")
         with engine(case["engine"]):
-            results.append(transformers_run(rank, world, **options))
+            result = transformers_run(
+                rank, world, **options, output_dir=directory, save_steps=steps // 2
+            )
+            middle = os.path.join(directory, f"checkpoint-{steps // 2}")
+            resumed = transformers_run(rank, world, **options, resume_from=middle)
+        result["resumed"] = resumed["losses"]
+        result["resumed_engine"] = resumed["engine"]
+        results.append(result)
     return results
 
 

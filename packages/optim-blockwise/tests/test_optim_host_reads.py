@@ -94,3 +94,69 @@ def test_steady_state_step_reads_nothing_from_the_device(case: str) -> None:
         assert out["reads"] == [[]] * STEPS, (rank, out["reads"])
         calls = {c for step in out["collectives"] for c in step}
         assert calls == allowed, (rank, out["collectives"])
+
+
+# [Note: eigh, the one sync the maths needs]
+# ``torch.linalg.eigh`` checks its LAPACK/cuSOLVER status on the host (``_linalg_check_errors``):
+# on CUDA every call waits for the device. Shampoo needs it for its inverse roots and SOAP for
+# its first eigenbasis, so it may run only when a preconditioner is refreshed: once per tile
+# and side in a refresh step, never in the steps between. On CPU the wait is invisible, so the
+# eigh calls are counted at the dispatcher (``_linalg_eigh``) like the host reads above.
+
+_EIGH_OPS = {"_linalg_eigh", "linalg_eigh", "_linalg_eigvals", "linalg_eig"}
+REFRESH_EVERY = 3  # Shampoo: refreshes at steps 1, 4, 7; SOAP: eigh at step 1, QR after
+
+
+def _eigh_per_step(rank: int, world: int, kind: str) -> dict[str, Any]:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(64, 96), (40, 50), (24, 24), (16,)]
+    specs = [ragged_spec(s, world, 1, seed=i) for i, s in enumerate(shapes)]
+    params = [
+        torch.nn.Parameter(shard(torch.randn(s, generator=gen), mesh, sp))
+        for s, sp in zip(shapes, specs, strict=True)
+    ]
+    opt: ob.Shampoo | ob.SOAP
+    if kind == "shampoo":
+        opt = ob.Shampoo(
+            params,
+            max_preconditioner_dim=16,
+            precondition_frequency=REFRESH_EVERY,
+            start_preconditioning_step=1,
+        )
+    else:
+        opt = ob.SOAP(params, max_preconditioner_dim=16, precondition_frequency=REFRESH_EVERY)
+    calls: list[str] = []
+
+    class CountEigh(TorchDispatchMode):
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            if func.__name__.split(".")[0] in _EIGH_OPS:
+                calls.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    per_step: list[tuple[int, int, list[str]]] = []
+    for _ in range(7):
+        for p, s, sp in zip(params, shapes, specs, strict=True):
+            p.grad = shard(torch.randn(s, generator=gen), mesh, sp)
+        calls.clear()
+        with CountEigh(), HostReads() as found:
+            opt.step()
+        stats = opt._stats  # tiles this rank computed (no device read, unlike last_step_stats)
+        tiles = stats["local_tiles"] + stats["exchanged_tiles"]
+        per_step.append((len(calls), tiles, list(found)))
+    return {"per_step": per_step}
+
+
+@pytest.mark.parametrize("kind", ["shampoo", "soap"])
+def test_eigh_runs_only_in_refresh_steps_once_per_tile_and_side(kind: str) -> None:
+    for rank, out in enumerate(run_threaded(_eigh_per_step, 3, kind, timeout=120)):
+        for step, (eighs, tiles, reads) in enumerate(out["per_step"], start=1):
+            refresh = (step - 1) % REFRESH_EVERY == 0 if kind == "shampoo" else step == 1
+            expected = 2 * tiles if refresh else 0  # left and right, per tile this rank owns
+            assert eighs == expected, (rank, step, eighs, tiles)
+            if step > 1:  # the plan (step 1) may read; no step after it reads anything
+                assert reads == [], (rank, step, reads)

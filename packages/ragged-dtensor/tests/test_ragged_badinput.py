@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, init_device_mesh
 
-from ragged_dtensor import RaggedOpError, RaggedShard, distribute_tensor, from_local
+from ragged_dtensor import RaggedOpError, RaggedShard, distribute_tensor, from_local, strict_mode
 from ragged_dtensor.testing import expect_error_on_every_rank, run_threaded
 
 FULL = torch.arange(32.0).reshape(8, 4)
@@ -18,6 +18,11 @@ FULL = torch.arange(32.0).reshape(8, 4)
 
 def _ragged(mesh: Any, units: tuple[int, ...] = (1, 3)) -> DTensor:
     return distribute_tensor(FULL, mesh, [RaggedShard((0,), units)])
+
+
+def _strict(fn: Callable[[], object]) -> object:
+    with strict_mode():
+        return fn()
 
 
 Case = tuple[Callable[[Any], object], type[Exception], tuple[str, ...]]
@@ -42,23 +47,27 @@ CASES: dict[str, Case] = {
         ValueError,
         ("dims=()", "(1, 1)", "one-hot"),
     ),
-    "transpose": (lambda mesh: _ragged(mesh).t(), RaggedOpError, ("aten.t", "RaggedShard")),
-    "slicing": (lambda mesh: _ragged(mesh)[1:3], RaggedOpError, ("aten.slice", "RaggedShard")),
-    "a product over some dims": (
+    # ops with no ragged rule: the fallback redistributes; in strict mode they are refused
+    "transpose (strict mode)": (
+        lambda mesh: _strict(lambda: _ragged(mesh).t()),
+        RaggedOpError,
+        ("aten.t", "RaggedShard", "strict mode"),
+    ),
+    "slicing (strict mode)": (
+        lambda mesh: _strict(lambda: _ragged(mesh)[1:3]),
+        RaggedOpError,
+        ("aten.slice", "RaggedShard", "strict mode"),
+    ),
+    "a product over some dims (strict mode)": (
         # (sums, means, norms, amax/amin over any dims are supported: partial results)
-        lambda mesh: _ragged(mesh).prod(dim=0),
+        lambda mesh: _strict(lambda: _ragged(mesh).prod(dim=0)),
         RaggedOpError,
-        ("aten.prod", "RaggedShard"),
+        ("aten.prod", "RaggedShard", "strict mode"),
     ),
-    "view to another shape": (
-        lambda mesh: _ragged(mesh).view(4, 8),
+    "out= operand with no ragged rule": (
+        lambda mesh: torch.cumsum(_ragged(mesh), 0, out=_ragged(mesh)),
         RaggedOpError,
-        ("aten.view", "[4, 8]", "global shape"),
-    ),
-    "mean of uneven shares": (
-        lambda mesh: _ragged(mesh).mean(),
-        RaggedOpError,
-        ("aten.mean", "RaggedShard"),
+        ("aten.cumsum", "RaggedShard", "ragged out= operand"),
     ),
     "redistribute: units for another world size": (
         lambda mesh: _ragged(mesh).redistribute(mesh, [RaggedShard((0,), (1, 1, 2))]),
@@ -70,10 +79,10 @@ CASES: dict[str, Case] = {
         ValueError,
         ("(2, 1)", "sum to 3", "8 prefix rows"),
     ),
-    "elementwise op on different layouts": (
-        lambda mesh: _ragged(mesh) + _ragged(mesh, (3, 1)),
+    "elementwise op on different layouts (strict mode)": (
+        lambda mesh: _strict(lambda: _ragged(mesh) + _ragged(mesh, (3, 1))),
         RaggedOpError,
-        ("aten.add", "different layouts", "(3, 1)"),
+        ("aten.add", "different layouts", "(3, 1)", "strict mode"),
     ),
 }
 

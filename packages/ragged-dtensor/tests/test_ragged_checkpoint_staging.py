@@ -31,6 +31,7 @@ from ragged_dtensor import (
     distribute_tensor,
     from_local,
     install_dtensor_integration,
+    own_storage_view,
     uninstall_dtensor_integration,
 )
 from ragged_dtensor.testing import run_processes, run_threaded
@@ -296,9 +297,10 @@ def test_staged_and_async_checkpoints_load_bitwise_at_any_world_size(
 def _offset_views(rank: int, world: int, root: str) -> dict[str, str]:
     """A DTensor over a view into a larger buffer (as a flat-buffer FSDP keeps its parameters):
     torch 2.13 gives it ``data_ptr() != 0`` and its state-dict stager then copies the DTensor's
-    own (empty) storage and fails, for Shard(0) exactly as for RaggedShard; with the integration
-    installed every DTensor reports 0 ([Note: a DTensor's data_ptr]) and both save as is, as do
-    copies (``detach().clone()``: fresh local tensors) without it."""
+    own (empty) storage and fails, for Shard(0) exactly as for RaggedShard, with the integration
+    installed or not (it changes no DTensor's ``data_ptr``: [Note: a DTensor's data_ptr]). Over
+    ``own_storage_view`` of the same view (no copy) both save as is, as do copies
+    (``detach().clone()``: fresh local tensors)."""
     mesh = init_device_mesh("cpu", (world,))
     full = torch.arange(24.0).reshape(6, 4)
     buffer = torch.zeros(64)
@@ -312,25 +314,27 @@ def _offset_views(rank: int, world: int, root: str) -> dict[str, str]:
         "ragged": from_local(ragged_view, mesh, [placement], shape=full.shape),
         "shard": DTensor.from_local(shard_view, mesh, [Shard(0)], run_check=False),
     }
+    own = {
+        "ragged": from_local(own_storage_view(ragged_view), mesh, [placement], shape=full.shape),
+        "shard": DTensor.from_local(
+            own_storage_view(shard_view), mesh, [Shard(0)], run_check=False
+        ),
+    }
     out: dict[str, str] = {}
-    uninstall_dtensor_integration()  # torch's own data_ptr: the limit
+    uninstall_dtensor_integration()  # torch alone: the limit
     try:
         out["torch data_ptr"] = str(cases["shard"].data_ptr())
         out["torch stager"] = _saved(cases["shard"], f"{root}/shard-torch", mesh, full)
     finally:
         install_dtensor_integration()
-    for name, dt in cases.items():
-        assert dt.storage_offset() != 0 and dt.data_ptr() == 0
+    out["installed data_ptr"] = str(cases["shard"].data_ptr())
+    out["installed stager"] = _saved(cases["shard"], f"{root}/shard-installed", mesh, full)
+    for name, dt in own.items():
+        assert dt.storage_offset() == 0 and dt.data_ptr() == 0
+        assert dt.to_local().untyped_storage().nbytes() == dt.to_local().numel() * 4
         for how, value in (("as is", dt), ("copied", dt.detach().clone())):
             path = f"{root}/{name}-{how.replace(' ', '_')}"
-            try:
-                dcp.async_save({"t": value}, checkpoint_id=path).result()
-            except RuntimeError as exc:
-                out[f"{name} {how}"] = f"RuntimeError: {exc}"
-                continue
-            target = {"t": distribute_tensor(torch.zeros(6, 4), mesh, [Shard(1)])}
-            dcp.load(target, checkpoint_id=path)
-            out[f"{name} {how}"] = "ok" if torch.equal(target["t"].full_tensor(), full) else "WRONG"
+            out[f"{name} {how}"] = _saved(value, path, mesh, full)
     return out
 
 
@@ -347,10 +351,13 @@ def _saved(value: DTensor, path: str, mesh: Any, full: torch.Tensor) -> str:
 @pytest.mark.multiprocess
 def test_async_save_of_dtensors_over_offset_views(tmp_path: Path) -> None:
     """Pins torch 2.13's limit for a Shard(0) over an offset view (when torch's own stager
-    saves it, drop the data_ptr part), and that with the integration both layouts save."""
+    saves it, drop the own_storage_view part), that the integration leaves it as torch has it,
+    and that over ``own_storage_view`` both layouts save."""
     for outcome in run_processes(_offset_views, 2, str(tmp_path), timeout=240):
         assert outcome["torch data_ptr"] != "0", outcome
         assert "invalid python storage" in outcome["torch stager"], outcome
+        assert outcome["installed data_ptr"] == outcome["torch data_ptr"], outcome
+        assert outcome["installed stager"] == outcome["torch stager"], outcome
         for name in ("ragged", "shard"):
             assert outcome[f"{name} as is"] == "ok", outcome
             assert outcome[f"{name} copied"] == "ok", outcome

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed import _state_dict_utils as state_dict_utils
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 from torch.distributed.tensor import _api as dtensor_api
 from torch.distributed.tensor import _dispatch as dtensor_dispatch
@@ -79,6 +80,11 @@ def _targets() -> dict[str, tuple[Any, str, Any]]:
             "propagate_op_sharding_non_cached",
             _wrapped(DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached),
         ),
+        "torch.distributed._state_dict_utils._distribute_tensors": (
+            state_dict_utils,
+            "_distribute_tensors",
+            _wrapped(state_dict_utils._distribute_tensors),
+        ),
         "DTensor._op_dispatcher._dispatch_get_local_results_slow_path": (
             DTensor._op_dispatcher,
             "_dispatch_get_local_results_slow_path",
@@ -98,6 +104,7 @@ def _state() -> dict[str, Any]:
         ],
         "propagator": dict(vars(DTensor._op_dispatcher.sharding_propagator)),
         "dispatcher": dict(vars(DTensor._op_dispatcher)),
+        "state_dict": [state_dict_utils._distribute_tensors],
     }
 
 

@@ -9,7 +9,9 @@ non-negative terms are relative: ``_norm_rtol`` = (n + 2) * eps.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +19,13 @@ from ragged_reference import reference_local
 from torch.distributed.tensor import DTensor, init_device_mesh
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from ragged_dtensor import RaggedOpError, RaggedShard, distribute_tensor, hooks_installed
+from ragged_dtensor import (
+    RaggedOpError,
+    RaggedShard,
+    distribute_tensor,
+    hooks_installed,
+    strict_mode,
+)
 from ragged_dtensor.testing import count_collectives, run_threaded
 
 pytestmark = pytest.mark.numerics
@@ -42,7 +50,8 @@ def test_a_raggedshard_installs_every_part_of_the_integration() -> None:
         "checkpoint": True,
         "random": True,
         "distribute_tensor": True,
-        "data_ptr": True,
+        "state_dict": True,
+        "custom_handlers": True,
     }
 
 
@@ -99,38 +108,93 @@ def _replicated(like: DTensor, value: torch.Tensor) -> DTensor:
     return DTensor.from_local(value, like.device_mesh, [Replicate()], run_check=False)
 
 
-_UNSUPPORTED: list[tuple[str, Callable[[DTensor], object]]] = [
+# ops with no ragged rule: the fallback redistributes (strict mode: RaggedOpError)
+_NO_RULE: list[tuple[str, Callable[[Any], Any]]] = [
     ("aten.t", lambda d: d.t()),
-    ("aten.view", lambda d: d.view(2, 15)),
-    ("aten.view", lambda d: d.reshape(30)),
     ("aten.slice", lambda d: d[1:3]),
     ("aten.select", lambda d: d[0]),
     # (sums and norms over some dims of any share: test_ragged_rowwise_random.py)
     ("aten.prod", lambda d: d.prod(dim=1)),
-    ("aten.mean", lambda d: d.mean()),
-    ("aten.mm", lambda d: d @ _replicated(d, torch.ones(5, 2))),
-    # broadcasting a replicated row against a flat share
-    ("aten.add", lambda d: d + _replicated(d, torch.ones(5))),
+    ("aten.cat", lambda d: torch.cat([d, d])),
+    ("aten.var", lambda d: d.var(dim=0)),
+    # in place: run on the replicated copy, this rank's share written back
+    (
+        "aten.index_fill_",
+        lambda d: d.index_fill_(0, _replicated_like(d, torch.tensor([0, 4])), -1.0),
+    ),
+]
+# ops with a ragged rule that moves nothing (strict mode runs them too)
+_RULED: list[tuple[str, Callable[[Any], Any]]] = [
+    ("view", lambda d: d.view(2, 15)),
+    ("reshape", lambda d: d.reshape(30)),
+    ("mean", lambda d: d.mean()),
+    ("mm", lambda d: d @ _replicated_like(d, torch.arange(10.0).reshape(5, 2))),
+    ("broadcast", lambda d: d + _replicated_like(d, torch.arange(5.0))),
 ]
 
 
-def _unsupported_body(rank: int, world: int, index: int) -> str:
+def _replicated_like(like: Any, value: torch.Tensor) -> Any:
+    if isinstance(like, DTensor):
+        return DTensor.from_local(value, like.device_mesh, [Replicate()], run_check=False)
+    return value
+
+
+def _no_rule_body(rank: int, world: int, index: int, strict: bool) -> str:
     mesh = init_device_mesh("cpu", (world,))
-    d = distribute_tensor(torch.randn(6, 5), mesh, [RaggedShard((0,), (1, 2))])
-    _, fn = _UNSUPPORTED[index]
+    full = torch.arange(30.0).reshape(6, 5)
+    d = distribute_tensor(full, mesh, [RaggedShard((0,), (1, 2))])
+    _, fn = _NO_RULE[index]
     try:
-        fn(d)
+        if strict:
+            with strict_mode():
+                fn(d)
+        else:
+            before = d.placements
+            got = fn(d)
+            torch.testing.assert_close(got.full_tensor(), fn(full), rtol=0, atol=0)
+            if _NO_RULE[index][0].endswith("_"):  # in place: the same tensor, still ragged
+                assert got is d and d.placements == before, d.placements
     except Exception as exc:  # the error type torch wraps ours in varies by path
         return f"{type(exc).__name__}: {exc}"
     return "no error"
 
 
-@pytest.mark.parametrize("index", range(len(_UNSUPPORTED)), ids=[n for n, _ in _UNSUPPORTED])
-def test_ops_that_would_be_wrong_raise_naming_op_and_placement(index: int) -> None:
-    message = run_threaded(_unsupported_body, 2, index)[0]
-    name, _ = _UNSUPPORTED[index]
-    assert name in message, message
+@pytest.mark.parametrize("index", range(len(_NO_RULE)), ids=[n for n, _ in _NO_RULE])
+def test_ops_without_a_rule_redistribute_or_raise_in_strict_mode(
+    index: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without strict mode an op with no ragged rule gives the single-process result (its
+    ragged operand redistributed, one debug line naming the op and the redistribution); in
+    strict mode it raises RaggedOpError naming the op and the placement."""
+    name, _ = _NO_RULE[index]
+    with caplog.at_level(logging.DEBUG, logger="ragged_dtensor.fallback"):
+        assert run_threaded(_no_rule_body, 2, index, False) == ["no error", "no error"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "ragged_dtensor.fallback"]
+    assert any(name in line and "-> (Replicate())" in line for line in lines), lines
+    message = run_threaded(_no_rule_body, 2, index, True)[0]
+    assert name in message and "strict mode" in message, message
     assert "RaggedShard(dims=(0,), local_units=(1, 2))" in message, message
+
+
+def _ruled_body(rank: int, world: int, index: int) -> tuple[str, int]:
+    mesh = init_device_mesh("cpu", (world,))
+    full = torch.arange(30.0).reshape(6, 5)
+    d = distribute_tensor(full, mesh, [RaggedShard((0,), (1, 2))])
+    _, fn = _RULED[index]
+    with strict_mode(), count_collectives() as counter:
+        got = fn(d)
+    torch.testing.assert_close(got.full_tensor(), fn(full), rtol=1e-6, atol=0)
+    return str(got.placements), counter.total
+
+
+@pytest.mark.parametrize("index", range(len(_RULED)), ids=[n for n, _ in _RULED])
+def test_ops_with_a_ragged_rule_move_nothing_even_in_strict_mode(index: int) -> None:
+    """Reshapes keep the flat share, row-wise matmul keeps the rows, a mean is a Partial, a
+    broadcast operand is cut to the share: no collective, and the single-process result
+    (mean: a reordered sum, rtol 1e-6 for 30 terms)."""
+    placements, collectives = run_threaded(_ruled_body, 2, index)[0]
+    assert collectives == 0, placements
+    assert "Replicate" not in placements, placements
 
 
 def test_ragged_op_error_is_public() -> None:
@@ -306,7 +370,8 @@ def _rowwise_body(rank: int, world: int) -> None:
     assert counter.total == 0
     for (got, want), local in zip(cases, locals_, strict=True):
         assert got.placements == (RaggedShard((0,), rows),), got.placements
-        assert local.shape[0] == rows[rank]
+        # a ragged local tensor is flat: the rank's rows of the result, row-major
+        assert local.shape == (rows[rank] * want[0].numel(),), local.shape
         # same arithmetic: each row's reduction runs whole on one rank, the same kernel
         assert torch.equal(got.full_tensor(), want)
 

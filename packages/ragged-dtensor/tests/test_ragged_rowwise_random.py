@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import init_device_mesh
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
-from ragged_dtensor import RaggedOpError, RaggedShard, distribute_tensor, from_local
+from ragged_dtensor import RaggedOpError, RaggedShard, distribute_tensor, from_local, strict_mode
 from ragged_dtensor.testing import count_collectives, run_threaded
 
 pytestmark = pytest.mark.numerics
@@ -225,12 +225,21 @@ def test_foreach_lists_mixing_ragged_and_replicated_tensors() -> None:
     assert all(run_threaded(_foreach_body, 2))
 
 
-def test_a_negative_order_norm_over_some_dims_raises() -> None:
+def test_a_negative_order_norm_over_some_dims_redistributes_or_raises_in_strict_mode() -> None:
+    """A negative-order norm has no padding identity: without strict mode the share is
+    redistributed (the single-process result), in strict mode RaggedOpError names the order."""
+
     def body(rank: int, world: int) -> str:
         mesh = init_device_mesh("cpu", (world,))
-        d = distribute_tensor(torch.randn(3, 5), mesh, [RaggedShard((0, 1), (7, 8))])
+        full = torch.arange(1.0, 16.0).reshape(3, 5)
+        d = distribute_tensor(full, mesh, [RaggedShard((0, 1), (7, 8))])
+        got = torch.linalg.vector_norm(d, -2.0, dim=1)
+        torch.testing.assert_close(
+            got.full_tensor(), torch.linalg.vector_norm(full, -2.0, dim=1), rtol=0, atol=0
+        )
         try:
-            torch.linalg.vector_norm(d, -2.0, dim=1)
+            with strict_mode():
+                torch.linalg.vector_norm(d, -2.0, dim=1)
         except Exception as exc:
             return str(exc)
         return "no error"

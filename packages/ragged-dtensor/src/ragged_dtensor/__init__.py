@@ -38,10 +38,11 @@ from ragged_dtensor._private.debug import (
     collective_checks,
     collective_checks_enabled,
 )
+from ragged_dtensor._private.fallback import RaggedOpError, is_strict, set_strict, strict_mode
 from ragged_dtensor._private.geometry import FlatRange, flat_range_to_boxes
-from ragged_dtensor._private.ops import RaggedOpError
 from ragged_dtensor._private.placement import RaggedShard
 from ragged_dtensor._private.redistribute import RedistributeStep, StepKind, plan_redistribute
+from ragged_dtensor._private.views import own_storage_view, storage_base
 
 try:
     __version__ = version("ragged-dtensor")
@@ -51,6 +52,10 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 __all__ = [
     "RaggedShard",
     "RaggedOpError",
+    # ops without a ragged rule redistribute implicitly, unless strict
+    "set_strict",
+    "is_strict",
+    "strict_mode",
     # torch-DTensor operations, spelled explicitly
     "distribute_tensor",
     "from_local",
@@ -80,5 +85,8 @@ __all__ = [
     "CollectiveMismatchError",
     "collective_checks",
     "collective_checks_enabled",
+    # local shards over storage of their own (serialize and copy as their own elements)
+    "own_storage_view",
+    "storage_base",
     "__version__",
 ]

@@ -4,7 +4,8 @@
 - ``checkpoint_async``: ``async_save_checkpoint``, its handle and its writer thread;
 - ``checkpoint_staging``: copying a state dict off the training tensors ([Note: staging]);
 - what torch's copying code (DCP's stagers, ``copy.deepcopy``, ``torch.save``) needs of the
-  engine's DTensors is ragged_dtensor's ([Note: a DTensor's data_ptr] in its compat module);
+  engine's DTensors: local tensors over storage of their own ([Note: DTensors over views] in
+  compat);
 - ``checkpoint_load``: ``load_checkpoint``, ``verify_checkpoint`` ([Note: strict loading]);
 - ``checkpoint_discovery``: ``latest_checkpoint``, ``checkpoint_info``,
   ``is_complete_checkpoint``;

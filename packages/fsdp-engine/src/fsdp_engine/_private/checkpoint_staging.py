@@ -53,6 +53,8 @@ from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ragged_dtensor import own_storage_view, storage_base
+
 __all__ = ["StagedStateDict", "stage_state_dict", "wait_staged_writes"]
 
 _ALIGN = 64  # bytes: a span starts aligned for any dtype the storage is viewed in
@@ -79,15 +81,17 @@ def _leaves(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _byte_range(tensor: torch.Tensor) -> tuple[int, int]:
-    """``[start, stop)`` bytes of the tensor's storage it covers (it has elements)."""
+    """``[start, stop)`` bytes of the tensor's base storage it covers (it has elements): the
+    storage its own was cut from, for a parameter's or a gradient's local tensor (ragged_dtensor's
+    ``storage_base``), so a group's tensors are still copied as one span."""
     size = tensor.element_size()
     extent = 1 + sum((int(n) - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
-    start = int(tensor.storage_offset()) * size
+    start = storage_base(tensor)[1] + int(tensor.storage_offset()) * size
     return start, start + extent * size
 
 
 def _storage_key(tensor: torch.Tensor) -> Key:
-    return str(tensor.device), tensor.untyped_storage().data_ptr()
+    return str(tensor.device), storage_base(tensor)[0].data_ptr()
 
 
 def _bytes_of(source: torch.Tensor, begin: int, stop: int) -> torch.Tensor:
@@ -95,7 +99,7 @@ def _bytes_of(source: torch.Tensor, begin: int, stop: int) -> torch.Tensor:
     no data: a dispatch mode watching accesses (the simulated streams) must not count it."""
     with _disable_current_modes():
         raw = torch.empty(0, dtype=torch.uint8, device=source.device)
-        return raw.set_(source.untyped_storage(), begin, (stop - begin,), (1,))
+        return raw.set_(storage_base(source)[0], begin, (stop - begin,), (1,))
 
 
 def _view_into(target: torch.Tensor, buffer: torch.Tensor, like: tuple[Any, ...]) -> None:
@@ -103,6 +107,11 @@ def _view_into(target: torch.Tensor, buffer: torch.Tensor, like: tuple[Any, ...]
     offset, shape, stride = like
     with _disable_current_modes():
         target.set_(buffer.untyped_storage(), offset, shape, stride)
+        # over storage of its own, at offset 0 ([Note: views over storage of their own] in
+        # ragged_dtensor): saved and copied as its own elements only
+        own = own_storage_view(target) if target.numel() else target
+        if own is not target:
+            target.set_(own.untyped_storage(), 0, shape, stride)
 
 
 # -- the device path: streams, pinned buffers, the stager thread ---------------------------------
@@ -323,7 +332,9 @@ class _Stager:
 
     def value(self, value: Any) -> Any:
         if isinstance(value, DTensor):
-            local = self.tensor(value._local_tensor)
+            # over storage of its own, at offset 0: saved and copied as its own elements, its
+            # wrapper's data_ptr() 0 ([Note: a DTensor's data_ptr] in ragged_dtensor's compat)
+            local = own_storage_view(self.tensor(value._local_tensor))
             return DTensor(local, value._spec, requires_grad=False)  # type: ignore[no-untyped-call]
         if isinstance(value, torch.Tensor):
             return self.tensor(value)

@@ -40,6 +40,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from ragged_dtensor import own_storage_view
+
 __all__ = [
     "SUPPORTED",
     "PostBackwardFunction",
@@ -66,6 +68,7 @@ __all__ = [
     "set_spec",
     "sharded_parameter",
     "spec_of",
+    "starts_at",
 ]
 
 SUPPORTED = "2.13"  # the torch release every entry below was checked against
@@ -188,11 +191,13 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
 
 # -- DTensor and DeviceMesh internals ---------------------------------------------------------
 def dtensor_from_spec(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    """A DTensor over ``local`` (no copy) with ``spec``, as DTensor's own no-autograd
-    constructors build it (no per-rank check), its wrapper at storage offset 0 ([Note: DTensors
-    over views])."""
+    """A DTensor over ``local``'s elements (no copy) with ``spec``, as DTensor's own no-autograd
+    constructors build it (no per-rank check), its local tensor over storage of its own at
+    offset 0 ([Note: DTensors over views])."""
+    local = own_storage_view(local)
     if local.storage_offset() == 0:
         return DTensor(local, spec, requires_grad=False)  # type: ignore[no-untyped-call]
+    # meta (no data): the wrapper alone is built at offset 0
     anchor = local.detach().as_strided(local.size(), local.stride(), 0)
     value = DTensor(anchor, spec, requires_grad=False)  # type: ignore[no-untyped-call]
     value._local_tensor = local
@@ -203,7 +208,7 @@ def sharded_parameter(value: DTensor, requires_grad: bool) -> nn.Parameter:
     """``nn.Parameter(value, requires_grad)`` with its wrapper at storage offset 0 ([Note:
     DTensors over views]): ``nn.Parameter`` of a tensor subclass is ``value.detach()`` marked
     ``_is_param``, and the detach takes the local view's offset again."""
-    param = nn.Parameter(value, requires_grad)
+    param = nn.Parameter(offset_free(value), requires_grad)
     if param.storage_offset() == 0:
         return param
     assert isinstance(param, DTensor)
@@ -215,23 +220,36 @@ def sharded_parameter(value: DTensor, requires_grad: bool) -> nn.Parameter:
 
 def offset_free(value: DTensor) -> DTensor:
     """[Note: DTensors over views]
-    torch's DTensor wrapper takes its local tensor's storage offset, and a wrapper has no
-    storage of its own (null data pointer): over a local tensor that starts at an offset in its
-    storage (every parameter of ours that does not start a rank's flat shard), the DTensor
-    reports a non-zero ``data_ptr()``. torch's serialization and copies tell a storage-less
-    wrapper subclass by ``data_ptr() == 0``, so they then reach for the wrapper's (invalid)
-    storage: ``torch.save`` of such a DTensor (or of a state dict holding one) raises "Attempted
-    to access the data pointer on an invalid python storage", ``copy.deepcopy`` and the
-    state-dict stager of ``dcp.async_save`` fail likewise. FSDP2 never meets it: each of its
-    parameters owns a padded storage at offset 0. The wrapper's offset means nothing else (its
-    data is the local tensor's), so ours are built at offset 0 over the same local tensor: the
-    same DTensor (spec, local view, no copy) that torch pickles as it pickles FSDP2's."""
+    Our sharded parameters and gradients view one flat storage per group. torch saves and
+    copies a view through its whole storage (``torch.save`` of one 4 KiB parameter wrote the
+    rank's whole group shard), and a DTensor's wrapper takes its local tensor's storage offset
+    over a null storage, reporting a non-zero ``data_ptr()`` that torch's serialization and
+    copies read as "a tensor with storage" ("invalid python storage"). So every DTensor we
+    make has a local tensor over storage of its own elements (``ragged_dtensor.
+    own_storage_view``: the same memory, no copy), at offset 0: saves, pickles and copies of
+    it, of its ``to_local()``, its ``detach()`` or a ``state_dict()`` entry see only its own
+    elements, as FSDP2's parameters (each owns its padded storage), and its wrapper reports
+    ``data_ptr() == 0``, as FSDP2's. Nothing of torch is changed for it. Where a local
+    tensor has no data (meta), the wrapper alone is rebuilt at offset 0."""
     local = value._local_tensor
-    if value.storage_offset() == 0:
+    own = own_storage_view(local)
+    if own is local and value.storage_offset() == 0:
         return value
-    rebuilt = dtensor_from_spec(local, value._spec)
+    rebuilt = dtensor_from_spec(own, value._spec)
     rebuilt.requires_grad_(value.requires_grad)
     return rebuilt
+
+
+def starts_at(tensor: torch.Tensor, local: torch.Tensor) -> bool:
+    """Whether ``tensor``'s data starts where ``local``'s does, in the same memory (either may
+    be a view of the flat storage or a local tensor over storage of its own: [Note: DTensors
+    over views])."""
+    if tensor.device != local.device:
+        return False
+    if tensor.numel() and local.numel():
+        return bool(tensor.data_ptr() == local.data_ptr())
+    # nothing to alias: an empty local tensor is over an empty storage of its own
+    return tensor.numel() == local.numel() == 0
 
 
 def local_tensor(value: DTensor) -> torch.Tensor:

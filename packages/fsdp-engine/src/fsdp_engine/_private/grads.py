@@ -5,10 +5,13 @@ Unsharded gradients (compute dtype) live only while a backward hands them over t
 reduction. Sharded gradients (parameter dtype) live exactly as long as a ``.grad`` viewing them:
 the engine keeps no strong reference to their storage after a reduction, so when the last
 ``.grad`` of a group is dropped (``zero_grad(set_to_none=True)``) its memory is freed at once,
-like FSDP2's plain gradient tensors, and between steps no gradient memory is held. What links a
-``.grad`` back to its storage is the storage's ``DBuffer`` object, referenced by each ``.grad``
-DTensor the engine makes (an attribute of the DTensor; the buffer references no DTensor, so no
-reference cycle delays the free) and weakly by the engine. The next reduction then either
+like FSDP2's plain gradient tensors, and between steps no gradient memory is held. Each ``.grad``
+holds its own elements' memory (its local tensor is over storage of its own, cut from the
+group's: [Note: DTensors over views] in compat), and the storage's ``DBuffer`` object is kept
+while any ``.grad`` DTensor the engine made lives: a ``_Keeper`` holds it and a weak reference
+with a callback to each such ``.grad``; the last one to go drops it (nothing is attached to the
+``.grad`` itself, so saving, pickling or copying a ``.grad`` carries none of it). The engine
+references the buffer weakly. The next reduction then either
 accumulates into the storage the ``.grad`` still view (in place, same objects: a ``.grad`` kept
 with ``zero_grad(set_to_none=False)`` or through accumulation steps), or, when no ``.grad`` is
 left, makes a fresh storage and fresh views (one buffer and one DTensor per trainable parameter,
@@ -31,7 +34,33 @@ from fsdp_engine._private.storage import ShardStorage, is_view_of
 
 __all__ = ["ShardedGrads"]
 
-_OWNER = "_fsdp_engine_grad_storage"  # a .grad DTensor's attribute: the DBuffer it views
+
+class _Keeper:
+    """A gradient storage's ``DBuffer``, held while any ``.grad`` DTensor made over it lives
+    (module Note)."""
+
+    __slots__ = ("buffer", "live", "refs")
+
+    def __init__(self, buffer: DBuffer) -> None:
+        self.buffer: DBuffer | None = buffer
+        self.live = 0
+        self.refs: list[weakref.ref[DTensor]] = []
+
+    def watch(self, view: DTensor) -> None:
+        self.live += 1
+        self.refs.append(weakref.ref(view, self._dropped))
+
+    def settle(self) -> None:
+        """No ``.grad`` was made over the buffer: hold nothing (the caller's reference only)."""
+        if self.live == 0:
+            self.buffer = None
+            self.refs = []
+
+    def _dropped(self, _ref: weakref.ref[DTensor]) -> None:
+        self.live -= 1
+        if self.live == 0:
+            self.buffer = None
+            self.refs = []
 
 
 class ShardedGrads:
@@ -42,11 +71,13 @@ class ShardedGrads:
         self.storage = storage
         self.params = params
         self._buffer: weakref.ref[DBuffer] | None = None
+        self._keeper: _Keeper | None = None
         self._reduction: Reduction | None = None
 
     def forget(self) -> None:
         """A new layout (another mask or dtype): the next reduction makes a new storage."""
         self._buffer = None
+        self._keeper = None
         self._reduction = None
 
     @property
@@ -78,6 +109,7 @@ class ShardedGrads:
         else:  # not zeroed: the reduction writes every element, or adopt_into does
             buffer = storage.buffer.new_like(storage.dtype, zero=False)
         self._buffer = weakref.ref(buffer)
+        self._keeper = _Keeper(buffer)
         self._reduction = reduction
         return buffer
 
@@ -121,8 +153,12 @@ class ShardedGrads:
             if accumulating:
                 local.zero_()  # a parameter whose .grad alone was dropped
             view = self.storage.grad_dtensor(i, local, self.params[i].dtensor)
-            setattr(view, _OWNER, buffer)
+            keeper = self._keeper
+            if keeper is not None and keeper.buffer is buffer:
+                keeper.watch(view)
             views[i] = view
+        if self._keeper is not None:
+            self._keeper.settle()
         return views
 
     def adopt_into(

@@ -36,7 +36,7 @@ from torch.distributed.tensor.placement_types import Placement
 from fsdp_engine._private import compat
 from fsdp_engine._private.in_place_guard import unsharded_parameter
 from fsdp_engine._private.subclass import SubclassWrap, fsdp2_chunk, fsdp2_repad, plain_values
-from ragged_dtensor import RaggedShard
+from ragged_dtensor import RaggedShard, own_storage_view
 
 if TYPE_CHECKING:
     from fsdp_engine._private.spmd import SpmdMesh
@@ -177,10 +177,12 @@ class FSDPParam:
             setattr(self.sharded, "block_policy", policy)  # noqa: B010 - not an nn.Parameter field
 
     def _local(self, plain: torch.Tensor) -> torch.Tensor:
-        """The local tensor over ``plain`` (our storage): the subclass wrapped around it (or
-        the subclass's own local tensor when it keeps its own storage)."""
+        """The local tensor over ``plain`` (our storage), over storage of its own ([Note:
+        DTensors over views] in compat): the subclass wrapped around it (or the subclass's own
+        local tensor when it keeps its own storage)."""
         if self.own is not None:
             return self.own[1]
+        plain = own_storage_view(plain)
         return plain if self.wrap is None else self.wrap.wrap(plain)
 
     @property
@@ -357,10 +359,7 @@ class FSDPParam:
 
 
 def _starts_at(tensor: torch.Tensor, local: torch.Tensor) -> bool:
-    return bool(
-        tensor.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
-        and tensor.storage_offset() == local.storage_offset()
-    )
+    return compat.starts_at(tensor, local)
 
 
 def applied_values(params: Sequence[FSDPParam]) -> list[DTensor]:

@@ -5,10 +5,10 @@
 Two things stood between our sharded state dict and torch's serialization, both fixed where our
 DTensors are made, with nothing of torch changed:
 - a DTensor over a local view that starts at a storage offset reports a non-zero ``data_ptr()``,
-  and ``torch.save`` then takes it for a tensor with a storage ("invalid python storage"): ours
-  are built at offset 0, and ``state_dict()`` entries rebuilt so ([Note: DTensors over views]
-  in compat). The local view pickles as torch pickles any view: its storage, once per save
-  (all parameters of a rank's group share it), and its offset.
+  and ``torch.save`` then takes it for a tensor with a storage ("invalid python storage"); and
+  a view pickles its whole storage (a rank's whole group shard for one parameter). Ours have
+  local tensors over storage slices of their own, at offset 0 ([Note: DTensors over views] in
+  compat): each pickles its own elements, and its wrapper reports 0.
 - ``torch.load`` defaults to ``weights_only=True``, whose unpickler takes only allowlisted
   classes: torch allowlists its own DTensor, DeviceMesh and placements when
   ``torch.distributed.tensor`` is imported; ``allow_raggedshard_in_weights_only_load``

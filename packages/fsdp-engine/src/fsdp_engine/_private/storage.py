@@ -137,8 +137,12 @@ class ShardStorage:
 
     def local(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s share of the shard storage, in the parameters' dtype (a view)."""
-        flat = self.local_views(self.buffer)[i].view(self.dtype)
-        return flat if self.placed is None else flat.view(self.local_shape(i))
+        placed = self.placed
+        if placed is None:  # one view, not the list of all (setup calls this per parameter)
+            return self.buffer.local_views()[i].view(self.dtype)
+        off = placed.offsets[i]
+        flat = self.buffer.shard[off : off + placed.local_numel(i, self.rank)]
+        return flat.view(self.dtype).view(self.local_shape(i))
 
     def local_or_meta(self, i: int, meta: bool) -> torch.Tensor:
         local = self.local(i)
@@ -200,8 +204,14 @@ class ShardStorage:
                 shape=torch.Size(shape),
                 stride=torch.empty(shape, device="meta").stride(),
             )
-        # ragged_dtensor's from_local checks this rank's units against the placement
         slot = self.buffer.slots[i]
+        if tp is None and not local.requires_grad and local.numel() == slot.local_numel:
+            # The buffer's layout checked every rank's units when it was built, so its spec is
+            # used as it is (dbuffer's ``specs``): ragged ``from_local`` would check them again
+            # and build an autograd node, per parameter (seconds for 10,000 parameters).
+            spec = self.buffer.geometry.specs(local.dtype)[i]
+            return compat.dtensor_from_spec(local.view(-1), spec)
+        # ragged_dtensor's from_local checks this rank's units against the placement
         if tp is None:
             return ragged_from_local(
                 local,
@@ -273,12 +283,9 @@ class ShardStorage:
 
 
 def is_view_of(tensor: torch.Tensor, local: torch.Tensor) -> bool:
-    """Whether ``tensor`` (or its local tensor) starts where ``local`` does in one storage."""
+    """Whether ``tensor`` (or its local tensor) starts where ``local`` does, in the same memory."""
     inner = compat.local_tensor(tensor) if isinstance(tensor, DTensor) else tensor
-    return bool(
-        inner.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
-        and inner.storage_offset() == local.storage_offset()
-    )
+    return compat.starts_at(inner, local)
 
 
 def gap_index(spans: Sequence[tuple[int, int]], total: int, device: torch.device) -> torch.Tensor:

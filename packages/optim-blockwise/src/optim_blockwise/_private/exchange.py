@@ -36,19 +36,7 @@ to be sent, so work that produces pieces (Muon's momentum) is interleaved too. T
 collectives depends only on the plan, which every rank computes from the same global
 description: identical on every rank by construction.
 
-[Note: presence flags, no host synchronization]
-A step must not read device data on the host. Which units have data this step (e.g. which
-parameters have gradients) can differ between ranks by mistake, and a per-step agreement
-collective would need exactly such a read. Instead, with ``present`` given, each piece travels
-with one flag byte (in the same buffer, after the data for each destination, padded to 16 bytes);
-the owner turns the flags of a unit into a status (0: no rank has data, 1: every rank, 2:
-mixed) and sends every unit's status to every rank with the results. Each rank then checks the
-statuses with ``torch._assert_async`` (device-side on accelerators, no host read; on CPU it
-raises at once): a mixed unit raises on every rank at the same point instead of applying a
-result computed from a partial gradient. Sizes never depend on the flags, so the collectives
-always match. The flag bytes are made on the device by fills (never copied from host memory)
-and kept per presence pattern (``PresenceFlags``): a steady-state step, whose pattern repeats,
-reuses them and issues no kernel for them at all.
+[Note: presence flags, no host synchronization] is in ``presence``.
 
 Plan (pure) then execute, like DTensor's redistribution: ``plan_owner_exchange`` makes an
 ``OwnerExchange`` once per layout (the plan, the ranks' agreement on it, every bucket's byte
@@ -57,15 +45,26 @@ layout), and its ``run`` executes it in every step.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable, Sequence
 
-import attrs
 import torch
 import torch.distributed as dist
 
 from optim_blockwise._private.agree import check_agreement, fingerprint
+from optim_blockwise._private.exchange_plan import (
+    Bucket,
+    ExchangePlan,
+    ExchangeStats,
+    bucket_count,
+    plan_exchange,
+)
+from optim_blockwise._private.presence import (
+    MixedPresenceError,
+    PresenceFlags,
+    check_presence,
+    presence_status,
+)
 
 __all__ = [
     "Bucket",
@@ -83,167 +82,10 @@ __all__ = [
 ]
 
 _ALIGN = 16  # bytes: flag segments are padded so the next data segment stays aligned
-_PATTERNS = 64  # presence patterns kept per PresenceFlags (a steady state repeats one)
-
-
-@attrs.frozen
-class Bucket:
-    """One round of the exchange: its units and this rank's element counts."""
-
-    units: tuple[int, ...]
-    """The bucket's units in exchange order: by owner, then by unit index."""
-    owned: tuple[tuple[int, ...], ...]
-    """Per rank: the units of this bucket it owns, in unit order."""
-    send_counts: tuple[int, ...]
-    """Gather: elements this rank sends to each rank (= receives from it in the scatter)."""
-    recv_counts: tuple[int, ...]
-    """Gather: elements this rank receives from each rank (= sends to it in the scatter)."""
-
-
-@attrs.frozen
-class ExchangePlan:
-    """Who sends what to whom, for this rank (``coord``) of the axis."""
-
-    coord: int
-    world: int
-    ranges: tuple[tuple[tuple[int, int], ...], ...]
-    owners: tuple[int, ...]
-    buckets: tuple[Bucket, ...]
-
-    def local_numel(self, i: int) -> int:
-        lo, hi = self.ranges[i][self.coord]
-        return hi - lo
-
-    def numel(self, i: int) -> int:
-        return self.ranges[i][-1][1] if self.ranges[i] else 0
-
-    @property
-    def mine(self) -> tuple[int, ...]:
-        """Units owned by this rank, in unit order."""
-        return tuple(i for i, d in enumerate(self.owners) if d == self.coord)
-
-    @property
-    def moved_elements(self) -> int:
-        """Elements this rank sends over the network per direction (own pieces excluded)."""
-        return sum(n for b in self.buckets for d, n in enumerate(b.send_counts) if d != self.coord)
-
-
-@attrs.define
-class ExchangeStats:
-    """What one ``run`` issued on this rank (for benchmarks and tests)."""
-
-    collectives: int = 0
-    bytes_sent: int = 0
-    """Bytes put on the network by this rank (its own pieces excluded), both directions."""
-
-
-class MixedPresenceError(RuntimeError):
-    """Some ranks had data (e.g. a gradient) for a unit and others did not."""
-
-
-def _chunks(units: Sequence[int], weights: Sequence[int], parts: int) -> list[list[int]]:
-    """``units`` (in order) cut into ``parts`` consecutive chunks of about equal weight: a unit
-    goes to chunk ``floor(parts * (weight before it + half its weight) / total)``."""
-    out: list[list[int]] = [[] for _ in range(parts)]
-    total = sum(weights[i] for i in units)
-    before = 0
-    for i in units:
-        w = weights[i]
-        b = min(parts - 1, (parts * (2 * before + w)) // (2 * total)) if total else 0
-        out[b].append(i)
-        before += w
-    return out
-
-
-def plan_exchange(
-    coord: int,
-    ranges: Sequence[Sequence[tuple[int, int]]],
-    owners: Sequence[int],
-    *,
-    buckets: int = 1,
-    weights: Sequence[int] | None = None,
-) -> ExchangePlan:
-    """The exchange of units with ``ranges`` (per unit, per rank) to ``owners`` in ``buckets``
-    rounds; ``weights`` (default: numel) balance each owner's units over the buckets."""
-    world = len(ranges[0]) if ranges else 1
-    for i, r in enumerate(ranges):
-        if len(r) != world or any(a > b for a, b in r):
-            raise ValueError(f"plan_exchange: unit {i} has ranges {tuple(r)} for {world} ranks")
-        if any(r[k][1] != r[k + 1][0] for k in range(world - 1)) or r[0][0] != 0:
-            raise ValueError(f"plan_exchange: unit {i}'s ranges {tuple(r)} do not tile it")
-    if any(not 0 <= d < world for d in owners) or len(owners) != len(ranges):
-        raise ValueError(f"plan_exchange: owners {tuple(owners)} for {len(ranges)} units")
-    sizes = [r[-1][1] for r in ranges]
-    weight = list(weights) if weights is not None else sizes
-    count = max(1, buckets)
-    per_owner = [[i for i, d in enumerate(owners) if d == k] for k in range(world)]
-    cut = [_chunks(units, weight, count) for units in per_owner]
-    out = []
-    for b in range(count):
-        owned = tuple(tuple(cut[k][b]) for k in range(world))
-        units = tuple(i for k in range(world) for i in owned[k])
-        if not units:
-            continue
-        send = [0] * world
-        recv = [0] * world
-        for i in units:
-            lo, hi = ranges[i][coord]
-            send[owners[i]] += hi - lo
-            if owners[i] == coord:
-                for k, (a, z) in enumerate(ranges[i]):
-                    recv[k] += z - a
-        out.append(Bucket(units, owned, tuple(send), tuple(recv)))
-    return ExchangePlan(
-        coord,
-        world,
-        tuple(tuple((int(a), int(z)) for a, z in r) for r in ranges),
-        tuple(int(d) for d in owners),
-        tuple(out),
-    )
-
-
-def bucket_count(total_bytes: int, owners: Sequence[int], cap_mb: float) -> int:
-    """Buckets of about ``cap_mb`` of payload: at least one, at most as many as the most units
-    one rank owns (a bucket holds a chunk of every owner's units)."""
-    most = max((list(owners).count(k) for k in set(owners)), default=1)
-    return max(1, min(most, math.ceil(total_bytes / max(cap_mb * 2**20, 1.0))))
 
 
 def _pad(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
-
-
-class PresenceFlags:
-    """Flag tensors (1: present, 0: absent) made on the device without host data, kept per
-    pattern: ``flags(values, length, dtype, device)``.
-
-    Copying a list of booleans to an accelerator is a pageable host-to-device copy (the host
-    waits for it). Here a pattern's tensor is zeros with one fill per run of present entries,
-    made the first time the pattern occurs and reused afterwards (the cached tensor is only
-    ever read); at most ``_PATTERNS`` patterns are kept, then the cache starts over."""
-
-    def __init__(self) -> None:
-        self._made: dict[tuple[object, ...], torch.Tensor] = {}
-
-    def __call__(
-        self, values: Sequence[bool], length: int, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        pattern = tuple(bool(v) for v in values)
-        key = (pattern, length, dtype, device)
-        out = self._made.get(key)
-        if out is None:
-            out = torch.zeros(length, dtype=dtype, device=device)
-            start = None
-            for i, present in enumerate((*pattern, False)):
-                if present and start is None:
-                    start = i
-                elif not present and start is not None:
-                    out[start:i].fill_(1)
-                    start = None
-            if len(self._made) >= _PATTERNS:
-                self._made.clear()
-            self._made[key] = out
-        return out
 
 
 class BucketLayout:
@@ -493,29 +335,3 @@ def plan_owner_exchange(
     return OwnerExchange(
         plan, group, dtype=dtype, device=device, flags=check, what=what, names=names
     )
-
-
-def presence_status(counts: torch.Tensor, world: int) -> torch.Tensor:
-    """Per unit, from how many of ``world`` ranks had it: 0 none, 1 every rank, 2 mixed."""
-    mixed = (counts > 0) & (counts < world)
-    out: torch.Tensor = (counts == world).to(torch.uint8) + 2 * mixed.to(torch.uint8)
-    return out
-
-
-def check_presence(
-    statuses: torch.Tensor, units: Sequence[int], what: str, names: Callable[[int], str] | None
-) -> None:
-    """Raise on every rank when a unit was present on some ranks only (``statuses[j]`` is
-    unit ``units[j]``'s, see ``presence_status``), with a device-side assert: no host read.
-    On CPU the assert raises here, and the units are named (host reads are fine then)."""
-    message = (
-        f"{what}: ranks of a process group disagree on which parameters have gradients this "
-        f"step (present on some ranks, None on others); every rank must step the same "
-        f"parameters"
-    )
-    try:
-        torch._assert_async((statuses != 2).all(), message)
-    except RuntimeError as exc:
-        bad = [units[j] for j, s in enumerate(statuses.tolist()) if s == 2]
-        label = [names(i) if names else f"unit {i}" for i in bad]
-        raise MixedPresenceError(f"{message} (mixed: {label})") from exc

@@ -28,7 +28,6 @@ Traffic: each matrix is moved at most once each way, except the owner's own piec
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -38,11 +37,24 @@ import torch.distributed as dist
 from optim_blockwise._private import exchange
 from optim_blockwise._private.base import ShardedOptimizer
 from optim_blockwise._private.layout import local_flat
-from optim_blockwise._private.muon_plan import GroupPlan, MuonItem, Unit, plan_group
+from optim_blockwise._private.muon_plan import GroupPlan, MuonItem, on_muon_path, plan_groups
+from optim_blockwise._private.muon_update import (
+    adamw_foreach,
+    adamw_hyper,
+    as_ns_dtype,
+    cast_foreach,
+    check_grad,
+    check_muon_settings,
+    momentum_foreach,
+    ns_dtype_name,
+    orthogonalize,
+    orthogonalize_bucket,
+    scale_foreach,
+    sub_scaled_foreach,
+)
 from optim_blockwise._private.newton_schulz import (
     DEFAULT_NS_COEFFICIENTS,
     adjust_lr,
-    newton_schulz,
 )
 from optim_blockwise._private.policy import MuonBlockPolicy
 from optim_blockwise._private.validate import check_betas, check_nonnegative
@@ -53,29 +65,6 @@ __all__ = ["Muon", "muon_block_policy"]
 def muon_block_policy(row_aligned: bool = False) -> MuonBlockPolicy:
     """Block policy of ``Muon``: 1 (no constraint), or the row length with ``row_aligned``."""
     return MuonBlockPolicy(row_aligned)
-
-
-def _dtype_name(dtype: torch.dtype | str) -> str:
-    """``ns_dtype`` as kept in param groups: a name (``"bfloat16"``), not a ``torch.dtype``.
-
-    torch's ``get_state_dict(..., full_state_dict=True)`` accepts only tensors, containers and
-    plain scalars in param groups, so a ``torch.dtype`` there breaks full checkpoints.
-    """
-    name = str(dtype).removeprefix("torch.")
-    if (
-        not isinstance(getattr(torch, name, None), torch.dtype)
-        or not _as_dtype(name).is_floating_point
-    ):
-        raise ValueError(f"ns_dtype must be a floating torch dtype (or its name), got {dtype!r}")
-    return name
-
-
-def _as_dtype(value: torch.dtype | str) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
-    dtype = getattr(torch, value)
-    assert isinstance(dtype, torch.dtype)
-    return dtype
 
 
 class Muon(ShardedOptimizer):
@@ -129,26 +118,13 @@ class Muon(ShardedOptimizer):
         expert_group_flops: int = 2**24,
     ) -> None:
         check_nonnegative("lr", lr)
-        if not (math.isfinite(momentum) and 0.0 <= momentum < 1.0):
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         check_nonnegative("weight_decay", weight_decay)
         check_nonnegative("eps", eps)
         check_betas("adamw_betas", adamw_betas)
         check_nonnegative("adamw_eps", adamw_eps)
-        if not 0 < ns_steps < 100:
-            raise ValueError(f"ns_steps must be in [1, 99], got {ns_steps}")
-        if len(ns_coefficients) != 3 or not all(math.isfinite(c) for c in ns_coefficients):
-            raise ValueError(
-                f"ns_coefficients must be three finite numbers (a, b, c), got {ns_coefficients}"
-            )
-        if not (isinstance(bucket_cap_mb, int | float) and bucket_cap_mb > 0):
-            raise ValueError(f"bucket_cap_mb must be a number > 0, got {bucket_cap_mb!r}")
-        if not (isinstance(in_flight, int) and in_flight >= 1):
-            raise ValueError(f"in_flight must be an integer >= 1, got {in_flight!r}")
-        if not (isinstance(expert_group_flops, int) and expert_group_flops >= 1):
-            raise ValueError(
-                f"expert_group_flops must be an integer >= 1, got {expert_group_flops!r}"
-            )
+        check_muon_settings(
+            momentum, ns_steps, ns_coefficients, bucket_cap_mb, in_flight, expert_group_flops
+        )
         adjust_lr(1.0, adjust_lr_fn, (1, 1))  # validates the convention
         defaults = {
             "lr": lr,
@@ -159,7 +135,7 @@ class Muon(ShardedOptimizer):
             "eps": eps,
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
-            "ns_dtype": _dtype_name(ns_dtype),
+            "ns_dtype": ns_dtype_name(ns_dtype),
             "adamw_betas": tuple(adamw_betas),
             "adamw_eps": adamw_eps,
             "use_muon": use_muon,
@@ -188,7 +164,7 @@ class Muon(ShardedOptimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if "ns_dtype" in param_group:
-            param_group = {**param_group, "ns_dtype": _dtype_name(param_group["ns_dtype"])}
+            param_group = {**param_group, "ns_dtype": ns_dtype_name(param_group["ns_dtype"])}
         super().add_param_group(param_group)
 
     @staticmethod
@@ -197,7 +173,6 @@ class Muon(ShardedOptimizer):
         return MuonBlockPolicy(row_aligned)
 
     # -- the plan ----------------------------------------------------------------------------
-
     def _plan_inputs(self) -> tuple[object, ...]:
         """Everything the plan depends on (see muon_plan's note); cheap, no device access."""
         key: list[object] = [self.bucket_cap_mb, self.check_consistency, self.expert_group_flops]
@@ -206,16 +181,12 @@ class Muon(ShardedOptimizer):
             key.extend((id(p), p.requires_grad) for p in group["params"])
         return tuple(key)
 
-    def _on_muon_path(self, group: dict[str, Any], param: torch.Tensor) -> bool:
-        use = group["use_muon"]
-        return param.dim() in (2, 3) if use is None else bool(use)
-
     def _make_plan(self) -> None:
         by_key: dict[tuple[dist.ProcessGroup | None, torch.dtype], list[MuonItem]] = {}
         adamw: list[MuonItem] = []
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
-                if not self._on_muon_path(group, param):
+                if not on_muon_path(group, param):
                     name = self._name(group, index, param)
                     adamw.append(MuonItem(param, name, group, self._layout(param, name)))
                     continue
@@ -230,20 +201,14 @@ class Muon(ShardedOptimizer):
                 name = self._name(group, index, param)
                 layout = self._layout(param, name)
                 pg = layout.group if layout.is_sharded else None
-                dtype = _as_dtype(group["ns_dtype"])
+                dtype = as_ns_dtype(group["ns_dtype"])
                 by_key.setdefault((pg, dtype), []).append(MuonItem(param, name, group, layout))
-        plans = []
-        for (pg, dtype), items in by_key.items():
-            plans.append(
-                plan_group(
-                    tuple(items),
-                    pg,
-                    dtype,
-                    bucket_cap_mb=self.bucket_cap_mb,
-                    expert_group_flops=self.expert_group_flops,
-                    check=self.check_consistency,
-                )
-            )
+        plans = plan_groups(
+            by_key,
+            bucket_cap_mb=self.bucket_cap_mb,
+            expert_group_flops=self.expert_group_flops,
+            check=self.check_consistency,
+        )
         self._plans = plans
         self._adamw_items = adamw
         self.plans_made += 1
@@ -257,16 +222,17 @@ class Muon(ShardedOptimizer):
 
         def overlap() -> None:
             # Everything that needs no owner: it runs while the first gathers fly.
-            for item in self._adamw_items:
-                if item.param.grad is not None:
-                    self._adamw(item)
+            self._adamw([item for item in self._adamw_items if item.param.grad is not None])
+            decays: dict[float, list[torch.Tensor]] = {}
             for gp in self._plans:
                 for item in gp.items:
                     if item.param.grad is None:
                         continue
                     decay = 1.0 - item.group["lr"] * item.group["weight_decay"]
                     if decay != 1.0:
-                        local_flat(item.param, item.name).mul_(decay)
+                        decays.setdefault(decay, []).append(local_flat(item.param, item.name))
+            for decay, tensors in decays.items():
+                scale_foreach(tensors, decay)
             for gp in local:
                 self._orthogonalize_locally(gp, updates)
 
@@ -276,7 +242,7 @@ class Muon(ShardedOptimizer):
             assert gp.exchange is not None
             run = gp.exchange.run(
                 piece=functools.partial(self._piece, gp, updates=updates),
-                compute=functools.partial(self._compute_bucket, gp),
+                compute=functools.partial(orthogonalize_bucket, gp),
                 apply=functools.partial(self._apply_bucket, gp),
                 present=[gp.items[u.item].param.grad is not None for u in gp.units],
                 overlap=overlap if n == 0 else None,
@@ -289,46 +255,41 @@ class Muon(ShardedOptimizer):
     def _update(
         self, gp: GroupPlan, index: int, updates: dict[int, torch.Tensor | None]
     ) -> torch.Tensor | None:
-        """Item ``index``'s flat update in ``ns_dtype`` (``None`` without a gradient), made once
-        per step: momentum ``M <- b M + (1-b) G``, Nesterov ``(1-b) G + b M``."""
-        item = gp.items[index]
-        key = id(item)
-        if key in updates:
-            return updates[key]
-        grad = item.param.grad
-        if grad is None:
-            updates[key] = None
-            return None
-        if grad.is_sparse:
-            raise RuntimeError(
-                f"parameter {item.name!r}: Muon does not support sparse gradients "
-                f"(as torch.optim.AdamW)"
-            )
-        if grad.shape != item.param.shape:
-            raise ValueError(
-                f"parameter {item.name!r}: gradient shape {tuple(grad.shape)} differs from the "
-                f"parameter's {tuple(item.param.shape)}"
-            )
-        state = self._state(item, ("momentum_buffer",))
-        self._count_steps([(item.param, state)])
-        g = local_flat(grad, item.name).float()
-        buf = state["momentum_buffer"]
-        beta = item.group["momentum"]
-        buf.mul_(beta).add_(g * (1.0 - beta))
-        update = g.mul(1.0 - beta).add_(buf * beta) if item.group["nesterov"] else buf
-        out = update.to(gp.dtype)
-        updates[key] = out
-        return out
+        """Item ``index``'s flat update in ``ns_dtype`` (``None`` without a gradient). The first
+        call of a step makes those of every item of ``gp``, with foreach kernels per momentum
+        setting: momentum ``M <- b M + (1-b) G``, Nesterov ``(1-b) G + b M``."""
+        key = id(gp.items[index])
+        if key not in updates:
+            self._updates(gp, updates)
+        return updates[key]
 
-    def _compute_bucket(
-        self, gp: GroupPlan, bucket: exchange.Bucket, fulls: dict[int, torch.Tensor]
-    ) -> dict[int, torch.Tensor]:
-        return self._compute(gp, fulls)
+    def _updates(self, gp: GroupPlan, updates: dict[int, torch.Tensor | None]) -> None:
+        by_setting: dict[tuple[float, bool], list[tuple[MuonItem, dict[str, Any]]]] = {}
+        for item in gp.items:
+            grad = item.param.grad
+            updates[id(item)] = None
+            if grad is None:
+                continue
+            check_grad(item, grad)
+            state = self._state(item, ("momentum_buffer",))
+            setting = (item.group["momentum"], bool(item.group["nesterov"]))
+            by_setting.setdefault(setting, []).append((item, state))
+        self._count_steps([(i.param, s) for e in by_setting.values() for i, s in e])
+        for (beta, nesterov), entries in by_setting.items():
+            grads = [local_flat(cast(torch.Tensor, i.param.grad), i.name) for i, _ in entries]
+            made = momentum_foreach(
+                cast_foreach(grads, torch.float32),
+                [s["momentum_buffer"] for _, s in entries],
+                beta,
+                nesterov,
+            )
+            for (item, _), out in zip(entries, cast_foreach(made, gp.dtype), strict=True):
+                updates[id(item)] = out
 
     def _apply_bucket(
         self, gp: GroupPlan, bucket: exchange.Bucket, pieces: dict[int, torch.Tensor]
     ) -> None:
-        self._apply_pieces(gp, pieces)
+        self._apply(gp, pieces)
 
     def _piece(
         self, gp: GroupPlan, i: int, *, updates: dict[int, torch.Tensor | None]
@@ -341,31 +302,23 @@ class Muon(ShardedOptimizer):
             return torch.zeros(hi - lo, dtype=gp.dtype, device=device)
         return update[lo:hi]
 
-    def _compute(self, gp: GroupPlan, fulls: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Newton-Schulz on the owner: a matrix on its own, an expert group as one batch."""
-        out: dict[int, torch.Tensor] = {}
-        for i, full in fulls.items():
-            unit = gp.units[i]
-            g = gp.items[unit.item].group
-            ortho = newton_schulz(
-                full.view(unit.view_shape),
-                tuple(g["ns_coefficients"]),
-                g["ns_steps"],
-                g["eps"],
-                gp.dtype,
-            )
-            out[i] = ortho.reshape(-1)
-        return out
-
-    def _apply_pieces(self, gp: GroupPlan, pieces: dict[int, torch.Tensor]) -> None:
-        for i, piece in pieces.items():
+    def _apply(self, gp: GroupPlan, results: dict[int, torch.Tensor]) -> None:
+        """``W <- W - lr' O`` for every unit's local piece, foreach per parameter dtype."""
+        by_dtype: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor], list[float]]]
+        by_dtype = {}
+        for i, result in results.items():
             unit = gp.units[i]
             item = gp.items[unit.item]
-            if item.param.grad is None:
-                continue
             lo, hi = unit.local
-            if hi > lo:
-                self._apply(item, unit, local_flat(item.param, item.name)[lo:hi], piece)
+            if hi <= lo or item.param.grad is None:  # no gradient: nothing to apply
+                continue
+            target = local_flat(item.param, item.name)[lo:hi]
+            targets, outs, scales = by_dtype.setdefault(target.dtype, ([], [], []))
+            targets.append(target)
+            outs.append(result)
+            scales.append(adjust_lr(item.group["lr"], item.group["adjust_lr_fn"], unit.shape))
+        for targets, outs, scales in by_dtype.values():
+            sub_scaled_foreach(targets, outs, scales)
 
     def _orthogonalize_locally(
         self, gp: GroupPlan, updates: dict[int, torch.Tensor | None]
@@ -377,15 +330,7 @@ class Muon(ShardedOptimizer):
             if update is not None:
                 lo, hi = unit.local
                 fulls[i] = update[lo:hi]
-        for i, ortho in self._compute(gp, fulls).items():
-            unit = gp.units[i]
-            item = gp.items[unit.item]
-            lo, hi = unit.local
-            self._apply(item, unit, local_flat(item.param, item.name)[lo:hi], ortho)
-
-    def _apply(self, item: MuonItem, unit: Unit, target: torch.Tensor, ortho: torch.Tensor) -> None:
-        scaled = adjust_lr(item.group["lr"], item.group["adjust_lr_fn"], unit.shape)
-        target.sub_(ortho.to(target.dtype).mul(scaled))
+        self._apply(gp, orthogonalize(gp, fulls))
 
     def _state(self, item: MuonItem, keys: tuple[str, ...]) -> dict[str, Any]:
         state = cast(dict[str, Any], self.state[item.param])
@@ -398,34 +343,26 @@ class Muon(ShardedOptimizer):
                 )
         return state
 
-    def _adamw(self, item: MuonItem) -> None:
-        group = item.group
-        state = self._state(item, ("exp_avg", "exp_avg_sq"))
-        self._count_steps([(item.param, state)])
-        step = self._steps_done(item.param, state)
-        lr = group.get("adamw_lr")
-        lr = group["lr"] if lr is None else lr
-        wd = group.get("adamw_weight_decay")
-        wd = group["weight_decay"] if wd is None else wd
-        beta1, beta2 = group["adamw_betas"]
-        eps = group["adamw_eps"]
-        grad = item.param.grad
-        assert grad is not None
-        if grad.is_sparse:
-            raise RuntimeError(
-                f"parameter {item.name!r}: Muon does not support sparse gradients "
-                f"(as torch.optim.AdamW)"
+    def _adamw(self, items: list[MuonItem]) -> None:
+        """The AdamW path: foreach over the parameters sharing hyperparameters and step."""
+        runs: dict[tuple[float, ...], list[tuple[MuonItem, dict[str, Any]]]] = {}
+        for item in items:
+            assert item.param.grad is not None
+            check_grad(item, item.param.grad)
+            state = self._state(item, ("exp_avg", "exp_avg_sq"))
+            self._steps_done(item.param, state)
+            key = adamw_hyper(item.group, self._step_counts[item.param] + 1.0)
+            runs.setdefault(key, []).append((item, state))
+        self._count_steps([(i.param, s) for e in runs.values() for i, s in e])
+        for (lr, wd, beta1, beta2, eps, step), entries in runs.items():
+            live = [(i, s) for i, s in entries if i.layout.local_numel > 0]
+            if not live:
+                continue
+            grads = [local_flat(cast(torch.Tensor, i.param.grad), i.name) for i, _ in live]
+            adamw_foreach(
+                [local_flat(i.param, i.name) for i, _ in live],
+                cast_foreach(grads, torch.float32),
+                [s["exp_avg"] for _, s in live],
+                [s["exp_avg_sq"] for _, s in live],
+                (lr, wd, beta1, beta2, eps, step),
             )
-        g = local_flat(grad, item.name).float()
-        p_local = local_flat(item.param, item.name)
-        if p_local.numel() == 0:
-            return
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        p32 = p_local if p_local.dtype == torch.float32 else p_local.float()
-        p32.mul_(1.0 - lr * wd)
-        m.mul_(beta1).add_(g * (1.0 - beta1))
-        v.mul_(beta2).add_(g.mul(g).mul_(1.0 - beta2))
-        denom = v.sqrt().div_(math.sqrt(1.0 - beta2**step)).add_(eps)
-        p32.sub_(m.div(denom).mul_(lr / (1.0 - beta1**step)))
-        if p32 is not p_local:
-            p_local.copy_(p32)

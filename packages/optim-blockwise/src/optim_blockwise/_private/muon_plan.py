@@ -42,7 +42,16 @@ from optim_blockwise._private.layout import ParamLayout
 from optim_blockwise._private.newton_schulz import ns_flops, ns_root_bytes
 from optim_blockwise._private.owners import assign_owners
 
-__all__ = ["MuonItem", "Unit", "GroupPlan", "expert_group", "make_units", "plan_group"]
+__all__ = [
+    "GroupPlan",
+    "MuonItem",
+    "Unit",
+    "expert_group",
+    "make_units",
+    "on_muon_path",
+    "plan_group",
+    "plan_groups",
+]
 
 
 @attrs.frozen(eq=False)
@@ -178,6 +187,33 @@ def plan_group(
         count=len(items),
     )
     return GroupPlan(items, units, group, dtype, owner_exchange)
+
+
+def on_muon_path(group: dict[str, Any], param: torch.Tensor) -> bool:
+    """``use_muon`` of the group, or (``None``) whether ``param`` is a matrix or a stack."""
+    use = group["use_muon"]
+    return param.dim() in (2, 3) if use is None else bool(use)
+
+
+def plan_groups(
+    by_key: dict[tuple[dist.ProcessGroup | None, torch.dtype], list[MuonItem]],
+    *,
+    bucket_cap_mb: float,
+    expert_group_flops: int,
+    check: bool,
+) -> list[GroupPlan]:
+    """One ``plan_group`` per process group and NS dtype, in the order of ``by_key``."""
+    return [
+        plan_group(
+            tuple(items),
+            pg,
+            dtype,
+            bucket_cap_mb=bucket_cap_mb,
+            expert_group_flops=expert_group_flops,
+            check=check,
+        )
+        for (pg, dtype), items in by_key.items()
+    ]
 
 
 def _device_of(param: torch.Tensor) -> torch.device:

@@ -31,85 +31,40 @@ Elementwise state (parameters below 2 dims) has the parameter's own placements.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, cast
 
-import attrs
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.placement_types import Placement
 
 from optim_blockwise._private import exchange
 from optim_blockwise._private.base import ShardedOptimizer
 from optim_blockwise._private.layout import ParamLayout, local_flat
+from optim_blockwise._private.precond_plan import (
+    BlockItem,
+    Blocks,
+    StateSpec,
+    as_dtype,
+    block_key,
+    check_local_grad,
+    check_max_dim,
+    dtype_name,
+    make_blocks,
+    plan_exchanges,
+    preconditioned,
+)
+from optim_blockwise._private.precond_state import block_entries, restore_blocks, saved_pairs
+from optim_blockwise._private.precond_step import run_exchange
 from optim_blockwise._private.state import sharded_state_dict
 from optim_blockwise._private.tiles import (
-    Piece,
     PreconditionerBlockPolicy,
     Tile,
-    assign_owners,
     matrix_shape,
-    piece_of,
     read_piece,
-    root_cost,
-    tile_ranges,
-    tiles_of,
     write_piece,
 )
-from ragged_dtensor import RaggedShard, from_local
 
 __all__ = ["BlockPreconditioner", "BlockItem", "dtype_name", "as_dtype", "block_key"]
-
-StateSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
-
-
-def dtype_name(dtype: torch.dtype | str, what: str) -> str:
-    """A floating dtype kept by name in param groups (full state dicts refuse ``torch.dtype``)."""
-    name = str(dtype).removeprefix("torch.")
-    found = getattr(torch, name, None)
-    if not isinstance(found, torch.dtype) or found not in (torch.float32, torch.float64):
-        raise ValueError(f"{what} must be torch.float32 or torch.float64, got {dtype!r}")
-    return name
-
-
-def as_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name)
-    assert isinstance(dtype, torch.dtype)
-    return dtype
-
-
-def block_key(tile: int, name: str) -> str:
-    return f"block{tile}_{name}"
-
-
-@attrs.frozen(eq=False)
-class _Blocks:
-    """A preconditioned parameter's tiles, their per-rank ranges, owners and this rank's pieces."""
-
-    max_dim: int
-    cols: int
-    tiles: tuple[Tile, ...]
-    ranges: tuple[tuple[tuple[int, int], ...], ...]
-    owners: tuple[int, ...]
-    pieces: tuple[Piece, ...]
-
-    def whole_on(self, t: int, rank: int) -> bool:
-        return self.ranges[t][rank] == (0, self.tiles[t].numel)
-
-    def is_cut(self, t: int) -> bool:
-        return not any(b - a == self.tiles[t].numel for a, b in self.ranges[t])
-
-
-@attrs.frozen(eq=False)
-class BlockItem:
-    param: torch.Tensor
-    name: str
-    group: dict[str, Any]
-    layout: ParamLayout
-    blocks: _Blocks | None
-    """None: updated elementwise (below 2 dims, or ``use_preconditioner=False``)."""
 
 
 class BlockPreconditioner(ShardedOptimizer):
@@ -118,7 +73,7 @@ class BlockPreconditioner(ShardedOptimizer):
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
         self.check_consistency = True
-        self._blocks: dict[torch.Tensor, _Blocks] = {}
+        self._blocks: dict[torch.Tensor, Blocks] = {}
         self._load: dict[object, list[int]] = {}
         self._exchanges: list[tuple[tuple[tuple[BlockItem, int], ...], exchange.OwnerExchange]] = []
         self.bucket_cap_mb = 1.0
@@ -212,10 +167,6 @@ class BlockPreconditioner(ShardedOptimizer):
         raise NotImplementedError
 
     # -- layouts, tiles, owners ----------------------------------------------------------------
-    def _preconditioned(self, group: dict[str, Any], param: torch.Tensor) -> bool:
-        use = group["use_preconditioner"]
-        return (param.dim() >= 2) if use is None else bool(use)
-
     def _ensure_blocks(self) -> None:
         """Tiles and owners of every preconditioned parameter (with or without a gradient).
 
@@ -227,17 +178,12 @@ class BlockPreconditioner(ShardedOptimizer):
         ] = {}
         for group in self.param_groups:
             for index, param in enumerate(group["params"]):
-                if not self._preconditioned(group, param):
+                if not preconditioned(group, param):
                     continue
                 name = self._name(group, index, param)
                 known = self._blocks.get(param)
                 if known is not None:
-                    if known.max_dim != int(group["max_preconditioner_dim"]):
-                        raise ValueError(
-                            f"parameter {name!r}: max_preconditioner_dim changed from "
-                            f"{known.max_dim} to {group['max_preconditioner_dim']} after its "
-                            f"tiles were made; the tiles hold its state (make a new optimizer)"
-                        )
+                    check_max_dim(name, known, group)
                     continue
                 layout = self._layout(param, name)
                 shape2 = matrix_shape(layout.global_shape)
@@ -246,44 +192,8 @@ class BlockPreconditioner(ShardedOptimizer):
                 new.setdefault(key, []).append(
                     (param, layout, shape2, int(group["max_preconditioner_dim"]))
                 )
-        for key, entries in new.items():
-            world = entries[0][1].world if key is not None else 1
-            flat: list[tuple[int, int, Tile]] = []  # (entry, tile index, tile)
-            ranges: list[tuple[tuple[int, int], ...]] = []
-            per_entry = []
-            for e, (_param, layout, shape2, max_dim) in enumerate(entries):
-                if layout.world != world:
-                    raise ValueError(
-                        f"parameters sharded over one process group disagree on its size "
-                        f"({layout.world} vs {world} ranks, {layout.placement})"
-                    )
-                tiles = tiles_of(shape2, max_dim)
-                per_entry.append(tiles)
-                rank_ranges = layout.ranges if key is not None else ((0, layout.numel),)
-                for t, tile in enumerate(tiles):
-                    flat.append((e, t, tile))
-                    ranges.append(tile_ranges(tile, shape2[1], rank_ranges))
-            load = self._load.setdefault(key, [0] * world)
-            owners = assign_owners(
-                [root_cost(tile) for _, _, tile in flat],
-                [[b - a for a, b in r] for r in ranges],
-                world,
-                load,
-            )
-            pos = 0
-            for e, (param, layout, shape2, max_dim) in enumerate(entries):
-                tiles = per_entry[e]
-                n = len(tiles)
-                coord = layout.coord if key is not None else 0
-                start = layout.start if key is not None else 0
-                rr = tuple(ranges[pos : pos + n])
-                pieces = tuple(
-                    piece_of(tile, shape2[1], start, *rr[t][coord]) for t, tile in enumerate(tiles)
-                )
-                self._blocks[param] = _Blocks(
-                    max_dim, shape2[1], tiles, rr, owners[pos : pos + n], pieces
-                )
-                pos += n
+        for param, blocks in make_blocks(new, self._load).items():
+            self._blocks[param] = blocks
 
     def _items(self) -> list[BlockItem]:
         """Every parameter with a gradient, in group order (tiles attached when preconditioned)."""
@@ -293,12 +203,7 @@ class BlockPreconditioner(ShardedOptimizer):
             layout = self._layout(param, name)
             assert param.grad is not None
             grad = local_flat(param.grad, name)
-            if grad.numel() != layout.local_numel:
-                raise ValueError(
-                    f"parameter {name!r}: its local gradient has {grad.numel()} elements but "
-                    f"the parameter's local shard ({layout.placement}) has "
-                    f"{layout.local_numel}; the gradient must be sharded like the parameter"
-                )
+            check_local_grad(name, grad, layout)
             out.append(BlockItem(param, name, group, layout, self._blocks.get(param)))
         return out
 
@@ -364,40 +269,12 @@ class BlockPreconditioner(ShardedOptimizer):
                 for t in range(len(blocks.tiles)):
                     if blocks.is_cut(t):
                         by_pg.setdefault(layout.group, []).append((item, t))
-        plans = []
-        for pg, units in by_pg.items():
-            ranges, owners, costs = [], [], []
-            for item, t in units:
-                assert item.blocks is not None
-                ranges.append(item.blocks.ranges[t])
-                owners.append(item.blocks.owners[t])
-                costs.append(root_cost(item.blocks.tiles[t]))
-            planned = tuple(units)
-
-            def unit_name(i: int, planned: tuple[tuple[BlockItem, int], ...] = planned) -> str:
-                return f"{planned[i][0].name} tile {planned[i][1]}"
-
-            owner_exchange = exchange.plan_owner_exchange(
-                pg,
-                units[0][0].layout.coord,
-                ranges,
-                owners,
-                weights=costs,
-                dtype=torch.float32,
-                device=local_flat(units[0][0].param, units[0][0].name).device,
-                bucket_cap_mb=self.bucket_cap_mb,
-                check=self.check_consistency,
-                what=type(self).__name__,
-                names=unit_name,
-                description=[
-                    (i.layout.global_shape, t, i.blocks.ranges[t] if i.blocks else ())
-                    for i, t in units
-                ],
-                tensors=sorted({i.name for i, _ in units}),
-                count=len(units),
-            )
-            plans.append((planned, owner_exchange))
-        self._exchanges = plans
+        self._exchanges = plan_exchanges(
+            by_pg,
+            bucket_cap_mb=self.bucket_cap_mb,
+            check=self.check_consistency,
+            what=type(self).__name__,
+        )
 
     # -- the step ------------------------------------------------------------------------------
     def _step(self) -> None:
@@ -434,7 +311,9 @@ class BlockPreconditioner(ShardedOptimizer):
             overlap()
         for n, (units, owner_exchange) in enumerate(self._exchanges):
             first = overlap if n == 0 else None  # runs once the first gathers are in flight
-            run = self._run_exchange(units, owner_exchange, grads, steps, updates, first)
+            run = run_exchange(
+                units, owner_exchange, grads, steps, updates, self._compute, self.in_flight, first
+            )
             stats["collectives"] += run.collectives
             stats["bytes_sent"] += run.bytes_sent
             stats["exchanged_tiles"] += len(owner_exchange.plan.mine)
@@ -443,77 +322,7 @@ class BlockPreconditioner(ShardedOptimizer):
                 self._apply(item, updates[item.param], steps[item.param])
         self._stats = stats
 
-    def _run_exchange(
-        self,
-        units: tuple[tuple[BlockItem, int], ...],
-        owner_exchange: exchange.OwnerExchange,
-        grads: dict[torch.Tensor, torch.Tensor],
-        steps: dict[torch.Tensor, int],
-        updates: dict[torch.Tensor, torch.Tensor],
-        overlap: Callable[[], None] | None = None,
-    ) -> exchange.ExchangeStats:
-        def piece(i: int) -> torch.Tensor:
-            return self._piece(units[i], grads)
-
-        def compute(
-            bucket: exchange.Bucket, fulls: dict[int, torch.Tensor]
-        ) -> dict[int, torch.Tensor]:
-            return {i: self._owner_compute(units[i], full, steps) for i, full in fulls.items()}
-
-        def apply(bucket: exchange.Bucket, pieces: dict[int, torch.Tensor]) -> None:
-            self._receive(units, pieces, updates)
-
-        return owner_exchange.run(
-            piece=piece,
-            compute=compute,
-            apply=apply,
-            present=[item.param.grad is not None for item, _ in units],
-            overlap=overlap,
-            in_flight=self.in_flight,
-        )
-
-    def _piece(
-        self, unit: tuple[BlockItem, int], grads: dict[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
-        """This rank's fp32 piece of a cut tile's gradient (zeros without a gradient)."""
-        item, t = unit
-        assert item.blocks is not None
-        piece = item.blocks.pieces[t]
-        grad = grads.get(item.param)
-        if grad is None:
-            device = local_flat(item.param, item.name).device
-            return torch.zeros(piece.numel, dtype=torch.float32, device=device)
-        return read_piece(grad, piece, torch.float32)
-
-    def _owner_compute(
-        self, unit: tuple[BlockItem, int], full: torch.Tensor, steps: dict[torch.Tensor, int]
-    ) -> torch.Tensor:
-        item, t = unit
-        if item.param not in steps:  # no gradient (on every rank, or the exchange raises)
-            return torch.zeros_like(full)
-        return self._compute(item, t, full, steps[item.param])
-
-    def _receive(
-        self,
-        units: tuple[tuple[BlockItem, int], ...],
-        pieces: dict[int, torch.Tensor],
-        updates: dict[torch.Tensor, torch.Tensor],
-    ) -> None:
-        for i, back in pieces.items():
-            item, t = units[i]
-            if item.param in updates:
-                assert item.blocks is not None
-                write_piece(updates[item.param], item.blocks.pieces[t], back)
-
     # -- state dict ----------------------------------------------------------------------------
-    def _pairs(self, saved_groups: list[dict[str, Any]]) -> list[tuple[Any, dict[str, Any], Any]]:
-        out = []
-        params = [(g, p) for g in self.param_groups for p in g["params"]]
-        ids = [pid for g in saved_groups for pid in g["params"]]
-        for pid, (group, param) in zip(ids, params, strict=True):
-            out.append((pid, group, param))
-        return out
-
     def state_dict(self) -> dict[str, Any]:
         """torch's format; DTensor params' state as DTensors (see the module notes)."""
         self._ensure_blocks()
@@ -524,59 +333,15 @@ class BlockPreconditioner(ShardedOptimizer):
             plain[pid] = {k: v for k, v in entry.items() if not k.startswith("block")}
             blocks_of[pid] = {k: v for k, v in entry.items() if k.startswith("block")}
         out = sharded_state_dict(self, {**raw, "state": plain})
-        for pid, group, param in self._pairs(raw["param_groups"]):
+        for pid, group, param in saved_pairs(self.param_groups, raw["param_groups"]):
             if pid not in out["state"]:
                 continue
             blocks = self._blocks.get(param)
             if blocks is None:
                 continue
             entry = dict(out["state"][pid])
-            entry.update(self._block_entries(group, param, blocks, blocks_of[pid]))
+            entry.update(block_entries(self._block_spec, group, param, blocks, blocks_of[pid]))
             out["state"][pid] = entry
-        return out
-
-    def _block_entries(
-        self,
-        group: dict[str, Any],
-        param: torch.Tensor,
-        blocks: _Blocks,
-        have: dict[str, torch.Tensor],
-    ) -> dict[str, torch.Tensor]:
-        sharded = isinstance(param, DTensor) and any(
-            not isinstance(p, Replicate) for p in param.placements
-        )
-        out: dict[str, torch.Tensor] = {}
-        device = (param.to_local() if isinstance(param, DTensor) else param).device
-        for t, tile in enumerate(blocks.tiles):
-            for name, (shape, dtype) in self._block_spec(group, tile).items():
-                key = block_key(t, name)
-                value = have.get(key)
-                if not sharded:
-                    if value is not None:
-                        out[key] = value
-                    continue
-                assert isinstance(param, DTensor)
-                local = (
-                    value.reshape(-1)
-                    if value is not None
-                    else torch.empty(0, dtype=dtype, device=device)
-                )
-                axis = next(
-                    a for a, p in enumerate(param.placements) if not isinstance(p, Replicate)
-                )
-                onehot = tuple(
-                    int(k == blocks.owners[t]) for k in range(param.device_mesh.size(axis))
-                )
-                placements: list[Placement] = [Replicate()] * len(param.placements)
-                placements[axis] = RaggedShard((), onehot)
-                out[key] = from_local(
-                    local,
-                    param.device_mesh,
-                    placements,
-                    shape=torch.Size(shape),
-                    stride=_contiguous_stride(shape),
-                    run_check=False,
-                )
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -588,30 +353,11 @@ class BlockPreconditioner(ShardedOptimizer):
                 state = cast(dict[str, Any], self.state.get(param, {}))
                 if blocks is None or not state:
                     continue
-                layout = self._layouts[param]
-                coord = layout.coord if layout.is_sharded else 0
-                for t, tile in enumerate(blocks.tiles):
-                    for name, (shape, _dtype) in self._block_spec(group, tile).items():
-                        key = block_key(t, name)
-                        if key not in state:
-                            continue
-                        value = state[key]
-                        if value.numel() == 0 or blocks.owners[t] != coord:
-                            del state[key]  # another rank's block
-                            continue
-                        if value.numel() != math.prod(shape):
-                            raise ValueError(
-                                f"optimizer state {key!r}: {value.numel()} elements, expected "
-                                f"shape {shape} (was the checkpoint saved with another "
-                                f"max_preconditioner_dim?)"
-                            )
-                        state[key] = self._restore_layout(name, value.view(shape))
-
-
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride = []
-    acc = 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= s
-    return tuple(reversed(stride))
+                restore_blocks(
+                    self._block_spec,
+                    self._restore_layout,
+                    group,
+                    blocks,
+                    self._layouts[param],
+                    state,
+                )

@@ -19,6 +19,13 @@ tile seeing a low-rank gradient). Following the references:
   statistics fail in float64 as well. The public ``inverse_root`` (no step, no previous root)
   keeps the host decision: a non-finite result is retried in float64, then ``None``.
 
+[Note: eigh's host sync]
+``torch.linalg.eigh`` checks its solver status on the host: on CUDA each call waits for the
+device. It is the one host sync the optimizers keep, and only where the maths needs it: in a
+refresh step (Shampoo's roots, every ``precondition_frequency`` steps; SOAP's first basis, step
+one), once per tile and side, never in the steps between (SOAP's later refreshes use QR, which
+reads nothing on the host). ``test_optim_host_reads`` counts the eighs of every step.
+
 Everything is computed in the ``dtype`` the caller passes (float32 by default, float64 on
 request) and returned in it.
 """

@@ -6,8 +6,9 @@ one storage per group, and every gradient a view of one gradient storage at the 
 offsets. An elementwise (or blockwise) update of such parameters can run on the concatenation
 directly: one flat view of the parameters, one of the gradients, one of each state buffer, a
 constant number of kernels for the whole run instead of per parameter. Nothing is assumed about
-the engine: adjacency is read from the tensors (storage, offset, contiguity), and anything else
-(plain parameters, gradients set by hand) falls back to runs of one.
+the engine: adjacency is read from the tensors (storage, offset, contiguity; a local tensor over
+storage of its own is placed in the storage it was cut from, ragged_dtensor's ``storage_base``),
+and anything else (plain parameters, gradients set by hand) falls back to runs of one.
 
 The optimizer's state then lives in one flat buffer per storage (``compact``: parameters sorted
 by offset, gaps dropped), so a run's state is one slice too; ``state[p]`` holds views.
@@ -25,6 +26,8 @@ from typing import Literal
 import attrs
 import torch
 from torch.distributed.tensor import DTensor
+
+from ragged_dtensor import storage_base
 
 __all__ = [
     "Run",
@@ -55,10 +58,19 @@ class Slot:
     contiguous: bool
 
 
+def _based(local: torch.Tensor) -> tuple[torch.UntypedStorage, int]:
+    """The storage ``local``'s memory belongs to, and ``local``'s element offset in it: a local
+    tensor over storage of its own cut from a flat buffer (ragged_dtensor's
+    ``own_storage_view``) is placed in that buffer."""
+    base, byte_offset = storage_base(local)
+    return base, byte_offset // local.element_size() + int(local.storage_offset())
+
+
 def slot_of(param: torch.Tensor) -> Slot:
     local = local_of(param)
-    key = (local.untyped_storage().data_ptr(), local.dtype, local.device)
-    return Slot(key, int(local.storage_offset()), local.numel(), local.is_contiguous())
+    base, offset = _based(local)
+    key = (base.data_ptr(), local.dtype, local.device)
+    return Slot(key, offset, local.numel(), local.is_contiguous())
 
 
 def follows(prev: Slot, nxt: Slot) -> bool:
@@ -79,14 +91,21 @@ def grads_follow(prev: torch.Tensor, nxt: torch.Tensor, prev_numel: int) -> bool
         and prev.is_contiguous()
         and nxt.dtype == prev.dtype
         and nxt.data_ptr() == prev.data_ptr() + prev_numel * nxt.element_size()
-        and nxt.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+        and storage_base(nxt)[0].data_ptr() == storage_base(prev)[0].data_ptr()
     )
 
 
 def flat_view(first: torch.Tensor, numel: int) -> torch.Tensor:
     """``numel`` elements of ``first``'s storage from ``first``'s start: a view of its base, so
-    in-place updates bump the version counter autograd checks."""
-    return first.as_strided((numel,), (1,), first.storage_offset())
+    in-place updates bump the version counter autograd checks. Where ``first`` is over storage
+    of its own cut from a flat buffer (``own_storage_view``), the run spans that buffer: a
+    tensor over it (the same memory; its own version counter)."""
+    base, offset = _based(first)
+    if base.data_ptr() == first.untyped_storage().data_ptr() and base.nbytes() == (
+        first.untyped_storage().nbytes()
+    ):
+        return first.as_strided((numel,), (1,), first.storage_offset())
+    return first.new_empty(0).set_(base, offset, (numel,), (1,))
 
 
 def compact(slots: Sequence[Slot], sizes: Iterable[int] | None = None) -> list[int]:

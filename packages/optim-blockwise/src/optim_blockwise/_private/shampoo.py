@@ -9,7 +9,8 @@ Per tile ``G`` (``rows x cols`` of a matrix, see ``tiles.py``), at the parameter
 - every ``precondition_frequency`` steps from ``start_preconditioning_step`` on, the inverse
   roots ``(L_hat + eps I)^(-1/4)`` and ``(R_hat + eps I)^(-1/4)`` of the bias-corrected statistics
   are recomputed in ``preconditioner_dtype`` (``roots.py``: eigendecomposition, eigenvalues
-  clamped at ``eps``, float64 retry, the previous root kept on failure);
+  clamped at ``eps``, float64 retry, the previous root kept on failure). Only these refresh
+  steps call ``eigh``, the one host sync (on CUDA) the step keeps: see ``roots``' note on it;
 - ``P = L^(-1/4) M_hat R^(-1/4)``;
 - grafting (Anil et al.; Meta's distributed Shampoo): the step takes its direction from ``P`` and
   its size from a simpler method on the same tile, ``U = P ||A||_F / (||P||_F + 1e-16)`` with
@@ -31,13 +32,8 @@ from typing import Any, cast
 import torch
 
 from optim_blockwise._private.layout import local_flat
-from optim_blockwise._private.preconditioner import (
-    BlockItem,
-    BlockPreconditioner,
-    StateSpec,
-    as_dtype,
-    dtype_name,
-)
+from optim_blockwise._private.precond_plan import BlockItem, StateSpec, as_dtype, dtype_name
+from optim_blockwise._private.preconditioner import BlockPreconditioner
 from optim_blockwise._private.roots import refreshed_inverse_root
 from optim_blockwise._private.tiles import Tile
 from optim_blockwise._private.validate import check_nonnegative

@@ -6,7 +6,8 @@ applied to every tile ``G`` of a matrix (``tiles.py``), at the parameter's ``k``
 
 - step 1 only accumulates the statistics and takes the first eigenbases
   ``Q_L, Q_R = eigh(GG_L), eigh(GG_R)`` (so the projection never uses the gradient it projects);
-  the parameter does not move;
+  the parameter does not move. This is SOAP's only ``eigh``, the one host sync (on CUDA) it
+  keeps (``roots``' note on it); later refreshes use QR;
 - ``G' = Q_L^T G Q_R``; ``M <- lerp(M, G, 1-b1)`` (in the original coordinates);
   ``V <- lerp(V, G'^2, 1-b2)`` (in the rotated ones);
   ``U = Q_L (Q_L^T M Q_R / (sqrt(V) + eps)) Q_R^T``;
@@ -34,13 +35,8 @@ from typing import Any, cast
 import torch
 
 from optim_blockwise._private.layout import local_flat
-from optim_blockwise._private.preconditioner import (
-    BlockItem,
-    BlockPreconditioner,
-    StateSpec,
-    as_dtype,
-    dtype_name,
-)
+from optim_blockwise._private.precond_plan import BlockItem, StateSpec, as_dtype, dtype_name
+from optim_blockwise._private.preconditioner import BlockPreconditioner
 from optim_blockwise._private.roots import (
     first_eigenbasis,
     project,

@@ -22,6 +22,7 @@ from ragged_dtensor._private.agreement import check_ranks_agree
 from ragged_dtensor._private.geometry import FlatRange
 from ragged_dtensor._private.placement import RaggedShard
 from ragged_dtensor._private.redistribute import ragged_axis, x_shape
+from ragged_dtensor._private.state_dict import share_into
 
 __all__ = [
     "check_ragged_local",
@@ -74,25 +75,32 @@ def distribute_ragged(
     *,
     src_data_rank: int | None = 0,
 ) -> DTensor:
-    """torch's distribute_tensor with the ragged axis cut locally from the replicated value.
+    """torch's distribute_tensor with each rank's share cut locally from the replicated value.
 
-    The local share is a fresh tensor, as torch's Shard gives (not a view of the full tensor,
-    whose storage it would keep alive; and a DTensor over a view at a storage offset trips DCP's
-    state-dict stager).
+    The tensor of ``src_data_rank`` is broadcast over every mesh axis (in place, as torch's
+    Replicate does; ``None``: every rank's own), then this rank's share is copied out of it with
+    no other temporary ([Note: no temporary beyond the share] in ``state_dict.py``): the box the
+    other placements leave is a view, not a scattered copy. The local share is a fresh tensor,
+    as torch's Shard gives (not a view of the full tensor, whose storage it would keep alive;
+    and a DTensor over a view at a storage offset trips DCP's state-dict stager).
     """
     if device_mesh is None:
         raise ValueError("distribute_tensor with a RaggedShard placement needs device_mesh")
     axis, placement, xs = _check_placements(device_mesh, placements, tuple(tensor.shape))
-    standard = [Replicate() if i == axis else p for i, p in enumerate(placements)]
-    base = compat.torch_distribute(tensor, device_mesh, standard, src_data_rank=src_data_rank)
+    replicated = [Replicate()] * device_mesh.ndim
+    full = compat.torch_distribute(
+        tensor, device_mesh, replicated, src_data_rank=src_data_rank
+    ).to_local()
     coordinate = device_mesh.get_local_rank(axis)
-    flat = placement.flat_range(xs, coordinate)
-    local = base.to_local().detach().reshape(-1)[flat.start : flat.stop].clone()
+    local = torch.empty(
+        placement.flat_range(xs, coordinate).numel, dtype=full.dtype, device=full.device
+    )
     spec = DTensorSpec(
         device_mesh,
         tuple(placements),
         tensor_meta=TensorMeta(tensor.shape, _contiguous_stride(tensor.shape), tensor.dtype),
     )
+    share_into(full.detach(), spec, local)
     return DTensor(  # type: ignore[no-untyped-call]
         local.requires_grad_(tensor.requires_grad), spec, requires_grad=tensor.requires_grad
     )

@@ -28,24 +28,24 @@ wrapped, each delegating to torch's own function unless a RaggedShard is involve
    ``__get_tensor_shard__``): a ragged share is written as the few boxes its flat range covers
    (checkpoint.py). See [Note: why the checkpoint protocol stays on the class].
 
-5. ``distribute_tensor``'s code object ([Note: a DTensor's data_ptr]
-A flat-buffer FSDP's sharded parameters are DTensors whose local tensors are views of one storage
-at offsets. torch 2.13 builds a DTensor's wrapper with its local tensor's ``storage_offset`` over
-a null storage, so ``data_ptr()`` of such a DTensor is ``offset * itemsize``, never an address,
-and torch's Python code reads ``!= 0`` as "copy this tensor's storage" where it reads ``0`` as
-"a wrapper subclass: copy through it": ``Tensor.__deepcopy__`` (``copy.deepcopy`` of a state
-dict), ``Tensor.__reduce_ex__`` (``torch.save``) and DCP's state-dict stager (``dcp.async_save``,
-``DefaultStager``, ``_copy_state_dict``) then fail ("invalid python storage"), for a
-RaggedShard as for a Shard(0) over such a view. DTensors over storage from offset 0 (FSDP2's)
-report 0 already, so the integration makes every DTensor report 0: a DTensor's data is its local
-tensor's, whose ``data_ptr()`` is unchanged.
-
-[Note: distribute_tensor's code]): torch's own function
+5. ``distribute_tensor``'s code object ([Note: distribute_tensor's code]): torch's own function
    cuts a RaggedShard share from the (source rank's) full tensor. No extension point: a placement
    that is not Shard/Replicate/Partial raises "unsupported placements".
 
-6. ``DTensor.data_ptr`` ([Note: a DTensor's data_ptr]): 0, as every DTensor over storage of its
-   own reports. No extension point: torch's copying code tests it.
+[Note: a DTensor's data_ptr]
+torch builds a DTensor's wrapper with its local tensor's ``storage_offset`` over a null storage,
+so a DTensor over a view that starts at an offset reports ``data_ptr() == offset * itemsize``,
+and torch's copying code (``Tensor.__deepcopy__``, ``Tensor.__reduce_ex__``, DCP's stager) reads
+a non-zero value as "copy this tensor's storage" and fails ("invalid python storage"). Earlier
+versions made every DTensor report 0 (``DTensor.data_ptr`` patched process-wide, FSDP2's and
+everybody's). Nothing is patched now: a flat-buffer FSDP hands out local tensors over storage of
+their own (``own_storage_view``, [Note: views over storage of their own] in views.py), at offset
+0, so its DTensors report 0 as FSDP2's do, and every other DTensor behaves as torch makes it.
+
+7. ``torch.distributed._state_dict_utils._distribute_tensors`` (module attribute; its only caller
+   looks it up by name): the full-state-dict load with ``broadcast_from_rank0=True`` cuts each
+   rank's share there as a box of the full tensor, which a flat share is not (state_dict.py,
+   [Note: why torch's state-dict loader needs a hook]). No placement hook is consulted.
 
 ``DTensor.from_local`` is *not* patched: ``ragged_dtensor.from_local`` checks a ragged share;
 torch's builds the DTensor unchecked when given ``shape=`` and ``stride=``.
@@ -94,6 +94,7 @@ from typing import Any
 
 import attrs
 import torch
+from torch.distributed import _state_dict_utils as state_dict_utils
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import _api as dtensor_api
@@ -104,16 +105,26 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor.placement_types import Placement
 
-from ragged_dtensor._private import checkpoint, ops
+from ragged_dtensor._private import checkpoint, handlers, ops
 from ragged_dtensor._private import debug as ragged_debug
 from ragged_dtensor._private import random as ragged_random
+from ragged_dtensor._private import state_dict as ragged_state_dict
+from ragged_dtensor._private.fallback import (
+    FallbackSpec,
+    check_fallback,
+    needs_write_back,
+    write_back,
+)
+from ragged_dtensor._private.partial import FILL_OPS, fill_on_partial, inplace_on_partial
 from ragged_dtensor._private.placement import (
     RaggedBoxView,
+    RaggedBroadcastView,
     RaggedNonEmptyView,
     RaggedPaddedView,
     RaggedShard,
 )
 from ragged_dtensor._private.redistribute import execute, plan_redistribute, ragged_axis, x_shape
+from ragged_dtensor._private.rows import flatten_outputs
 
 __all__ = [
     "SUPPORTED_TORCH",
@@ -147,6 +158,7 @@ _CHECKPOINT_METHODS = {
     "__create_chunk_list__": ("self",),
     "__get_tensor_shard__": ("self", "index"),
 }
+_LAYOUT_FORMATS = (torch.channels_last, torch.channels_last_3d)
 _REDISTRIBUTE_MODULES = (dtensor_redistribute, dtensor_dispatch, dtensor_api)
 
 
@@ -166,6 +178,7 @@ class _Originals:
     propagate: Callable[[OpSchema], OutputSharding]
     tensor_meta: Callable[[OpSchema], Any]
     slow_path: Callable[..., Any]
+    distribute_tensors: Callable[..., None]
 
 
 _ORIGINALS: _Originals | None = None
@@ -297,6 +310,30 @@ def _non_empty_view(local: torch.Tensor, target: DTensorSpec) -> torch.Tensor:
     return torch.full((1,), fill, dtype=local.dtype, device=local.device)
 
 
+def _broadcast_view(local: torch.Tensor, current: DTensorSpec, target: DTensorSpec) -> torch.Tensor:
+    """Replicate -> RaggedBroadcastView: this rank's share of the operand broadcast to the
+    view's shape, copied from the few rows it covers (about the share's size)."""
+    axis = ragged_axis(target.placements)
+    assert axis is not None
+    placement = target.placements[axis]
+    assert isinstance(placement, RaggedBroadcastView)
+    shape = placement.shape
+    rank = target.mesh.get_local_rank(axis)
+    source = ragged_axis(current.placements)
+    if source is not None:  # a ragged operand of whole rows: expand each row locally
+        held = current.placements[source]
+        assert isinstance(held, RaggedShard)
+        box, _ = held.local_box(tuple(current.shape), rank)
+        return local.view(box).expand((box[0], *shape[1:])).reshape(-1)
+    flat = placement.flat_range(shape, rank)
+    row = math.prod(shape[1:])
+    if not shape or row == 0:
+        return local.expand(shape).reshape(-1)[flat.start : flat.stop]
+    first, last = flat.start // row, -(-flat.stop // row)
+    rows = local.expand(shape)[first:last].reshape(-1)
+    return rows[flat.start - first * row : flat.stop - first * row]
+
+
 def _redistribute_hook(
     local_tensor: torch.Tensor,
     current_spec: DTensorSpec,
@@ -308,8 +345,12 @@ def _redistribute_hook(
         return _padded_view(local_tensor, current_spec, target_spec)
     if any(isinstance(p, RaggedNonEmptyView) for p in target_spec.placements):
         return _non_empty_view(local_tensor, target_spec)
+    if any(isinstance(p, RaggedBroadcastView) for p in target_spec.placements):
+        return _broadcast_view(local_tensor, current_spec, target_spec)
     if any(isinstance(p, RaggedBoxView) for p in target_spec.placements):
         return _box_view(local_tensor, current_spec, target_spec)
+    if isinstance(target_spec, FallbackSpec):
+        check_fallback(current_spec, target_spec)
     if _spec_has_ragged(current_spec) or _spec_has_ragged(target_spec):
         return ragged_redistribute_local(local_tensor, current_spec, target_spec)
     return _torch_functions().redistribute(local_tensor, current_spec, target_spec, *args, **kwargs)
@@ -330,8 +371,20 @@ def _x_shape_of(spec: DTensorSpec) -> tuple[int, ...]:
 def _propagate_hook(op_schema: OpSchema) -> OutputSharding:
     originals = _torch_functions()
     if ops.schema_has_ragged(op_schema):
-        return ops.propagate_ragged(op_schema, originals.tensor_meta, _local_numel, _x_shape_of)
-    return originals.propagate(op_schema)
+        return ops.propagate_ragged(
+            op_schema, originals.tensor_meta, _local_numel, _x_shape_of, originals.propagate
+        )
+    if op_schema.op in FILL_OPS:  # [Note: a fill never stays Partial]
+        filled = fill_on_partial(op_schema, originals.tensor_meta)
+        if filled is not None:
+            return filled
+    try:
+        return originals.propagate(op_schema)
+    except RuntimeError:
+        reduced = inplace_on_partial(op_schema, originals.propagate)
+        if reduced is None:
+            raise
+        return reduced
 
 
 def _cut_share(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
@@ -344,10 +397,26 @@ def _cut_share(full: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
 
 def _slow_path_hook(op_call: torch._ops.OpOverload, args: tuple[object, ...], op_info: Any) -> Any:
     originals = _torch_functions()
+    if op_info.local_kwargs.get("memory_format") in _LAYOUT_FORMATS:
+        ops.ragged_memory_format(args, op_info)
     random = op_call in DTensor._op_dispatcher._random_ops or op_call in ops.RANDOM_OPS
     if random and ragged_random.is_ragged_random(op_call, args):
         return ragged_random.ragged_random_op(op_call, args, op_info, _cut_share)
-    return originals.slow_path(op_call, args, op_info)
+    result = originals.slow_path(op_call, args, op_info)
+    sharding = op_info.output_sharding
+    if getattr(sharding, "_ragged_flatten", False):  # a row rule's boxes: flat shares
+        return flatten_outputs(result, sharding)
+    if needs_write_back(sharding):  # an in-place op's fallback
+        write_back(args, op_info, _cut_share)
+    return result
+
+
+def _distribute_tensors_hook(
+    local_state_dict: dict[str, Any], keys: list[str], device: torch.device, pg: Any = None
+) -> None:
+    ragged_state_dict.distribute_tensors_hook(
+        _torch_functions().distribute_tensors, local_state_dict, keys, device, pg
+    )
 
 
 def _checkpoint_hook(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -498,23 +567,6 @@ def _distribute_trampoline(  # type: ignore[no-untyped-def]
     )
 
 
-def _dtensor_data_ptr(self: DTensor) -> int:
-    """0: a DTensor owns no storage; its data is its local tensor's ([Note: a DTensor's
-    data_ptr])."""
-    return 0
-
-
-def _data_ptr_change() -> _Change:
-    where = "torch.distributed.tensor.DTensor.data_ptr"
-    found = vars(DTensor).get("data_ptr")
-    if found is not None:
-        raise DTensorIntegrationError(
-            f"ragged_dtensor: {where} is defined on DTensor ({_describe(found)}); torch 2.13's "
-            f"DTensor inherits torch.Tensor's. {_REFUSING}"
-        )
-    return _Change(DTensor, "data_ptr", where, False, None, _dtensor_data_ptr)
-
-
 def _distribute_changes() -> list[Any]:
     where = "torch.distributed.tensor.distribute_tensor"
     if vars(dtensor_api).get("distribute_tensor") is not _TORCH_DISTRIBUTE:
@@ -654,12 +706,31 @@ def _plan() -> tuple[_Originals, list[Any]]:
             )
         )
     changes.extend(_distribute_changes())
-    changes.append(_data_ptr_change())
+    where = "torch.distributed._state_dict_utils._distribute_tensors"
+    distribute_tensors = _expect_torch_function(
+        vars(state_dict_utils).get("_distribute_tensors"),
+        where,
+        "torch.distributed._state_dict_utils",
+        "_distribute_tensors",
+        ("local_state_dict", "keys", "device", "pg"),
+    )
+    changes.append(
+        _Change(
+            state_dict_utils,
+            "_distribute_tensors",
+            where,
+            True,
+            distribute_tensors,
+            _distribute_tensors_hook,
+        )
+    )
+    changes.extend(handlers.handler_changes(_REFUSING, DTensorIntegrationError))
     originals = _Originals(
         redistribute=redistribute,
         propagate=types.MethodType(propagate, propagator),
         tensor_meta=types.MethodType(tensor_meta, propagator),
         slow_path=types.MethodType(slow_path, dispatcher),
+        distribute_tensors=distribute_tensors,
     )
     return originals, changes
 
@@ -765,7 +836,8 @@ def hooks_installed() -> dict[str, bool]:
         "random": ("_dispatch_get_local_results_slow_path",),
         "checkpoint": tuple(_CHECKPOINT_METHODS),
         "distribute_tensor": (_IMPL_NAME,),
-        "data_ptr": ("data_ptr",),
+        "state_dict": ("_distribute_tensors",),
+        "custom_handlers": tuple(f"custom_op_handler:{op}" for op in handlers.HANDLED),
     }
     with _LOCK:
         names = {c.name for c in _CHANGES if c.still_ours()}

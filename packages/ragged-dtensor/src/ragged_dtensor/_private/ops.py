@@ -14,9 +14,11 @@ element by element (or on whole-tensor reductions that combine across ranks). We
   stays ragged over the kept rows (no communication); any other share is reduced padded to the
   full shape into a Partial result (``_padded_partial``).
 ``new_*`` factories of the global shape stay ragged; of any other shape they are Replicate
-(torch's rule for Shard). Everything else (views to another shape, slicing, transposes, matmuls,
-means of uneven shares...) raises ``RaggedOpError`` naming the op and the placement, instead of
-returning wrong values.
+(torch's rule for Shard). Views and reshapes to any shape keep the flat share, and row-wise ops
+on whole-row shares run as torch's Shard(0) rule says (rows.py). Everything else (transposes,
+slicing, products over some dims, ...) takes the fallback (fallback.py): its ragged operands are
+redistributed to Replicate for torch's own rule, or, in strict mode, it raises
+``RaggedOpError`` naming the op and the placement. Never a wrong value.
 """
 
 from __future__ import annotations
@@ -30,20 +32,19 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
+from ragged_dtensor._private.fallback import RaggedOpError, propagate_fallback
 from ragged_dtensor._private.placement import (
     RaggedBoxView,
+    RaggedBroadcastView,
     RaggedNonEmptyView,
     RaggedPaddedView,
     RaggedShard,
 )
+from ragged_dtensor._private.rows import reshape_rule, row_rule
 
 __all__ = ["RaggedOpError", "has_ragged", "propagate_ragged"]
 
 aten = torch.ops.aten
-
-
-class RaggedOpError(NotImplementedError):
-    """An op that cannot be computed correctly on a RaggedShard operand."""
 
 
 def has_ragged(spec: object) -> bool:
@@ -87,7 +88,8 @@ _RANDOM_LIKE = {
 }
 _RANDOM_FILLS = {aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float}
 RANDOM_OPS = _RANDOM_LIKE | _RANDOM_FILLS
-_FOREACH_REDUCTIONS = ("aten::_foreach_norm", "aten::_foreach_max")
+# foreach ops that are not elementwise: reductions, and the matrix product
+_FOREACH_NOT_ELEMENTWISE = ("aten::_foreach_norm", "aten::_foreach_max", "aten::_foreach_mm")
 
 
 def _op_name(op: torch._ops.OpOverload) -> str:
@@ -98,9 +100,9 @@ def _is_elementwise(op: torch._ops.OpOverload) -> bool:
     if op in _ELEMENTWISE_EXTRA or torch.Tag.pointwise in op.tags:
         return True
     name = _op_name(op)
-    if name.startswith(_FOREACH_REDUCTIONS):
+    if name.startswith(_FOREACH_NOT_ELEMENTWISE):
         return False
-    return name.startswith(("aten::_foreach_", "aten::_fused_"))
+    return name.startswith(("aten::_foreach_", "aten::_fused_adam", "aten::_fused_sgd"))
 
 
 def _error(op: torch._ops.OpOverload, spec: DTensorSpec, why: str) -> RaggedOpError:
@@ -138,7 +140,8 @@ def _align_operands(
     ragged = [s for s in group if has_ragged(s)]
     if not ragged:
         return None, list(group), False
-    ref = ragged[0]
+    # the reference is the operand of the result's shape (a row-broadcast one may come first)
+    ref = max(ragged, key=lambda s: s.shape.numel())  # type: ignore[attr-defined]
     assert isinstance(ref, DTensorSpec)
     moved = False
     out: list[object] = []
@@ -147,6 +150,11 @@ def _align_operands(
             out.append(spec)
             continue
         if has_ragged(spec):
+            rows = _row_broadcast_view(spec, ref)
+            if rows is not None:
+                out.append(rows)
+                moved = True
+                continue
             if spec.placements != ref.placements or spec.shape != ref.shape:
                 raise _error(
                     op,
@@ -158,11 +166,16 @@ def _align_operands(
             out.append(spec)
             continue
         if all(p.is_replicate() for p in spec.placements):
-            if spec.shape.numel() == 1 and spec.ndim <= ref.ndim:
+            if spec.shape.numel() == 1 and spec.ndim <= 1:
                 out.append(spec)  # a scalar broadcasts against any flat share
                 continue
             if spec.shape == ref.shape:
                 out.append(DTensorSpec(ref.mesh, ref.placements, tensor_meta=spec.tensor_meta))
+                moved = True
+                continue
+            view = _broadcast_view(spec, ref)
+            if view is not None:
+                out.append(view)
                 moved = True
                 continue
         raise _error(
@@ -173,6 +186,74 @@ def _align_operands(
             f"(broadcasting against a flat ragged share is not supported)",
         )
     return ref, out, moved
+
+
+def _broadcast_view(spec: DTensorSpec, ref: DTensorSpec, check: bool = True) -> DTensorSpec | None:
+    """A Replicate operand that broadcasts to the ragged operand's shape, as the share of the
+    broadcast tensor (``RaggedBroadcastView``), when the ragged operand's other mesh axes are
+    replicated; None otherwise."""
+    if check:
+        if spec.ndim > ref.ndim:
+            return None
+        try:
+            if _broadcast(spec.shape, ref.shape) != ref.shape:
+                return None
+        except RuntimeError:
+            return None
+    placements: list[Placement] = []
+    for p in ref.placements:
+        if isinstance(p, RaggedShard):
+            placements.append(RaggedBroadcastView(p.dims, p.local_units, shape=tuple(ref.shape)))
+        elif p.is_replicate():
+            placements.append(p)
+        else:
+            return None
+    return DTensorSpec(ref.mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+
+
+def _broadcast(a: torch.Size, b: torch.Size) -> torch.Size:
+    shape: torch.Size = torch.broadcast_shapes(a, b)  # type: ignore[no-untyped-call]
+    return shape
+
+
+def _box_rows(spec: DTensorSpec) -> tuple[int, tuple[int, ...]] | None:
+    """(ragged axis, rows per rank) of a ragged spec whose shares are whole rows and whose
+    other mesh axes are replicated; None otherwise."""
+    axis = None
+    for a, p in enumerate(spec.placements):
+        if isinstance(p, RaggedShard) and type(p) is RaggedShard and axis is None:
+            axis = a
+        elif not p.is_replicate():
+            return None
+    if axis is None or spec.ndim == 0:
+        return None
+    placement = spec.placements[axis]
+    assert isinstance(placement, RaggedShard)
+    shape = tuple(spec.shape)
+    row = math.prod(shape[1:])
+    if row == 0 or not placement.is_box(shape):
+        return None
+    return axis, tuple(
+        placement.local_numel(shape, k) // row for k in range(len(placement.local_units))
+    )
+
+
+def _row_broadcast_view(spec: DTensorSpec, ref: DTensorSpec) -> DTensorSpec | None:
+    """A ragged operand of whole rows that broadcasts along its other dims to the reference
+    (``x * rstd`` with ``rstd`` of shape (N, 1)): each rank's rows expanded locally, when both
+    hold the same rows; None otherwise."""
+    if spec.shape == ref.shape or spec.ndim != ref.ndim or spec.shape[0] != ref.shape[0]:
+        return None
+    try:
+        if _broadcast(spec.shape, ref.shape) != ref.shape:
+            return None
+    except RuntimeError:
+        return None
+    mine, theirs = _box_rows(spec), _box_rows(ref)
+    if mine is None or theirs is None or mine != theirs:
+        return None
+    view = _broadcast_view(spec, ref, check=False)
+    return view
 
 
 def _plain_entry(op: torch._ops.OpOverload, group: Sequence[object]) -> DTensorSpec | None:
@@ -189,6 +270,27 @@ def _plain_entry(op: torch._ops.OpOverload, group: Sequence[object]) -> DTensorS
                 f"{first.placements} and {spec.placements}"
             )
     return first
+
+
+def _check_written_kept(schema: OpSchema, args: Sequence[object]) -> None:
+    """An in-place op's written operand must keep its layout: a non-ragged one that would be
+    sliced to a ragged operand's share cannot be written through (the fallback handles it)."""
+    if not (schema.is_inplace_op() or schema.is_out_variant_op()) or not args:
+        return
+    before, after = schema.args_schema[0], args[0]
+    pairs: Any = (
+        zip(before, after, strict=True)  # type: ignore[call-overload]
+        if isinstance(before, list | tuple)
+        else [(before, after)]
+    )
+    for b, a in pairs:
+        if isinstance(b, DTensorSpec) and not has_ragged(b) and a is not b:
+            raise _error(
+                schema.op,
+                _first_ragged(schema),
+                f"it writes into an operand with placements {b.placements}, which would have "
+                f"to change layout",
+            )
 
 
 def _elementwise(schema: OpSchema, meta: object) -> OutputSharding:
@@ -251,6 +353,7 @@ def _elementwise(schema: OpSchema, meta: object) -> OutputSharding:
         else:
             out_spec = _with_meta(ref, ref.placements, meta)
         if moved_any:
+            _check_written_kept(schema, args)
             new_schema = OpSchema(op, tuple(args), kwargs, schema_info=schema.schema_info)
             return OutputSharding(
                 out_spec,
@@ -259,6 +362,7 @@ def _elementwise(schema: OpSchema, meta: object) -> OutputSharding:
             )
         return OutputSharding(out_spec)
     if moved_any:
+        _check_written_kept(schema, args)
         new_schema = OpSchema(op, tuple(args), schema.kwargs_schema, schema_info=schema.schema_info)
         return OutputSharding(
             out_spec,
@@ -266,6 +370,35 @@ def _elementwise(schema: OpSchema, meta: object) -> OutputSharding:
             needs_redistribute=True,
         )
     return OutputSharding(out_spec)
+
+
+_LAYOUT_FORMATS = (torch.channels_last, torch.channels_last_3d)
+
+
+def _memory_format(schema: OpSchema, result: OutputSharding) -> OutputSharding:
+    """``.to(memory_format=channels_last)`` and the like on a ragged operand: the flat share
+    has no dims to reorder, so the op runs with ``preserve_format`` (the slow-path hook
+    rewrites the keyword: dispatch never takes keywords from a rule) and the result keeps the
+    row-major layout of a ragged tensor (its global strides contiguous)."""
+    if schema.kwargs_schema.get("memory_format") not in _LAYOUT_FORMATS:
+        return result
+    spec: Any = result.output_spec
+    if isinstance(spec, DTensorSpec) and spec.tensor_meta is not None:
+        meta = spec.tensor_meta
+        stride = torch.empty(meta.shape, device="meta").stride()
+        spec = _with_meta(spec, spec.placements, TensorMeta(meta.shape, stride, meta.dtype))
+    return OutputSharding(
+        spec,
+        redistribute_schema=result.redistribute_schema or schema,
+        needs_redistribute=True,
+    )
+
+
+def ragged_memory_format(args: Sequence[object], op_info: Any) -> None:
+    """The slow-path half of ``_memory_format``: drop a layout memory format of an op on a
+    ragged operand (called only when the local keywords hold one)."""
+    if any(isinstance(a, torch.Tensor) and has_ragged(getattr(a, "_spec", None)) for a in args):
+        op_info.local_kwargs["memory_format"] = torch.preserve_format
 
 
 def _reduced_placements(spec: DTensorSpec, partial: Callable[[], Placement]) -> list[Placement]:
@@ -356,7 +489,10 @@ def _rowwise(
             f"reduction over dims {sorted(dims)} needs the other mesh axes replicated; "
             "redistribute first",
         )
-    if not (0 not in dims and placement.is_box(xs) and not keepdim):
+    # keepdim: the flat share of the (rows, 1, ...) result is the (rows,) result, so the op
+    # runs without keepdim (a positional keepdim only: dispatch takes keywords as they are)
+    keep_positional = keepdim and len(schema.args_schema) > keep_pos
+    if not (0 not in dims and placement.is_box(xs) and (keep_positional or not keepdim)):
         return _padded_partial(schema, spec, axes[0], placement, meta)
     row = math.prod(xs[1:])
     rows = tuple(placement.local_numel(xs, k) // row for k in range(len(placement.local_units)))
@@ -365,17 +501,19 @@ def _rowwise(
     view_placements = list(spec.placements)
     view_placements[axes[0]] = RaggedBoxView(placement.dims, placement.local_units)
     view_spec = DTensorSpec(spec.mesh, tuple(view_placements), tensor_meta=spec.tensor_meta)
-    new_schema = OpSchema(
-        op,
-        (view_spec, *schema.args_schema[1:]),
-        schema.kwargs_schema,
-        schema_info=schema.schema_info,
-    )
-    return OutputSharding(
+    args = [view_spec, *schema.args_schema[1:]]
+    if keep_positional:
+        args[keep_pos] = False
+    new_schema = OpSchema(op, tuple(args), schema.kwargs_schema, schema_info=schema.schema_info)
+    sharding = OutputSharding(
         _with_meta(spec, out_placements, meta),
         redistribute_schema=new_schema,
         needs_redistribute=True,
+        use_val_from_redistribute_schema=keep_positional,
     )
+    if len(xs) - len(dims) > 1:  # the local result is (rows, ...): a ragged share is flat
+        sharding._ragged_flatten = True  # type: ignore[attr-defined]
+    return sharding
 
 
 # partial result of each row-wise reduction over a padded share: (fill value, partial placement)
@@ -451,21 +589,60 @@ def _padded_whole(schema: OpSchema, spec: DTensorSpec, meta: object) -> OutputSh
     return _padded_partial(schema, spec, axes[0], placement, meta)
 
 
-def _reduction(schema: OpSchema, meta: object) -> OutputSharding | None:
+def _flat_dims(
+    schema: OpSchema, out: OutputSharding, dim_pos: int, keep_pos: int
+) -> OutputSharding | None:
+    """A whole-tensor reduction named by its dims (``x.sum(dim=(0, 1))``) runs on the flat
+    1-D share as a reduction over its dim 0; None with ``keepdim`` (the local result would
+    have the wrong rank: the caller pads instead)."""
+    dim = _arg(schema, dim_pos, "dim", None)
+    if dim is None or (isinstance(dim, list | tuple) and not dim):
+        return out  # the local op reduces everything already
+    if bool(_arg(schema, keep_pos, "keepdim", False)):
+        return None
+    args = list(schema.args_schema)
+    kwargs = dict(schema.kwargs_schema)
+    if len(args) > dim_pos:
+        args[dim_pos] = [0]
+    else:
+        kwargs["dim"] = [0]
+    new_schema = OpSchema(schema.op, tuple(args), kwargs, schema_info=schema.schema_info)
+    return OutputSharding(
+        out.output_spec,
+        redistribute_schema=new_schema,
+        needs_redistribute=True,
+        use_val_from_redistribute_schema=True,
+    )
+
+
+def _reduction(
+    schema: OpSchema, meta: object, local_numel: Callable[[DTensorSpec], int]
+) -> OutputSharding | None:
     op = schema.op
     args = schema.args_schema
     if op in (aten.sum.default, aten.sum.dim_IntList):
         spec = args[0]
         assert isinstance(spec, DTensorSpec)
-        dim = args[1] if len(args) > 1 else schema.kwargs_schema.get("dim")
-        if op is aten.sum.default or _covers_all_dims(dim, spec.ndim):
+        dim = _arg(schema, 1, "dim", None)
+        if op is aten.sum.default:
             return OutputSharding(_with_meta(spec, _reduced_placements(spec, Partial), meta))
+        if _covers_all_dims(dim, spec.ndim):
+            out = OutputSharding(_with_meta(spec, _reduced_placements(spec, Partial), meta))
+            return _flat_dims(schema, out, 1, 2) or _padded_whole(schema, spec, meta)
         raise _error(
             op,
             spec,
             f"sum over dims {dim} of a flat ragged share is not supported; "
             "sum over all elements (-> Partial) or redistribute first",
         )
+    if op in (aten.mean.default, aten.mean.dim):
+        spec = args[0]
+        assert isinstance(spec, DTensorSpec)
+        if op is aten.mean.default or _covers_all_dims(_arg(schema, 1, "dim", None), spec.ndim):
+            # each rank's sum over the full count: the share padded with zeros ([Note: ...]
+            # _padded_partial), so the result is Partial(sum)
+            return _padded_whole(schema, spec, meta)
+        return None
     if op is aten.linalg_vector_norm.default:
         spec = args[0]
         assert isinstance(spec, DTensorSpec)
@@ -478,7 +655,8 @@ def _reduction(schema: OpSchema, meta: object) -> OutputSharding | None:
                     return _non_empty_norms(schema, [spec], [meta], float(ord_))  # type: ignore[arg-type]
                 return _padded_whole(schema, spec, meta)
             placements = _reduced_placements(spec, lambda: _norm_partial(ord_))
-            return OutputSharding(_with_meta(spec, placements, meta))
+            out = OutputSharding(_with_meta(spec, placements, meta))
+            return _flat_dims(schema, out, 2, 3) or _padded_whole(schema, spec, meta)
         raise _error(op, spec, f"norm over dims {dim} of a flat ragged share is not supported")
     first = args[0] if args else None
     if isinstance(first, DTensorSpec) and (
@@ -496,11 +674,13 @@ def _reduction(schema: OpSchema, meta: object) -> OutputSharding | None:
         assert isinstance(meta, list | tuple)
         if abs(float(ord_)) == math.inf:  # type: ignore[arg-type]
             return _non_empty_norms(schema, list(specs), list(meta), float(ord_))  # type: ignore[arg-type]
-        out = []
+        norms = []
         for spec, m in zip(specs, meta, strict=True):
             assert isinstance(spec, DTensorSpec)
-            out.append(_with_meta(spec, _reduced_placements(spec, lambda: _norm_partial(ord_)), m))
-        return OutputSharding(out)
+            norms.append(
+                _with_meta(spec, _reduced_placements(spec, lambda: _norm_partial(ord_)), m)
+            )
+        return OutputSharding(norms)
     return None
 
 
@@ -629,33 +809,40 @@ def propagate_ragged(
     tensor_meta: Callable[[OpSchema], Any],
     local_numel: Callable[[DTensorSpec], int],
     x_shape_of: Callable[[DTensorSpec], tuple[int, ...]],
+    torch_propagate: Callable[[OpSchema], OutputSharding],
 ) -> OutputSharding:
-    """The output sharding of ``schema`` (which has at least one ragged operand), or raise.
+    """The output sharding of ``schema`` (which has at least one ragged operand).
 
-    ``local_numel(spec)`` is this rank's number of elements of a ragged spec (the only
-    rank-dependent input; the propagator's cache is per thread, hence per rank).
+    The ragged rules first; where none applies (or one refuses these operands), the fallback:
+    the ragged operands are redistributed for torch's own rule ([Note: the fallback
+    redistribution] in fallback.py). ``local_numel(spec)`` is this rank's number of elements
+    of a ragged spec (the only rank-dependent input; the propagator's cache is per thread,
+    hence per rank).
     """
     op = schema.op
-    meta = tensor_meta(schema)
+    try:
+        meta = tensor_meta(schema)
+    except Exception:  # a value-dependent shape (item, masked_select, nonzero...)
+        return propagate_fallback(schema, torch_propagate, "its output depends on the values")
     rules: tuple[Callable[[], OutputSharding | None], ...] = (
         lambda: _random_rule(schema, meta),
         lambda: _rowwise(schema, meta, x_shape_of),  # it owns partial-dim reductions
-        lambda: _reduction(schema, meta),
+        lambda: _reduction(schema, meta, local_numel),
+        lambda: reshape_rule(schema, meta, local_numel),
         lambda: _shape_arg_op(schema, meta, local_numel),
+        lambda: row_rule(schema, torch_propagate),
+        lambda: _memory_format(schema, _elementwise(schema, meta)) if _is_elementwise(op) else None,
     )
-    for rule in rules:
-        result = rule()
-        if result is not None:
-            return result
-    if _is_elementwise(op):
-        return _elementwise(schema, meta)
-    spec = _first_ragged(schema)
-    raise _error(
-        op,
-        spec,
-        "this op is not elementwise and has no ragged sharding rule; "
-        "redistribute to Replicate/Shard first (e.g. dt.full_tensor() or "
-        "dt.redistribute(mesh, [Shard(0)]))",
+    try:
+        for rule in rules:
+            result = rule()
+            if result is not None:
+                return result
+    except RaggedOpError as exc:
+        why = str(exc).split("): ", 1)[-1]
+        return propagate_fallback(schema, torch_propagate, why)
+    return propagate_fallback(
+        schema, torch_propagate, "this op is not elementwise and has no ragged sharding rule"
     )
 
 

@@ -238,3 +238,43 @@ class RaggedNonEmptyView(_FilledView):
     planned layout). Each rank's result is its partial value; ``fill`` never changes the
     combined result (0 for the inf norm, whose partial values are >= 0; +inf for -inf).
     """
+
+
+@attrs.frozen(weakref_slot=False, eq=False, repr=False)
+class RaggedBroadcastView(RaggedShard):
+    """Internal: a Replicate operand broadcast to ``shape`` and cut like ``RaggedShard`` on
+    ``shape`` (the share of the broadcast tensor this rank needs, a local copy of about the
+    share's size; no communication).
+
+    Only op dispatch uses it, as the "redistribution" target of a Replicate operand of an
+    elementwise op that broadcasts it against a ragged operand (a bias, a 1x1 scalar).
+    """
+
+    shape: tuple[int, ...] = attrs.field(default=(), kw_only=True, converter=_as_int_tuple)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(other) is type(self)
+            and isinstance(other, RaggedBroadcastView)
+            and self.dims == other.dims
+            and self.local_units == other.local_units
+            and self.shape == other.shape
+        )
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, self.dims, self.local_units, self.shape))
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_broadcast_view, (self.dims, self.local_units, self.shape))
+
+    def __repr__(self) -> str:
+        return (
+            f"RaggedBroadcastView(dims={self.dims}, local_units={self.local_units}, "
+            f"shape={self.shape})"
+        )
+
+
+def _broadcast_view(
+    dims: Sequence[int], local_units: Sequence[int], shape: Sequence[int]
+) -> RaggedBroadcastView:
+    return RaggedBroadcastView(dims, local_units, shape=tuple(shape))

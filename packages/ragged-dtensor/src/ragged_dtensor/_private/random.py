@@ -10,8 +10,16 @@ op would use on one device (the device's default generator, or the ``generator=`
 each rank keeps its share. Every rank then consumes exactly what one device consumes, so with
 the same seed on every rank (``torch.manual_seed``), meta-device init followed by
 ``reset_parameters()`` gives every parameter the values a single device gives, whatever the
-layout, and every later draw stays in step. Cost: one temporary of the tensor's full size per
-op (an initialisation-time cost, like materialising one parameter).
+layout, and every later draw stays in step.
+
+[Note: the share only]
+``uniform_`` and ``normal_`` (what ``nn.init`` uses) on a DTensor whose only non-replicated
+axis is the ragged one (FSDP, HSDP) never build the full tensor: the rank's share is one flat
+range of it, drawn by ``random_stream.draw_share`` chunk by chunk from a sequential generator
+(CPU) or at its own offset of a counter-based one (CUDA's Philox), with the same values and the
+same generator state afterwards (memory: the share plus one bounded chunk). Other random ops,
+other layouts (a ``Shard`` on another axis) and other generators draw one temporary of the
+tensor's full size per op and keep the share.
 
 In-place fills (``uniform_``, ``normal_``, ``bernoulli_(p)``) and ``*_like`` factories are handled;
 the other random ops of DTensor's list (dropout, ``bernoulli`` of a tensor of probabilities)
@@ -26,9 +34,12 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
+from torch.distributed.tensor.placement_types import Replicate
 from torch.utils import _pytree as pytree
 
+from ragged_dtensor._private import random_stream
 from ragged_dtensor._private.ops import RANDOM_OPS, RaggedOpError, has_ragged
+from ragged_dtensor._private.placement import RaggedShard
 
 __all__ = ["LIKE_OPS", "ragged_random_op"]
 
@@ -72,6 +83,12 @@ def ragged_random_op(
     if op_call in INPLACE_OPS:
         if local.is_meta:
             return op_call(*local_args, **kwargs)  # nothing to draw on meta
+        share = _flat_share(spec)
+        if share is not None and share[1] - share[0] == local.numel():
+            numel = spec.shape.numel()
+            rest = local_args[1:]
+            if random_stream.draw_share(op_call, rest, kwargs, local, numel, share[0]):
+                return local
         full = torch.empty(spec.shape, dtype=local.dtype, device=local.device)
         op_call(full, *local_args[1:], **kwargs)
         with torch.no_grad():
@@ -86,3 +103,19 @@ def ragged_random_op(
     template = torch.empty(spec.shape, dtype=local.dtype, device=device)
     full = op_call(template, *local_args[1:], dtype=dtype, **kwargs)
     return cut(full, spec).contiguous()
+
+
+def _flat_share(spec: DTensorSpec) -> tuple[int, int] | None:
+    """This rank's share as one flat range ``[start, stop)`` of the global tensor, when every
+    axis but the ragged one replicates (module [Note: the share only]); else None."""
+    shard = None
+    for axis, placement in enumerate(spec.placements):
+        if type(placement) is RaggedShard:
+            shard = axis, placement
+        elif not isinstance(placement, Replicate):
+            return None
+    if shard is None:
+        return None
+    axis, placement = shard
+    flat = placement.flat_range(tuple(spec.shape), spec.mesh.get_local_rank(axis))
+    return flat.start, flat.stop
