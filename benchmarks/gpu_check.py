@@ -303,6 +303,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--engine", choices=["ours", "fsdp2"], required=True)
     b.add_argument("--config", required=True, help="label of the configuration (report rows)")
     b.add_argument("--index", type=int, default=0, help="the run's number (1, 2, ...)")
+    b.add_argument("--hsdp", action="store_true", help="2 replicas x world/2 shards")
     for name, default in (
         ("dim", 2048),
         ("layers", 8),
@@ -325,6 +326,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--sleep-cycles", type=int, default=2_000_000, help="max per sleep kernel")
     s.add_argument("--host-sleep", type=float, default=0.0, help="CPU stand-in, max seconds")
     s.add_argument("--serial", action="store_true", help="no sleeps or empty_cache: the reference")
+    s.add_argument("--hsdp", action="store_true", help="2 replicas x world/2 shards")
+    s.add_argument("--custom-collectives", action="store_true", help="user all-gather/RS")
+    s.add_argument("--inplace-grads", action="store_true", help="zero_grad keeps .grad")
+    s.add_argument("--float8", action="store_true", help="FP8 quantized all-gather (bf16)")
 
     h = sub.add_parser("host", help="bench_scale_host.py ARGS (with this torch's shims)")
     h.add_argument("args", nargs=argparse.REMAINDER)

@@ -18,11 +18,21 @@
 #              step, fp32 and bf16. On N >= 2 GPUs: torchrun, N ranks on NCCL, against a
 #              one-process reference (bitwise at N = 2, within a stated tolerance above); on
 #              one GPU: rank 0 of 4 on the fake process group against a serial run
-#              (CUDA_LAUNCH_BLOCKING=1, no sleeps), bitwise;
+#              (CUDA_LAUNCH_BLOCKING=1, no sleeps), bitwise. Beside those, bf16 with HSDP (2
+#              replicas x N/2 shards: the all-reduce stream), user collectives
+#              (set_custom_all_gather / set_custom_reduce_scatter) and in-place gradients
+#              (zero_grad(set_to_none=False)): on N >= 2 even GPUs N ranks, on one GPU rank 0 of
+#              4 on the fake process group (2 x 2: every stream's collective); the report fails
+#              a run whose hook saw no collective of a kind its mesh issues; and float8 (the
+#              FP8 quantized all-gather, 1 x 8 tiles) on N >= 2 GPUs against a reference that
+#              quantizes the whole weights (on one GPU there is no float8 case: the fake
+#              group's receive buffers are never filled);
 #   bench      ours vs FSDP2 on a LLaMA-like model (bf16 mixed precision, AdamW), each run its
 #              own launch, alternating (ours, FSDP2, ours, FSDP2, ...; --runs per engine):
 #              step-time ratio (median of the runs' medians, and of the minimums),
-#              max_memory_allocated and max_memory_reserved ratios. On N >= 2 GPUs: torchrun,
+#              max_memory_allocated and max_memory_reserved ratios; our losses against FSDP2's
+#              of the same command (bitwise or within the precision's tolerance, else the
+#              report fails: a fast wrong run never passes; not comparable on the fake group). On N >= 2 GPUs: torchrun,
 #              N ranks on NCCL, with TORCH_NCCL_AVOID_RECORD_STREAMS unset and =1; on one GPU:
 #              world size 1 on NCCL (unset and =1) and rank 0 of 8 on the fake process group;
 #   sanitizer  5 steps of the race run under TORCH_CUDA_SANITIZER=1 (not in --dry);
@@ -31,7 +41,7 @@
 # Options: --dry; --separate (with --dry: each run its own launch, as on GPUs; slower); --out DIR (default results/gpu_check; --dry: $TMPDIR/gpu_check_dry);
 # --python PY (default $PYTHON or python); --gpus N (default: every visible GPU; --dry: 2 gloo
 # ranks); --runs R (bench runs per engine and configuration; default 3, --dry 2); --avoid-record-
-# streams both|unset|1 (default both); --budget S (seconds for all launches, default 540: the
+# streams both|unset|1 (default both); --budget S (seconds for all launches, default 450: the
 # command ends within about S + 30 s, a launch that would start later is skipped and reported);
 # --archive FILE (a .tgz of the out folder at the end).
 #
@@ -105,7 +115,7 @@ else
   DEVICE=cuda; STEPS=20; RACE_STEPS=100; SIZE=()
   STRESS=(--device cuda); BENCH=(--device cuda --mixed)
   HOST=(--worlds 8 1024 --steps 10)
-  RUNS="${RUNS:-3}"; BUDGET="${BUDGET:-540}"
+  RUNS="${RUNS:-3}"; BUDGET="${BUDGET:-450}"
 fi
 mkdir -p "$OUT/logs"
 rm -f "$OUT"/{parity,race,stress,bench}_*.json "$OUT"/{preflight,gpu_check}.json "$OUT"/sanitizer.* \
@@ -209,6 +219,24 @@ if has stress; then
         --fake-world 4 --out "$OUT/stress_fake4_$case.json"
     fi
   done
+  # HSDP (the all-reduce stream), user collectives and in-place gradients, bf16
+  VARIANT=(--hsdp --custom-collectives --inplace-grads)
+  if ((GPUS >= 2 && GPUS % 2 == 0)); then
+    job "stress_ranks${GPUS}_hsdp_bf16" 300 ranks "$ALLOC" stress "${STRESS[@]}" --mixed \
+      "${VARIANT[@]}" --out "$OUT/stress_ranks${GPUS}_hsdp_bf16.json"
+  fi
+  if ((GPUS >= 2)); then  # float8 (the FP8 quantized all-gather): real ranks only (the fake
+    # group's unfilled receive buffers are NaN scales; on one GPU there is no float8 case)
+    job "stress_ranks${GPUS}_float8_bf16" 300 ranks "$ALLOC" stress "${STRESS[@]}" --mixed \
+      --float8 --out "$OUT/stress_ranks${GPUS}_float8_bf16.json"
+  fi
+  if ((GPUS == 1)) || [[ $DRY == 1 ]]; then
+    job "stress_fake4_hsdp_bf16_serial" 300 single CUDA_LAUNCH_BLOCKING=1 stress \
+      "${STRESS[@]}" --mixed "${VARIANT[@]}" --fake-world 4 --serial \
+      --out "$OUT/stress_fake4_hsdp_bf16_serial.json"
+    job "stress_fake4_hsdp_bf16" 300 single "$ALLOC" stress "${STRESS[@]}" --mixed \
+      "${VARIANT[@]}" --fake-world 4 --out "$OUT/stress_fake4_hsdp_bf16.json"
+  fi
 fi
 
 if has bench; then
@@ -216,6 +244,7 @@ if has bench; then
   configs=()  # label:mode:fake world:TORCH_NCCL_AVOID_RECORD_STREAMS
   if ((GPUS >= 2)); then
     for avoid in "${AVOIDS[@]}"; do configs+=("ranks$GPUS-avoid-$avoid:ranks:1:$avoid"); done
+    ((GPUS % 2 == 0)) && configs+=("ranks$GPUS-hsdp:ranks:1:unset:--hsdp")  # 2 x N/2 mesh
   fi
   if ((GPUS == 1)) || [[ $DRY == 1 ]]; then
     for avoid in "${AVOIDS[@]}"; do
@@ -225,13 +254,14 @@ if has bench; then
     configs+=("fake8:single:8:unset")
   fi
   for config in "${configs[@]}"; do
-    IFS=: read -r label mode fake avoid <<<"$config"
+    IFS=: read -r label mode fake avoid extra <<<"$config"
     envs=(); [[ $avoid != unset ]] && envs=("TORCH_NCCL_AVOID_RECORD_STREAMS=$avoid")
+    extras=(); [[ -n ${extra:-} ]] && extras=("$extra")
     for ((run = 1; run <= RUNS; run++)); do
       for engine in ours fsdp2; do
         job "bench_${label}_${engine}_$run" 180 "$mode" "${envs[@]}" bench "${BENCH[@]}" \
           --engine "$engine" --config "$label" --index "$run" --fake-world "$fake" \
-          --out "$OUT/bench_${label}_${engine}_$run.json"
+          "${extras[@]}" --out "$OUT/bench_${label}_${engine}_$run.json"
       done
     done
   done

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpu_check_runs import LOSS_RTOL
+
 PARTS = ("parity", "race", "stress", "bench", "sanitizer", "host")
 
 
@@ -127,11 +129,14 @@ def _hook_problems(run: dict[str, Any]) -> list[str]:
     hook, or (on a device) a call without a stream or off its stream."""
     hook = run.get("hook") or {}
     calls = hook.get("calls", {})
-    problems = [
-        f"no {kind} collective seen by the hook"
-        for kind in ("all_gather", "reduce_scatter")
-        if not calls.get(kind)
-    ]
+    variant = run.get("variant") or {}
+    mesh = variant.get("mesh") or [run.get("world", 1)]
+    kinds = []
+    if mesh[-1] > 1:  # a shard group of one rank copies instead of gathering and scattering
+        kinds += ["all_gather", "reduce_scatter"]
+    if variant.get("hsdp"):
+        kinds.append("all_reduce")  # the replicas' all-reduce, on its own stream
+    problems = [f"no {kind} collective seen by the hook" for kind in kinds if not calls.get(kind)]
     if run["device"] != "cpu" and hook.get("without_stream"):
         problems.append(f"{hook['without_stream']} hook calls without a stream")
     if hook.get("not_current"):
@@ -173,6 +178,15 @@ def stress(r: Report) -> None:
             if run["backend"] == "fake"
             else f"{run['world']} ranks ({run['backend']})"
         )
+        variant = run.get("variant") or {}
+        if variant.get("hsdp"):
+            where += f", HSDP mesh {variant['mesh']}"
+        if variant.get("custom_collectives"):
+            where += ", custom collectives"
+        if variant.get("inplace_grads"):
+            where += ", in-place gradients"
+        if variant.get("float8"):
+            where += ", FP8 quantized all-gather"
         head = (
             f"- {case}, {where}, {run['steps']} steps, MLP dim {model['dim']} hidden "
             f"{model['hidden']} x {model['layers']} layers, batch {run['batch_per_rank']} per rank"
@@ -258,6 +272,7 @@ def bench_rows(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
             "backend": sample["backend"],
             "mixed": sample["mixed"],
             "avoid_record_streams": sample["avoid_record_streams"] or "unset",
+            "mesh": sample.get("mesh") or [sample["world"]],
             "runs": [len(ours), len(theirs)],
             "ours_ms": stat(ours, "median_ms", _median),
             "fsdp2_ms": stat(theirs, "median_ms", _median),
@@ -265,6 +280,10 @@ def bench_rows(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
             "fsdp2_min_ms": stat(theirs, "min_ms", min),
             "finite": all(math.isfinite(v) for run in ours + theirs for v in run["losses"]),
         }
+        if sample["backend"] == "fake":  # no data moves: the other ranks' shards are garbage
+            row.update(loss_verdict="not comparable", loss_max_rel_diff=math.nan, loss_rtol=0.0)
+        else:
+            row.update(_losses_against_fsdp2(ours, theirs, sample["mixed"]))
         row["step_ratio"] = _ratio(row["ours_ms"], row["fsdp2_ms"])
         row["min_ratio"] = _ratio(row["ours_min_ms"], row["fsdp2_min_ms"])
         for key in ("max_allocated", "max_reserved", "alloc_retries"):
@@ -280,10 +299,40 @@ def bench_rows(out: Path) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     return rows, model
 
 
+def _losses_against_fsdp2(
+    ours: list[dict[str, Any]], theirs: list[dict[str, Any]], mixed: bool
+) -> dict[str, Any]:
+    """Our losses against FSDP2's in the same command (the same initial weights and batches):
+    ``bitwise``, ``within tolerance`` (``LOSS_RTOL`` of the precision: the engines sum
+    gradients in other orders across ranks) or ``MISMATCH``, which fails the report, so a fast
+    wrong run never passes. Every run of an engine is compared with FSDP2's first run."""
+    case = "bf16" if mixed else "fp32"
+    if not ours or not theirs:
+        return {"loss_verdict": "missing", "loss_max_rel_diff": math.nan, "loss_rtol": 0.0}
+    reference = [float(v) for v in theirs[0]["losses"]]
+    worst, bitwise = 0.0, True
+    for run in ours + theirs[1:]:
+        losses = [float(v) for v in run["losses"]]
+        if len(losses) != len(reference) or not losses:
+            worst, bitwise = math.inf, False
+            continue
+        for a, b in zip(losses, reference, strict=True):
+            if a != b:
+                bitwise = False
+                rel = abs(a - b) / max(abs(b), 1e-12) if math.isfinite(a - b) else math.inf
+                worst = max(worst, rel)
+    verdict = (
+        "bitwise" if bitwise else "within tolerance" if worst <= LOSS_RTOL[case] else "MISMATCH"
+    )
+    return {"loss_verdict": verdict, "loss_max_rel_diff": worst, "loss_rtol": LOSS_RTOL[case]}
+
+
 def _where(row: dict[str, Any]) -> str:
     if row["backend"] == "fake":
         return f"rank 0 of {row['world']}, fake process group (no communication)"
-    return f"{row['world']} x {row['backend']}"
+    mesh = row.get("mesh") or [row["world"]]
+    hsdp = f", HSDP {mesh[0]} x {mesh[1]}" if len(mesh) == 2 else ""
+    return f"{row['world']} x {row['backend']}{hsdp}"
 
 
 def bench_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -323,6 +372,29 @@ def bench(r: Report) -> None:
             r.fail(f"bench {row['config']}: no runs of one engine")
         if not row["finite"]:
             r.fail(f"bench {row['config']}: non-finite losses")
+        if row["loss_verdict"] not in ("bitwise", "within tolerance", "not comparable"):
+            r.fail(f"bench {row['config']}: losses ours vs FSDP2 {row['loss_verdict']}")
+        r.lines.append(
+            f"- losses ours vs FSDP2, {row['config']} ({_where(row)}): {row['loss_verdict']}"
+            + (
+                ""
+                if row["loss_verdict"] == "bitwise"
+                else " (the fake process group gathers no other rank's shard)"
+                if row["loss_verdict"] == "not comparable"
+                else f" (max relative difference {row['loss_max_rel_diff']:.2e}, "
+                f"tolerance {row['loss_rtol']:.0e})"
+            )
+        )
+    if rows and not any(row["backend"] != "fake" and row["world"] > 1 for row in rows):
+        r.lines.append(
+            "- one device: no step-time ratio here has real communication (world size 1 issues "
+            "no collectives; the fake process group's collectives move no data; NCCL refuses "
+            "two ranks on one device). What this run shows: memory (max allocated / reserved), "
+            "the copies and kernel launches of each engine. Step-time ratios with real "
+            "communication need >= 2 GPUs (8 for the intended figures)."
+        )
+    if rows:
+        r.lines.append("")
     if model is not None:
         r.lines.append(
             f"LLaMA-like model: dim {model['dim']}, {model['layers']} layers, {model['heads']} "

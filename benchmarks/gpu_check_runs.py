@@ -224,9 +224,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         params = sum(p.numel() for p in model.parameters())
         api = _api(args.engine)
         mp = _mp(api, args.mixed)
+        mesh = _stress_mesh(ctx, args.hsdp)  # FSDP, or HSDP: 2 replicas x world / 2 shards
         for layer in model.layers:
-            api.fully_shard(layer, mesh=ctx.mesh, mp_policy=mp)
-        api.fully_shard(model, mesh=ctx.mesh, mp_policy=mp)
+            api.fully_shard(layer, mesh=mesh, mp_policy=mp)
+        api.fully_shard(model, mesh=mesh, mp_policy=mp)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)  # CUDA's default
         gen = torch.Generator().manual_seed(1 + ctx.rank)
         batches = [
@@ -256,6 +257,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "kind": "bench",
             "engine": args.engine,
             "config": args.config,
+            "mesh": list(mesh.shape),
             "index": args.index,
             "backend": ctx.backend,
             "world": ctx.world,
@@ -406,6 +408,44 @@ def _initial_model(args: argparse.Namespace, device: Any) -> Any:
     return build_model(args.layers, args.dim, args.hidden).to(device)
 
 
+def _stress_mesh(ctx: Dist, hsdp: bool) -> Any:
+    """FSDP: the 1-D mesh of every rank; HSDP: 2 replicas x ``world / 2`` shards (the
+    replicas' all-reduce on the all-reduce stream; at 2 ranks each shard group is one rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not hsdp:
+        return ctx.mesh
+    if ctx.world % 2:
+        raise SystemExit(f"--hsdp needs an even world size, not {ctx.world}")
+    return init_device_mesh(
+        ctx.device.type, (2, ctx.world // 2), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def _user_all_gather(**kwargs: Any) -> Any:
+    """A user all-gather (FSDP2's custom-collective interface) wrapping the backend's."""
+    import torch.distributed as dist
+
+    return dist.all_gather_single(
+        kwargs["output_tensor"],
+        kwargs["input_tensor"],
+        group=kwargs["group"],
+        async_op=kwargs["async_op"],
+    )
+
+
+def _user_reduce_scatter(**kwargs: Any) -> Any:
+    import torch.distributed as dist
+
+    return dist.reduce_scatter_single(
+        kwargs["output_tensor"],
+        kwargs["input_tensor"],
+        op=kwargs["op"],
+        group=kwargs["group"],
+        async_op=kwargs["async_op"],
+    )
+
+
 def stress(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from torch.distributed.tensor import DTensor
@@ -418,9 +458,21 @@ def stress(args: argparse.Namespace) -> dict[str, Any]:
         import fsdp_engine as api
 
         mp = _mp(api, args.mixed)
+        if args.float8:  # FP8 codes of 1 x 8 tiles in the all-gather, its stream's temporaries
+            quantized = api.QuantizedAllGather(format="float8_e4m3fn", block=(1, 8), min_numel=1)
+            mp = api.MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16,
+                reduce_dtype=torch.float32,
+                quantized_all_gather=quantized,
+            )
+        mesh = _stress_mesh(ctx, args.hsdp)
         for block in model.blocks:
-            api.fully_shard(block, mesh=ctx.mesh, mp_policy=mp)
-        api.fully_shard(model, mesh=ctx.mesh, mp_policy=mp)
+            api.fully_shard(block, mesh=mesh, mp_policy=mp)
+        api.fully_shard(model, mesh=mesh, mp_policy=mp)
+        if args.custom_collectives:  # a user's collectives: they too run on the comm streams
+            for module in (*model.blocks, model):
+                module.set_custom_all_gather(_user_all_gather)
+                module.set_custom_reduce_scatter(_user_reduce_scatter)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, foreach=True)
         # a real world: rank r's rows of the global batch; fake: rank 0's rows of a world of one
         real = ctx.backend != "fake"
@@ -437,7 +489,8 @@ def stress(args: argparse.Namespace) -> dict[str, Any]:
                 loss = (model(x).float() - y).pow(2).mean()
                 loss.backward()
                 opt.step()
-                opt.zero_grad(set_to_none=True)
+                # in-place gradients: the next reduction accumulates into the kept .grad
+                opt.zero_grad(set_to_none=not args.inplace_grads)
                 losses.append(loss.detach())
                 if cuda and not args.serial:
                     torch.cuda.empty_cache()  # unmap what was freed: a late use reads new data
@@ -455,6 +508,13 @@ def stress(args: argparse.Namespace) -> dict[str, Any]:
             "launch_blocking": os.environ.get("CUDA_LAUNCH_BLOCKING", ""),
             "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
             "hook": None if hook is None else hook.summary(),
+            "variant": {
+                "mesh": list(mesh.shape),
+                "hsdp": args.hsdp,
+                "custom_collectives": args.custom_collectives,
+                "inplace_grads": args.inplace_grads,
+                "float8": args.float8,
+            },
         }
         if not real:
             digest = hashlib.sha256()
@@ -487,6 +547,21 @@ def _all_losses(ctx: Dist, local: Any) -> Any:
     return gathered.view(ctx.world, -1)
 
 
+def _fp8_roundtrip(master: Any) -> Any:
+    """What the FP8 quantized all-gather (``--float8``: 1 x 8 tiles) gives for ``master``:
+    the whole weight quantized and dequantized into bf16 (bitwise the sharded result, [Note: a
+    shard quantizes exactly its own tiles])."""
+    import torch
+
+    from fsdp_engine._private.quantize import dequantize_panel, panel_shape, quantize_panel
+
+    block = (1, 8)
+    panel = master.detach().reshape(panel_shape(tuple(master.shape), block))
+    codes, scales = quantize_panel(panel, block, "float8_e4m3fn")
+    out = dequantize_panel(codes, scales, block, dtype=torch.bfloat16)
+    return out.view(master.shape)
+
+
 def reference(args: argparse.Namespace, world: int, device: Any) -> tuple[Any, Any, Any]:
     """One process, the sharded run's arithmetic: per step, each rank's rows on the whole model
     (a bf16 copy of the fp32 parameters with ``--mixed``, its gradients cast to fp32), the
@@ -508,7 +583,12 @@ def reference(args: argparse.Namespace, world: int, device: Any) -> tuple[Any, A
         if args.mixed:
             with torch.no_grad():
                 for master, low in pairs:
-                    low.copy_(master)  # the engine's cast of the shard, elementwise
+                    # the gathered FP8 codes, dequantized: the policy's default choice, the
+                    # weights of >= 2 dims (biases travel in bf16)
+                    if getattr(args, "float8", False) and master.dim() >= 2:
+                        low.copy_(_fp8_roundtrip(master))
+                    else:
+                        low.copy_(master)  # the engine's cast of the shard, elementwise
         total: list[Any] = []
         for rank in range(world):
             work.zero_grad(set_to_none=True)

@@ -95,11 +95,40 @@ def test_gpu_check_dry_run_passes(tmp_path: Path) -> None:
         assert fake["alloc_conf"] == "expandable_segments:True"
         assert serial["launch_blocking"] == "1"
 
+    # HSDP, user collectives and in-place gradients: on 2 ranks a 2 x 1 mesh (the replicas'
+    # all-reduce only); rank 0 of 4 on the fake group a 2 x 2 mesh (every collective stream)
+    hsdp = _json(tmp_path / "stress_ranks2_hsdp_bf16.json")
+    assert hsdp["variant"]["mesh"] == [2, 1] and hsdp["variant"]["custom_collectives"]
+    assert hsdp["compare"]["verdict"] == "bitwise" and hsdp["hook"]["calls"]["all_reduce"] > 0
+    fake_hsdp = _json(tmp_path / "stress_fake4_hsdp_bf16.json")
+    assert fake_hsdp["variant"] == {
+        "mesh": [2, 2],
+        "hsdp": True,
+        "custom_collectives": True,
+        "inplace_grads": True,
+        "float8": False,
+    }
+    assert set(fake_hsdp["hook"]["calls"]) == {"all_gather", "reduce_scatter", "all_reduce"}
+    # float8: the FP8 quantized all-gather on 2 ranks against a reference that quantizes the
+    # whole weights (the same arithmetic: bitwise)
+    fp8 = _json(tmp_path / "stress_ranks2_float8_bf16.json")
+    assert fp8["variant"]["float8"] and fp8["compare"]["verdict"] == "bitwise", fp8["compare"]
+    serial_hsdp = _json(tmp_path / "stress_fake4_hsdp_bf16_serial.json")
+    assert fake_hsdp["losses"] == serial_hsdp["losses"]
+
     report = _json(tmp_path / "gpu_check.json")
     assert report["dry"] is True and report["result"] == "passed"
     rows = {row["config"]: row for row in report["bench"]["rows"]}
-    assert set(rows) == {"ranks2-avoid-unset", "ranks2-avoid-1", "world1-avoid-unset", "fake8"}
+    assert set(rows) == {
+        "ranks2-avoid-unset",
+        "ranks2-avoid-1",
+        "ranks2-hsdp",
+        "world1-avoid-unset",
+        "fake8",
+    }
+    assert rows["ranks2-hsdp"]["mesh"] == [2, 1]  # the HSDP case: 2 replicas x 1 shard
     assert [(r["backend"], r["world"]) for r in report["bench"]["rows"]] == [
+        ("gloo", 2),
         ("gloo", 2),
         ("gloo", 2),
         ("gloo", 1),
@@ -107,6 +136,20 @@ def test_gpu_check_dry_run_passes(tmp_path: Path) -> None:
     ]
     for row in rows.values():
         assert row["runs"] == [2, 2] and row["finite"] and row["step_ratio"] > 0
+        # our losses against FSDP2's in the same command: asserted, a slot for every config
+        fake = row["backend"] == "fake"  # its collectives move no data: nothing to compare
+        assert (
+            row["loss_verdict"] == "not comparable"
+            if fake
+            else row["loss_verdict"]
+            in (
+                "bitwise",
+                "within tolerance",
+            )
+        ), row
+    summary_text = (tmp_path / "summary.md").read_text()
+    for config in rows:
+        assert f"- losses ours vs FSDP2, {config} (" in summary_text
     runs = [_json(p) for p in tmp_path.glob("bench_ranks2-avoid-1_*.json")]
     assert {r["avoid_record_streams"] for r in runs} == {"1"}
     assert {(r["engine"], r["index"]) for r in runs} == {
@@ -321,3 +364,53 @@ def test_gpu_check_dry_separate_launches(tmp_path: Path) -> None:
     bench = [n for n in names if n.startswith("bench_ranks2-avoid-unset")]
     assert bench == ["bench_ranks2-avoid-unset_ours_1", "bench_ranks2-avoid-unset_fsdp2_1"]
     assert "result: passed" in (tmp_path / "summary.md").read_text()
+
+
+def _bench(engine: str, index: int, losses: list[float], **extra: Any) -> dict[str, Any]:
+    model = {"dim": 1, "layers": 1, "heads": 1, "ffn": 1, "vocab": 1, "seq": 1}
+    return {
+        "kind": "bench",
+        "config": "ranks8-avoid-unset",
+        "engine": engine,
+        "index": index,
+        "model": dict(model, batch_per_rank=1, parameters=1e6),
+        "world": 8,
+        "backend": "nccl",
+        "mixed": True,
+        "avoid_record_streams": None,
+        "median_ms": 10.0 if engine == "fsdp2" else 5.0,
+        "min_ms": 9.0 if engine == "fsdp2" else 4.0,
+        "losses": losses,
+        "memory": {"max_allocated": 2**30, "max_reserved": 2**31, "alloc_retries": 0},
+        **extra,
+    }
+
+
+@pytest.mark.parametrize(
+    ("ours", "verdict", "fails"),
+    [
+        ([2.0, 1.5], "bitwise", False),
+        ([2.0, 1.5 * (1 + 1e-3)], "within tolerance", False),  # bf16's LOSS_RTOL is 2e-2
+        ([2.0, 1.2], "MISMATCH", True),  # a fast wrong run
+    ],
+)
+def test_gpu_check_report_asserts_our_losses_against_fsdp2(
+    tmp_path: Path, ours: list[float], verdict: str, fails: bool
+) -> None:
+    """The bench's step-time ratio never passes on its own: our losses are compared with
+    FSDP2's of the same command, and a mismatch fails the report by name."""
+    for index in (1, 2):
+        (tmp_path / f"bench_x_fsdp2_{index}.json").write_text(
+            json.dumps(_bench("fsdp2", index, [2.0, 1.5]))
+        )
+        (tmp_path / f"bench_x_ours_{index}.json").write_text(
+            json.dumps(_bench("ours", index, ours))
+        )
+    proc = _report(tmp_path, "bench")
+    assert f"- losses ours vs FSDP2, ranks8-avoid-unset (8 x nccl): {verdict}" in proc.stdout
+    if fails:
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "bench ranks8-avoid-unset: losses ours vs FSDP2 MISMATCH" in proc.stdout
+    else:
+        assert "losses ours vs FSDP2 MISMATCH" not in proc.stdout
+        assert "one device: no step-time ratio" not in proc.stdout  # 8 real ranks

@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -23,10 +23,12 @@ from fsdp_engine._private.quantize import (
     FORMATS,
     code_dtype,
     dequantize_panel,
+    dequantize_panels,
     panel_block_elements,
     panel_shape,
     qmax,
     quantize_panel,
+    quantize_panels,
     scale_grid,
 )
 
@@ -162,3 +164,31 @@ def test_panel_geometry() -> None:
     assert panel_block_elements((103, 256), (128, 128)) == 103 * 256  # partial: kept whole
     assert panel_shape((2, 3, 256), (128, 128)) == (6, 256)
     assert scale_grid(300, 260, (128, 128)) == (3, 3)
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_batched_pieces_bitwise_equal_to_one_panel_each(fmt: str, out_dtype: torch.dtype) -> None:
+    """``quantize_panels`` / ``dequantize_panels`` (a group's pieces at once, [Note: the pieces
+    of a group at once]) give bitwise what ``quantize_panel`` / ``dequantize_panel`` give one
+    piece at a time: pieces of two widths, zero and tiny blocks, and partial blocks (which take
+    the per-panel path)."""
+    block = (4, 8)
+    torch.manual_seed(3)
+    shapes = [(8, 16), (4, 16), (12, 24), (8, 16), (5, 16), (8, 20), (4, 24)]
+    panels = [torch.randn(s) * 10 ** torch.randint(-6, 4, (1,)).item() for s in shapes]
+    panels[1].zero_()
+    panels[3][:4] = 1e-42  # denormal blocks: scale 1
+    fmt_ = cast(Any, fmt)
+    expected = [quantize_panel(x, block, fmt_) for x in panels]
+    codes = [torch.empty(s, dtype=code_dtype(fmt_)) for s in shapes]
+    scales = [torch.empty(scale_grid(*s, block)) for s in shapes]
+    quantize_panels(panels, block, fmt_, codes, scales)
+    for (c, s), c2, s2 in zip(expected, codes, scales, strict=True):
+        assert torch.equal(c.view(torch.uint8), c2.view(torch.uint8))
+        assert torch.equal(s, s2)
+    outs = [torch.empty(s, dtype=out_dtype) for s in shapes]
+    dequantize_panels(codes, scales, block, outs)
+    for (c, s), out in zip(expected, outs, strict=True):
+        want = dequantize_panel(c, s, block, dtype=out_dtype)
+        assert torch.equal(want.view(-1).view(torch.uint8), out.view(-1).view(torch.uint8))

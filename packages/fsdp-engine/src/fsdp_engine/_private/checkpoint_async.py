@@ -8,10 +8,13 @@ committed, integrity-checked save of ``save_checkpoint``:
 - on the training thread: wait for this process's previous asynchronous save (one save at a
   time: the staged copies held stay bounded, and the commit protocol's cleanup of dead partial
   directories never meets a live one); the local checks of ``save_checkpoint``; the copy to CPU
-  ([Note: staging] in ``checkpoint_staging``); the copy goes to the writer and the call returns.
+  ([Note: staging] in ``checkpoint_staging``: from device tensors it runs on a copy stream,
+  issued by a stager thread, and only the next optimizer step waits for it, [Note: staging
+  without a stall]); the copy goes to the writer and the call returns.
   No collective: the stall is this rank's own work, never a wait for a slower rank. A check
   that fails here raises here (and the writer still tells the other ranks);
-- on the writer thread: first one small all-gather in which every rank learns that every rank
+- on the writer thread: first the wait for the device-to-host copies (a failed copy becomes
+  this rank's error), then one small all-gather in which every rank learns that every rank
   named the same path, passed its checks and staged (else every rank's ``result()`` raises
   the same error, and nothing was written); the check of plain tensors across ranks; then
   phases 1-4 of [Note: commit protocol]: DCP writes the files, the digests of every byte range
@@ -202,10 +205,20 @@ def _write(
 ) -> Path:
     """The writer's job (see [Note: asynchronous saves]); every rank submits one, failed or not,
     so every rank's writer meets the others in the same collectives."""
-    check_every_rank(request.final, error, _OP, group)
-    assert staged is not None
-    staged.wait()
-    return checkpoint_save.write(staged.state_dict, request, group)
+    if error is None and staged is not None:
+        try:  # before the agreement: a copy that failed on the stager thread is told to all
+            staged.wait()
+        except Exception as exc:
+            error = CheckpointError(
+                f"{_OP}: copying the state dict to CPU memory failed ({describe(exc)})"
+            )
+    try:
+        check_every_rank(request.final, error, _OP, group)
+        assert staged is not None
+        return checkpoint_save.write(staged.state_dict, request, group)
+    finally:
+        if staged is not None:
+            staged.release()  # the pinned buffers go back to the pool for the next save
 
 
 def async_save_checkpoint(

@@ -42,10 +42,12 @@ __all__ = [
     "Format",
     "code_dtype",
     "dequantize_panel",
+    "dequantize_panels",
     "panel_block_elements",
     "panel_shape",
     "qmax",
     "quantize_panel",
+    "quantize_panels",
     "scale_grid",
 ]
 
@@ -175,3 +177,83 @@ def dequantize_panel(
     product = _padded(wide, tr * br, tc * bc).view(tr, br, tc, bc) * scale
     out.copy_(product.view(tr * br, tc * bc)[:rows, :width])  # fp32 product, rounded once here
     return out
+
+
+# [Note: the pieces of a group at once]
+# A group's quantized all-gather encodes and decodes many pieces (every rank's share of every
+# weight). Launching the panel functions per piece makes the launches per group grow with its
+# parameters. The batched forms below take the pieces of whole blocks with the same width
+# together: their row-major panels concatenated along the rows are one panel of whole blocks
+# (every piece is a whole number of block rows), quantized or dequantized by one chain of
+# kernels, and the results go back to every piece with one ``_foreach_copy_`` of contiguous
+# tensors of one dtype. Each element meets the same operations as in the panel functions
+# ([Note: blockwise quantization]: its code depends only on its value and its block's amax), so
+# the results are bitwise those of the panel functions. Pieces with a partial block (a weight's
+# last block row or column) take the panel functions, one each.
+
+
+def _whole(rows: int, width: int, block: tuple[int, int]) -> bool:
+    return rows % block[0] == 0 and width % block[1] == 0
+
+
+def quantize_panels(
+    panels: list[torch.Tensor],
+    block: tuple[int, int],
+    fmt: Format,
+    codes: list[torch.Tensor],
+    scales: list[torch.Tensor],
+) -> None:
+    """``quantize_panel(panels[i], codes=codes[i], scales=scales[i])`` for every ``i``, bitwise
+    the same, with kernel launches per width, not per panel ([Note: the pieces of a group at
+    once]). ``codes[i]``: contiguous ``(rows, width)`` of ``code_dtype(fmt)``; ``scales[i]``:
+    contiguous fp32 ``scale_grid``."""
+    br, bc = block
+    q = qmax(fmt)
+    widths: dict[int, list[int]] = {}
+    for i, x in enumerate(panels):
+        rows, width = x.shape
+        if _whole(rows, width, block) and codes[i].dtype == code_dtype(fmt):
+            widths.setdefault(width, []).append(i)
+        else:
+            quantize_panel(x, block, fmt, codes=codes[i], scales=scales[i])
+    for width, members in widths.items():
+        tc = width // bc
+        x = torch.cat([panels[i] for i in members]).float()
+        tiles = x.view(-1, br, tc, bc)
+        scale = tiles.abs().amax(dim=(1, 3))
+        scale = scale / q
+        scale.masked_fill_(scale == 0, 1.0)
+        scaled = (tiles / scale[:, None, :, None]).clamp_(-q, q)
+        if fmt == "int8":
+            scaled.round_()
+        coded = scaled.view(-1, width).to(code_dtype(fmt))
+        heights = [int(panels[i].shape[0]) for i in members]
+        torch._foreach_copy_([codes[i] for i in members], list(torch.split(coded, heights)))
+        scale_heights = [h // br for h in heights]
+        torch._foreach_copy_([scales[i] for i in members], list(torch.split(scale, scale_heights)))
+
+
+def dequantize_panels(
+    codes: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    block: tuple[int, int],
+    out: list[torch.Tensor],
+) -> None:
+    """``dequantize_panel(codes[i], scales[i], out=out[i])`` for every ``i``, bitwise the same,
+    with kernel launches per width and output dtype, not per panel ([Note: the pieces of a
+    group at once]). ``out[i]``: contiguous ``(rows, width)``."""
+    br, bc = block
+    classes: dict[tuple[int, torch.dtype], list[int]] = {}
+    for i, c in enumerate(codes):
+        rows, width = c.shape
+        if _whole(rows, width, block) and scales[i].shape == scale_grid(rows, width, block):
+            classes.setdefault((width, out[i].dtype), []).append(i)
+        else:
+            dequantize_panel(c, scales[i], block, out=out[i])
+    for (width, dtype), members in classes.items():
+        tc = width // bc
+        wide = torch.cat([codes[i] for i in members]).float().view(-1, br, tc, bc)
+        scale = torch.cat([scales[i] for i in members]).float()
+        product = (wide * scale[:, None, :, None]).view(-1, width).to(dtype)  # rounded once
+        heights = [int(codes[i].shape[0]) for i in members]
+        torch._foreach_copy_([out[i] for i in members], list(torch.split(product, heights)))

@@ -39,10 +39,10 @@ from fsdp_engine._private.api import (
 )
 from fsdp_engine._private.quantize import (
     code_dtype,
-    dequantize_panel,
+    dequantize_panels,
     panel_block_elements,
     panel_shape,
-    quantize_panel,
+    quantize_panels,
     scale_grid,
 )
 
@@ -263,46 +263,58 @@ class QuantizedGather:
     def _encode(
         self, params: DBuffer, layout: PackedLayout, send: torch.Tensor, dtype: torch.dtype
     ) -> None:
-        """This rank's section: its shares quantized (codes, scales) or cast to ``dtype``."""
+        """This rank's section: its shares quantized (codes, scales) or cast to ``dtype``; all
+        pieces at once ([Note: the pieces of a group at once] in ``quantize``)."""
         rank = params.rank
         locals_ = params.local_views()
+        panels, codes, scales = [], [], []
+        plain: list[torch.Tensor] = []
+        segments: list[torch.Tensor] = []
         for p in self.pieces[rank]:
             share = locals_[p.index]
             if p.scales < 0:
-                layout.segment(send, rank, p.data, dtype, gathered=False).copy_(share)
+                plain.append(share.reshape(-1))
+                segments.append(layout.segment(send, rank, p.data, dtype, gathered=False))
                 continue
             rows, scale_rows = self._rows(p)
             width = self.panels[p.index][1]
-            codes = layout.segment(send, rank, p.data, self.code_dtype, gathered=False)
-            scales = layout.segment(send, rank, p.scales, torch.float32, gathered=False)
-            quantize_panel(
-                share.view(rows, width),
-                self.policy.block,
-                self.policy.format,
-                codes=codes.view(rows, width),
-                scales=scales.view(scale_rows, -1),
-            )
+            panels.append(share.view(rows, width))
+            code = layout.segment(send, rank, p.data, self.code_dtype, gathered=False)
+            codes.append(code.view(rows, width))
+            scale = layout.segment(send, rank, p.scales, torch.float32, gathered=False)
+            scales.append(scale.view(scale_rows, -1))
+        if plain:  # one cast of every unquantized share, one foreach copy into the segments
+            cast = torch.cat(plain).to(dtype)
+            torch._foreach_copy_(segments, list(torch.split(cast, [t.numel() for t in plain])))
+        if panels:
+            quantize_panels(panels, self.policy.block, self.policy.format, codes, scales)
 
     def _decode(self, layout: PackedLayout, recv: torch.Tensor, out: torch.Tensor) -> None:
-        """Every rank's pieces into the unsharded flat tensor ``out``: dequantized or copied."""
+        """Every rank's pieces into the unsharded flat tensor ``out``: dequantized or copied,
+        all at once ([Note: the pieces of a group at once] in ``quantize``)."""
         slots = self.buffer.slots
+        targets: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        codes, scales, panels = [], [], []
         for pieces in self.pieces:
             for p in pieces:
                 base = slots[p.index].offset
                 target = out[base + p.start : base + p.stop]
                 if p.scales < 0:
-                    target.copy_(layout.segment(recv, p.rank, p.data, out.dtype))
+                    targets.append(target)
+                    sources.append(layout.segment(recv, p.rank, p.data, out.dtype))
                     continue
                 rows, scale_rows = self._rows(p)
                 width = self.panels[p.index][1]
-                codes = layout.segment(recv, p.rank, p.data, self.code_dtype)
-                scales = layout.segment(recv, p.rank, p.scales, torch.float32)
-                dequantize_panel(
-                    codes.view(rows, width),
-                    scales.view(scale_rows, -1),
-                    self.policy.block,
-                    out=target.view(rows, width),
-                )
+                code = layout.segment(recv, p.rank, p.data, self.code_dtype)
+                codes.append(code.view(rows, width))
+                scale = layout.segment(recv, p.rank, p.scales, torch.float32)
+                scales.append(scale.view(scale_rows, -1))
+                panels.append(target.view(rows, width))
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        if codes:
+            dequantize_panels(codes, scales, self.policy.block, panels)
 
     def gathered(self, layout: PackedLayout, recv: torch.Tensor) -> list[QuantizedWeight]:
         """Each quantized weight's codes and scales, assembled from every rank's pieces."""
