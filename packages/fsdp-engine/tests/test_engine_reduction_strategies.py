@@ -259,5 +259,11 @@ def test_frozen_parameter_reduction_launches_do_not_grow_with_the_parameters(
     monkeypatch.setattr(GradReducer, "_reduce_compact", reduce_compact)
     four = run_threaded(_compact_ops, 2, 4)[0]
     sixteen = run_threaded(_compact_ops, 2, 16)[0]
+    # Launches only: ``empty`` / ``empty_strided`` / ``set_`` make tensor objects without a
+    # kernel (each ``.grad`` is a tensor over its own slice of the gradient storage, one per
+    # parameter, as FSDP2 makes one ``.grad`` per parameter).
+    no_kernel = {"aten.empty", "aten.empty_strided", "aten.set_"}
+    four = {k: v for k, v in four.items() if k not in no_kernel}
+    sixteen = {k: v for k, v in sixteen.items() if k not in no_kernel}
     assert four == sixteen, (four, sixteen)
     assert four.get("aten._foreach_add_", 0) == 1, four
