@@ -16,6 +16,12 @@ import ragged_opinfo as opinfo
 pytestmark = pytest.mark.numerics
 
 RAGGED = ("ragged", "ragged_empty")
+# The named gap of the "never a crash" target: entries that crash on RaggedShard, each crashing
+# the same way on the Shard(0) control (checked), with why.
+KNOWN_CRASHES = {
+    "tensor_split": "split points given as a tensor of indices: DTensor's own rule reads the "
+    "index tensor's data, which Shard(0) cannot give either",
+}
 
 
 def _entries(sample: bool) -> list[object]:
@@ -31,6 +37,11 @@ def _check(table: dict[str, dict[str, tuple[str, str]]], kinds: tuple[str, ...] 
         for name, row in table.items()
     }
     bad = {name: kinds for name, kinds in bad.items() if kinds}
+    for name in list(bad):
+        base = name.rsplit(".", 1)[0]
+        crashes = all(outcome[0] == "crash" for outcome in bad[name].values())
+        if base in KNOWN_CRASHES and crashes and table[name].get("shard0", ("",))[0] == "crash":
+            del bad[name]
     assert not bad, "\n".join(f"{n}: {k}" for n, k in sorted(bad.items()))
     counts = opinfo.summarize(table)
     control = counts["shard0"]["pass"] + counts["shard0"]["partial"]
