@@ -134,7 +134,7 @@ def reduction_for_mask(storage: ShardStorage, mask: tuple[bool, ...], align: int
     if placed is not None and not all(mask) and shard0:
         # FSDP2's bytes: no alignment (the segments are never viewed as another dtype)
         segment, pieces = placed_compact_pieces(placed, mask, 1)
-        return Reduction(mask, "compact", segment, pieces)
+        return _compact_reduction(mask, segment, pieces)
     if all(mask) or placed is not None:
         # a placed group with a trainable Shard(d > 0) member reduces its frozen members' zeros
         # too ([Note: placed groups]): the trainable ones' values are the same, only frozen
@@ -144,16 +144,46 @@ def reduction_for_mask(storage: ShardStorage, mask: tuple[bool, ...], align: int
     segment, pieces = compact_pieces(
         plan.offsets, plan.numels, plan.shard_size, storage.world, mask, align
     )
+    return _compact_reduction(mask, segment, pieces)
+
+
+def _compact_reduction(
+    mask: tuple[bool, ...], segment: int, pieces: tuple[tuple[Piece, ...], ...]
+) -> Reduction:
+    """A compact ``Reduction`` with its cut worked out from ``pieces`` (either layout).
+
+    The cut follows each piece's start in its segment, so it fits both the planned layout
+    (pieces back to back) and the placed one (FSDP2's padded chunks: a gap after a short last
+    piece); ``add_compact`` relies on each tensor's pieces being consecutive in the tensor in
+    rank order, which both layouts give and which is checked here, once per mask."""
     cut: list[int] = []
     lengths: dict[int, list[int]] = {}
     slots: dict[int, list[int]] = {}
-    for rank_pieces in pieces:
+    taken: dict[int, int] = {}
+    for rank, rank_pieces in enumerate(pieces):
         used = 0
-        for i, _, length, _ in rank_pieces:
+        for i, start, length, dst in rank_pieces:
+            if length and start != taken.get(i, 0):
+                raise AssertionError(
+                    f"compact reduction: tensor {i}'s piece on rank {rank} starts at {start}, "
+                    f"not at {taken.get(i, 0)} (its pieces must be consecutive in rank order)"
+                )
+            if dst < used:
+                raise AssertionError(
+                    f"compact reduction: tensor {i}'s piece on rank {rank} overlaps the one "
+                    f"before it in the segment ({dst} < {used})"
+                )
+            if dst > used:
+                cut.append(dst - used)
+            taken[i] = taken.get(i, 0) + length
             lengths.setdefault(i, []).append(length)
             slots.setdefault(i, []).append(len(cut))
             cut.append(length)
-            used += length
+            used = dst + length
+        if used > segment:
+            raise AssertionError(
+                f"compact reduction: rank {rank}'s pieces take {used} > {segment} elements"
+            )
         cut.append(segment - used)
     by_tensor = {i: (tuple(lengths[i]), tuple(slots[i])) for i in lengths}
     return Reduction(mask, "compact", segment, pieces, tuple(cut), by_tensor)
