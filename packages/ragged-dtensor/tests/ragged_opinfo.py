@@ -132,6 +132,16 @@ COMMON_TRAINING = (
 # compared by shape and dtype only: some OpInfos seed the generator inside the call (so one
 # process repeats its draw), but the threaded ranks share one generator and draw in turns.
 # (Ragged random fills draw what one device draws: test_ragged_rowwise_random.py.)
+# Ops whose values are uninitialized memory: compared by shape and dtype, as random ops are
+# (running the reference twice can give the same garbage by chance).
+UNINITIALIZED_NAMES = (
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "empty_permuted",
+    "new_empty",
+    "new_empty_strided",
+)
 RANDOM_NAMES = (
     "bernoulli",
     "cauchy",
@@ -244,7 +254,11 @@ def build_cases(op: Any, inplace: bool) -> list[Case]:
                 again = _run_reference(case, 1)
             except Exception:
                 continue  # the reference rejects it: not counted
-            case.random |= op.name.startswith(RANDOM_NAMES) or not _same(case.want, again)
+            case.random |= (
+                op.name.startswith(RANDOM_NAMES)
+                or op.name in UNINITIALIZED_NAMES
+                or not _same(case.want, again)
+            )
             cases.append(case)
     return cases
 
