@@ -22,7 +22,12 @@ from ragged_dtensor._private.fallback import (
     needs_write_back,
     write_back,
 )
-from ragged_dtensor._private.partial import FILL_OPS, fill_on_partial, inplace_on_partial
+from ragged_dtensor._private.partial import (
+    FILL_OPS,
+    fill_on_partial,
+    inplace_on_partial,
+    scalar_of_partial,
+)
 from ragged_dtensor._private.rows import flatten_outputs
 
 _CHECKPOINT_METHODS = {
@@ -39,6 +44,9 @@ def _propagate_hook(op_schema: OpSchema) -> OutputSharding:
         return ops.propagate_ragged(
             op_schema, originals.tensor_meta, _local_numel, _x_shape_of, originals.propagate
         )
+    scalar = scalar_of_partial(op_schema)  # [Note: a scalar read reduces a Partial]
+    if scalar is not None:
+        return scalar
     if op_schema.op in FILL_OPS:  # [Note: a fill never stays Partial]
         filled = fill_on_partial(op_schema, originals.tensor_meta)
         if filled is not None:

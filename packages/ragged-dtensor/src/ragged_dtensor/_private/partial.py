@@ -18,6 +18,15 @@ product, p-norm partials; ``zero_``, ``zeros_like``, ``empty_like`` and the idem
 reductions avg/max/min are already right and stay torch's). An in-place ``fill_`` changes its
 operand's placement to ``Replicate`` (DTensor allows an in-place op to change the placement).
 Every other op on a ``Partial`` keeps torch's own rule, which reduces before a non-linear op.
+
+[Note: a scalar read reduces a Partial]
+torch 2.13's sharding propagation skips ``aten._local_scalar_dense`` (``.item()``, ``float()``)
+and runs it on the local tensor as it is: on a ``Partial`` that is this rank's partial value,
+not the tensor's (``p.norm(2).item()`` of a ragged share gives the share's norm). Adafactor
+takes its step size from exactly that, so every rank stepped with its own wrong ``alpha`` and
+the result differed from one process's by ~5e-3 with no error. The hook reduces the operand to
+``Replicate`` on its partial axes first (the value ``full_tensor()`` would give; one
+all-reduce of one element), so every rank reads the tensor's value.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OutputSharding
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
-__all__ = ["FILL_OPS", "fill_on_partial", "inplace_on_partial"]
+__all__ = ["FILL_OPS", "fill_on_partial", "inplace_on_partial", "scalar_of_partial"]
 
 aten = torch.ops.aten
 
@@ -147,3 +156,25 @@ def inplace_on_partial(
         needs_redistribute=True,
         use_val_from_redistribute_schema=result.use_val_from_redistribute_schema,
     )
+
+
+def scalar_of_partial(schema: OpSchema) -> OutputSharding | None:
+    """``_local_scalar_dense`` (``.item()``) of a ``Partial`` operand: reduce it first
+    ([Note: a scalar read reduces a Partial]); None when the operand is not ``Partial``."""
+    if schema.op is not aten._local_scalar_dense.default or not schema.args_schema:
+        return None
+    spec = schema.args_schema[0]
+    if not isinstance(spec, DTensorSpec) or not any(p.is_partial() for p in spec.placements):
+        return None
+    reduced = DTensorSpec(
+        spec.mesh,
+        tuple(Replicate() if p.is_partial() else p for p in spec.placements),
+        tensor_meta=spec.tensor_meta,
+    )
+    asked = OpSchema(
+        schema.op,
+        (reduced, *schema.args_schema[1:]),
+        schema.kwargs_schema,
+        schema_info=schema.schema_info,
+    )
+    return OutputSharding(None, redistribute_schema=asked, needs_redistribute=True)
