@@ -288,18 +288,48 @@ def test_torch_optimizers_that_make_state_with_factories_match_fsdp2(name: str) 
     ragged reduction is reduced first, and its parameters equal one process's within the
     reordered sums' rounding (fp32, two steps: rtol 1e-5 is ~100 eps of headroom over the
     few-eps difference of a norm summed in two halves)."""
-    fsdp2, ours = (run_threaded(_optimizer_run, 2, e, name, timeout=120)[0] for e in ENGINES)
+    # ours first: see the xfail test below for a failed FSDP2 Adafactor step before ours
+    ours, fsdp2 = (
+        run_threaded(_optimizer_run, 2, e, name, timeout=120)[0] for e in ("ours", "fsdp2")
+    )
     if name == "Adafactor":
-        assert isinstance(fsdp2, str) and "aten.pow_.Scalar" in fsdp2, fsdp2
+        # FSDP2 alone refuses at pow_; once ragged_dtensor's integration is installed in the
+        # process (ours ran), its reduce-first rule for in-place ops on a Partial applies to
+        # FSDP2's DTensors too, and FSDP2's step must then be right as well
         assert isinstance(ours, dict), ours
         plain = run_threaded(_plain_optimizer_run, 1, name, timeout=120)[0]
+        runs = [ours] if isinstance(fsdp2, str) else [ours, fsdp2]
         for key, value in plain.items():
-            if key.startswith("model."):
+            for run in runs:
+                if not key.startswith("model."):
+                    continue
                 torch.testing.assert_close(
-                    ours[key], value, rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}"
+                    run[key], value, rtol=1e-5, atol=1e-7, msg=lambda m, k=key: f"{k}: {m}"
                 )
         return
     assert_bitwise_equal(ours, fsdp2)
+
+
+def _fsdp2_then_ours_adafactor(rank: int, world: int) -> tuple[Any, Any]:
+    fsdp2 = _optimizer_run(rank, world, "fsdp2", "Adafactor")
+    return fsdp2, _optimizer_run(rank, world, "ours", "Adafactor")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open bug: after torch's FSDP2 fails an Adafactor step (pow_ on a Partial) in the "
+    "same process, ragged_dtensor's slow-path hook is no longer reached for the in-place op on "
+    "a Partial, so its write-back is skipped and ours is 5e-3 off one process (ours alone, or "
+    "after FSDP2 SGD, is right)",
+)
+def test_adafactor_after_a_failed_fsdp2_adafactor_step_in_the_same_process() -> None:
+    # fresh processes: the state this leaves behind must not reach the other tests' workers
+    fsdp2, ours = run_processes(_fsdp2_then_ours_adafactor, 2, timeout=300)[0]
+    assert isinstance(fsdp2, str) and "aten.pow_.Scalar" in fsdp2, fsdp2
+    plain = run_threaded(_plain_optimizer_run, 1, "Adafactor", timeout=120)[0]
+    for key, value in plain.items():
+        if key.startswith("model."):
+            torch.testing.assert_close(ours[key], value, rtol=1e-5, atol=1e-7)
 
 
 # -- dcp.async_save in processes (a CPU backend): round trip at 2, load at 1 and 3 ---------------
