@@ -104,6 +104,23 @@ def fill_on_partial(
     return OutputSharding(DTensorSpec(spec.mesh, placements, tensor_meta=meta))
 
 
+def _first_operand_reduced(schema: OpSchema, spec: DTensorSpec) -> tuple[DTensorSpec, OpSchema]:
+    """``spec`` (the first operand's) with its ``Partial`` axes ``Replicate``, and ``schema``
+    asked with it: the op as it runs once the operand is reduced."""
+    reduced = DTensorSpec(
+        spec.mesh,
+        tuple(Replicate() if p.is_partial() else p for p in spec.placements),
+        tensor_meta=spec.tensor_meta,
+    )
+    asked = OpSchema(
+        schema.op,
+        (reduced, *schema.args_schema[1:]),
+        schema.kwargs_schema,
+        schema_info=schema.schema_info,
+    )
+    return reduced, asked
+
+
 def inplace_on_partial(
     schema: OpSchema, torch_propagate: Callable[[OpSchema], OutputSharding]
 ) -> OutputSharding | None:
@@ -119,17 +136,7 @@ def inplace_on_partial(
     spec = schema.args_schema[0]
     if not isinstance(spec, DTensorSpec) or not any(p.is_partial() for p in spec.placements):
         return None
-    reduced = DTensorSpec(
-        spec.mesh,
-        tuple(Replicate() if p.is_partial() else p for p in spec.placements),
-        tensor_meta=spec.tensor_meta,
-    )
-    asked = OpSchema(
-        schema.op,
-        (reduced, *schema.args_schema[1:]),
-        schema.kwargs_schema,
-        schema_info=schema.schema_info,
-    )
+    reduced, asked = _first_operand_reduced(schema, spec)
     result = torch_propagate(asked)
     target = result.redistribute_schema if result.needs_redistribute else asked
     if target is None or not isinstance(target.args_schema[0], DTensorSpec):
@@ -166,15 +173,5 @@ def scalar_of_partial(schema: OpSchema) -> OutputSharding | None:
     spec = schema.args_schema[0]
     if not isinstance(spec, DTensorSpec) or not any(p.is_partial() for p in spec.placements):
         return None
-    reduced = DTensorSpec(
-        spec.mesh,
-        tuple(Replicate() if p.is_partial() else p for p in spec.placements),
-        tensor_meta=spec.tensor_meta,
-    )
-    asked = OpSchema(
-        schema.op,
-        (reduced, *schema.args_schema[1:]),
-        schema.kwargs_schema,
-        schema_info=schema.schema_info,
-    )
+    _, asked = _first_operand_reduced(schema, spec)
     return OutputSharding(None, redistribute_schema=asked, needs_redistribute=True)
